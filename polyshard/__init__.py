@@ -1,0 +1,10 @@
+"""polyshard: train one PyTorch model across many devices, combining every kind of parallelism."""
+
+from polyshard.api import shard
+from polyshard.errors import PolyshardError
+from polyshard.layout import Layout
+from polyshard.mesh import Mesh, current_mesh, init
+from polyshard.planner.plan import Plan
+from polyshard.runtime.parallel import ParallelModule, parallelize
+
+__all__ = ["Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "parallelize", "shard"]

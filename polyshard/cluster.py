@@ -1,0 +1,264 @@
+"""The cluster vocabulary: how many devices, how fast they compute, how fast they talk."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from polyshard.errors import PolyshardError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point connection, costed as latency + bytes / bandwidth."""
+
+    bandwidth_bytes_per_s: float  # bytes per second, one direction, per device
+    latency_s: float  # fixed cost of one message, in seconds
+
+
+@dataclass(frozen=True)
+class _Device:
+    """Published figures for one device type; a row of `_DEVICES`."""
+
+    device_type: str  # "cpu" or "cuda"
+    memory_bytes: int  # memory of one device
+    flops_per_s: dict[str, float]  # peak dense FLOP/s per dtype name
+    intra_node: Link  # between devices of one node
+    inter_node: Link  # between nodes
+
+
+def _flops(fp32: float, half: float) -> dict[str, float]:
+    return {"float32": fp32, "bfloat16": half, "float16": half}
+
+
+# InfiniBand HDR, one 200 Gb/s NIC per GPU (NVIDIA ConnectX-6 datasheet).
+_IB_200G = Link(bandwidth_bytes_per_s=25e9, latency_s=5e-6)
+# Loopback TCP between processes of one machine (typical measured figure).
+_LOOPBACK = Link(bandwidth_bytes_per_s=5e9, latency_s=20e-6)
+# 10 Gb Ethernet between CPU machines (IEEE 802.3ae line rate).
+_ETHERNET_10G = Link(bandwidth_bytes_per_s=1.25e9, latency_s=50e-6)
+
+# Device types by preset name. NVLink latency (2 us) is a typical NCCL small-message figure; datasheets omit it.
+# The cpu row's memory is a placeholder: `_device` reads the machine's RAM.
+_DEVICES: dict[str, _Device] = {
+    # NVIDIA A100 datasheet: 40 GB HBM2, 19.5 TFLOP/s fp32, 312 bf16/fp16, NVLink 600 GB/s total.
+    "A100-40G": _Device("cuda", 40 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G),
+    # NVIDIA A100 datasheet: 80 GB HBM2e, same compute and NVLink as the 40 GB part.
+    "A100-80G": _Device("cuda", 80 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G),
+    # NVIDIA H100 SXM datasheet: 80 GB HBM3, 67 TFLOP/s fp32, 989 bf16/fp16 dense, NVLink 900 GB/s total.
+    "H100-80G": _Device("cuda", 80 * GiB, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G),
+    # NVIDIA H200 SXM datasheet: 141 GB HBM3e, H100 compute, NVLink 900 GB/s total.
+    "H200-141G": _Device("cuda", 141 * 10**9, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G),
+    # A modest multi-core CPU; half precision is not faster than fp32 there.
+    "cpu": _Device("cpu", 0, _flops(5e10, 5e10), _LOOPBACK, _ETHERNET_10G),
+}
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+_SPEC = re.compile(r"(?:(\d+)x)?(\d+)x(.+?)(?:-nvlink|-ib)*", re.IGNORECASE)
+_CPU_GLOO = re.compile(r"cpu-gloo(?::(\d+))?", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines a job runs on, with the figures the planner costs strategies by."""
+
+    num_nodes: int  # machines
+    devices_per_node: int  # devices (processes) per machine
+    device_type: str  # "cpu" or "cuda"
+    device_name: str  # preset name of the device, e.g. "A100-80G" or "cpu"
+    memory_bytes: int  # memory of one device
+    intra_node: Link  # between devices of one node
+    inter_node: Link  # between nodes
+    # Peak dense FLOP/s per dtype name ("float32", "bfloat16", "float16"); left out of the hash.
+    flops_per_s: dict[str, float] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.devices_per_node < 1:
+            raise PolyshardError(
+                f"cluster of {self.num_nodes} nodes x {self.devices_per_node} devices: "
+                "both must be at least 1"
+            )
+        if self.device_type not in _BACKENDS:
+            raise PolyshardError(
+                f"device_type {self.device_type!r} is unknown; use one of {sorted(_BACKENDS)}"
+            )
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend for this device type."""
+        return _BACKENDS[self.device_type]
+
+    @classmethod
+    def preset(cls, spec: str) -> Cluster:
+        """Parse `NODESxDEVICESxTYPE`, `DEVICESxTYPE` (optional -nvlink/-ib suffix) or `cpu-gloo[:N]`."""
+        text = spec.strip()
+        if m := _CPU_GLOO.fullmatch(text):
+            nodes, per_node, name = 1, int(m[1]) if m[1] else _env_int("WORLD_SIZE", 1), "cpu"
+        elif m := _SPEC.fullmatch(text):
+            nodes, per_node, name = int(m[1] or 1), int(m[2]), _device_name(m[3], spec)
+        else:
+            raise PolyshardError(
+                f"cluster spec {spec!r} is not understood; write e.g. '128x8xA100-80G', "
+                "'8xH100-80G' or 'cpu-gloo:4'"
+            )
+        if nodes < 1 or per_node < 1:
+            raise PolyshardError(f"cluster spec {spec!r} has zero nodes or devices; counts start at 1")
+        return _cluster(nodes, per_node, name, _device(name))
+
+    @classmethod
+    def from_env(cls) -> Cluster:
+        """The cluster torchrun launched this process into (WORLD_SIZE, LOCAL_WORLD_SIZE)."""
+        world = _env_int("WORLD_SIZE", 1)
+        local = _env_int("LOCAL_WORLD_SIZE", world)
+        if local < 1 or world % local:
+            raise PolyshardError(
+                f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}; "
+                "launch the same number of processes on every node"
+            )
+        name, device = _detect_device()
+        return _cluster(world // local, local, name, device)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Cluster:
+        """Read a cluster written by `to_yaml` (or by hand with the same keys)."""
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise PolyshardError(f"cannot read cluster file {str(path)!r}: {e}") from e
+        data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
+        links = {
+            key: _check_keys(data[key], {f.name for f in fields(Link)}, f"{path}: {key}")
+            for key in ("intra_node", "inter_node")
+        }
+        try:
+            return cls(
+                num_nodes=int(data["num_nodes"]),
+                devices_per_node=int(data["devices_per_node"]),
+                device_type=str(data["device_type"]),
+                device_name=str(data["device_name"]),
+                memory_bytes=parse_bytes(str(data["memory_bytes"])),
+                intra_node=Link(**{k: float(v) for k, v in links["intra_node"].items()}),
+                inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
+                flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
+            )
+        except PolyshardError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise PolyshardError(f"cluster file {str(path)!r} has a bad value: {e}; fix it in the file") from e
+
+    def to_yaml(self, path: str | Path) -> None:
+        """Write the cluster so `from_yaml` reads back an equal one."""
+        Path(path).write_text(yaml.safe_dump(asdict(self), sort_keys=False))
+
+    @classmethod
+    def load(cls, spec_or_path: str) -> Cluster:
+        """A `.yaml`/`.yml` path is read as a file; anything else is a preset spec."""
+        if spec_or_path.lower().endswith((".yaml", ".yml")):
+            return cls.from_yaml(spec_or_path)
+        return cls.preset(spec_or_path)
+
+
+def _device_name(text: str, spec: str) -> str:
+    """The canonical preset name for `text`, matched without regard to case."""
+    by_lower = {name.lower(): name for name in _DEVICES}
+    if text.lower() not in by_lower:
+        raise PolyshardError(
+            f"device type {text!r} in cluster spec {spec!r} is unknown; "
+            f"use one of {', '.join(_DEVICES)}"
+        )
+    return by_lower[text.lower()]
+
+
+def _device(name: str) -> _Device:
+    """The table row for `name`, with the cpu row's memory read from this machine."""
+    device = _DEVICES[name]
+    if device.device_type == "cpu":
+        return replace(device, memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return device
+
+
+def _detect_device() -> tuple[str, _Device]:
+    """The preset closest to this machine's device, with its real memory size."""
+    if not torch.cuda.is_available():
+        return "cpu", _device("cpu")
+    props = torch.cuda.get_device_properties(0)
+    gpus = [name for name, d in _DEVICES.items() if d.device_type == "cuda"]
+    same_family = [name for name in gpus if name.split("-")[0] in props.name]
+    name = min(same_family or gpus, key=lambda n: abs(_DEVICES[n].memory_bytes - props.total_memory))
+    return name, replace(_DEVICES[name], memory_bytes=props.total_memory)
+
+
+def _cluster(nodes: int, per_node: int, name: str, device: _Device) -> Cluster:
+    return Cluster(
+        num_nodes=nodes,
+        devices_per_node=per_node,
+        device_type=device.device_type,
+        device_name=name,
+        memory_bytes=device.memory_bytes,
+        intra_node=device.intra_node,
+        inter_node=device.inter_node,
+        flops_per_s=dict(device.flops_per_s),
+    )
+
+
+def _env_int(key: str, default: int) -> int:
+    text = os.environ.get(key)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise PolyshardError(f"{key}={text!r} is not an integer; launch with torchrun") from None
+
+
+def _check_keys(data: Any, expected: set[str], where: str) -> dict[str, Any]:
+    """`data` as a mapping with exactly the `expected` keys."""
+    if not isinstance(data, dict):
+        raise PolyshardError(f"{where} must be a mapping with keys {sorted(expected)}")
+    missing, unknown = expected - data.keys(), data.keys() - expected
+    if missing or unknown:
+        raise PolyshardError(
+            f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(map(str, unknown))}; "
+            f"expected exactly {sorted(expected)}"
+        )
+    return data
+
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BYTES = re.compile(r"\s*((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a size such as "70GiB", "512MiB", "80GB" or "1e9" (plain numbers are bytes)."""
+    m = _BYTES.fullmatch(text)
+    if m is None or m[2].lower() not in _BYTE_UNITS:
+        raise PolyshardError(
+            f"size {text!r} is not understood; write a number with an optional unit "
+            "such as '70GiB', '512MiB', '80GB' or '1e9'"
+        )
+    return round(float(m[1]) * _BYTE_UNITS[m[2].lower()])
+
+
+def format_bytes(n: int) -> str:
+    """A short human reading of a byte count, e.g. "1.5 GiB"."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} B"

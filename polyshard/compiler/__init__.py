@@ -1,0 +1,1 @@
+"""Lowering: layouts to collectives, plans to per-rank modules."""

@@ -1,0 +1,134 @@
+"""Lowering: a captured graph and a Plan become this rank's runnable module.
+
+Parameters are cut to this rank's pieces; a redistribution is inserted wherever a value's
+layout differs from what its consumer needs; shape arguments become local (sizes read from a
+split tensor report the whole tensor, so model arithmetic stays global); split ops run on DTensors.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import distribute_tensor
+
+from polyshard.compiler.ops import ShardedFunction, ShardedModule, VocabParallelCrossEntropy
+from polyshard.compiler.redistribute import redistribute_local
+from polyshard.graph.capture import PIN_ATTR
+from polyshard.layout import Layout
+from polyshard.mesh import Mesh
+from polyshard.planner.plan import Plan
+
+
+class Redistribute:
+    """Graph op: move this rank's piece from one layout to another."""
+
+    def __init__(self, src: Layout, dst: Layout, mesh: Mesh):
+        self.src, self.dst, self.mesh = src, dst, mesh
+        self.__name__ = f"redistribute_{src}_to_{dst}".replace("(", "").replace(")", "")
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        return redistribute_local(local, self.src, self.dst, self.src.global_shape(local.shape), self.mesh)
+
+
+class GlobalSize:
+    """Graph op: ``x.size(...)`` of the whole tensor, from this rank's piece."""
+
+    def __init__(self, multipliers: tuple[int, ...]):
+        self.multipliers = multipliers
+        self.__name__ = "global_size"
+
+    def __call__(self, x: torch.Tensor, dim: int | None = None):
+        size = torch.Size(s * m for s, m in zip(x.shape, self.multipliers))
+        return size if dim is None else size[dim]
+
+
+def shard_parameters(model: nn.Module, plan: Plan, mesh: Mesh) -> None:
+    """Replace each split parameter by this rank's piece (shared parameters stay shared)."""
+    paths: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), []).append(name)
+    for name, p in list(model.named_parameters()):
+        layout = plan.params[name]
+        if layout.is_replicated:
+            continue
+        layout.check_divides(p.shape, f"parameter `{name}`")
+        dm = mesh.device_mesh(layout.axes)
+        local = distribute_tensor(p.detach(), dm, layout.placements(), src_data_rank=None).to_local()
+        new = nn.Parameter(local.clone(), requires_grad=p.requires_grad)
+        for path in paths[id(p)]:
+            owner, _, attr = path.rpartition(".")
+            setattr(model.get_submodule(owner), attr, new)
+
+
+def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
+    """Rewrite ``gm`` in place to run this rank's share of ``plan``; returns it."""
+    shard_parameters(gm, plan, mesh)
+    graph = gm.graph
+    out_layout = {name: n.output for name, n in plan.nodes.items()}
+    moved: dict[tuple[str, Layout], fx.Node] = {}
+    for node in list(graph.nodes):
+        entry = plan.nodes[node.name]
+        in_layouts = [entry.inputs[n.name] for n in node.args if isinstance(n, fx.Node) and n.name in entry.inputs]
+        for inp in list(node.all_input_nodes):
+            src, dst = out_layout.get(inp.name), entry.inputs.get(inp.name)
+            if dst is None or src == dst:
+                continue
+            key = (inp.name, dst)
+            if key not in moved:
+                with graph.inserting_before(node):
+                    moved[key] = graph.call_function(Redistribute(src, dst, mesh), (inp,))
+            node.replace_input_with(inp, moved[key])
+        if _reads_size(node):
+            _global_size(node, out_layout[node.args[0].name], graph)
+        elif entry.shape_divisors:
+            _localize_shape(node, entry.shape_divisors, graph)
+        elif entry.impl == "dtensor":
+            _use_dtensor(gm, node, entry, in_layouts, mesh)
+        elif entry.impl == "vocab_ce":
+            node.target = VocabParallelCrossEntropy(entry.inputs[node.args[0].name], mesh)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _reads_size(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target == "size") or (
+        node.op == "call_function" and node.target is getattr and node.args[1] == "shape")
+
+
+def _global_size(node: fx.Node, layout: Layout, graph: fx.Graph) -> None:
+    multipliers = tuple(layout.num_shards(d) for d in range(layout.ndim))
+    if all(m == 1 for m in multipliers):
+        return
+    with graph.inserting_after(node):
+        new = graph.call_function(GlobalSize(multipliers), (node.args[0],) + tuple(node.args[1:2]) if node.target == "size" else (node.args[0],))
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+def _localize_shape(node: fx.Node, divisors: dict[int, int], graph: fx.Graph) -> None:
+    """Divide the split dims of a view/reshape target shape by their piece counts."""
+    x, *shape = node.args
+    packed = len(shape) == 1 and isinstance(shape[0], (tuple, list))
+    shape = list(shape[0]) if packed else shape
+    for dim, n in divisors.items():
+        s = shape[dim]
+        if isinstance(s, fx.Node):
+            with graph.inserting_before(node):
+                shape[dim] = graph.call_function(operator.floordiv, (s, n))
+        elif s != -1:
+            shape[dim] = s // n
+    node.args = (x, tuple(shape)) if packed else (x, *shape)
+
+
+def _use_dtensor(gm: fx.GraphModule, node: fx.Node, entry, in_layouts: list[Layout], mesh: Mesh) -> None:
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        name = "_sharded_" + node.target.replace(".", "_")
+        gm.add_submodule(name, ShardedModule(module, entry.params, in_layouts, entry.output, mesh))
+        node.target = name
+    else:
+        fn = getattr(node.target, PIN_ATTR).fn
+        node.target = ShardedFunction(fn, in_layouts, entry.output, mesh, getattr(fn, "__name__", "fn"))

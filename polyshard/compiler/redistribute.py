@@ -1,0 +1,77 @@
+"""Run a layout transition on real tensors: DTensor executes each one-axis step of our plan.
+
+We plan the steps ourselves (polyshard.transitions) rather than hand DTensor the whole change,
+so the bytes the cost model counts are exactly the collectives that run; DTensor carries the
+autograd of every step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from polyshard.layout import Axes, Layout, collapse, refine
+from polyshard.mesh import Mesh
+from polyshard.transitions import common_axes, plan_transition
+
+
+def layout_of(x: DTensor) -> Layout:
+    """The Layout of a DTensor, over its mesh's named axes."""
+    mesh = x.device_mesh
+    axes: Axes = tuple(zip(mesh.mesh_dim_names, mesh.shape))
+    return Layout.from_placements(axes, x.placements, x.ndim)
+
+
+def to_dtensor(local: torch.Tensor, layout: Layout, global_shape, mesh: Mesh) -> DTensor:
+    """Wrap this rank's piece as a DTensor of ``layout`` (no communication)."""
+    shape = torch.Size(global_shape)
+    return DTensor.from_local(local, mesh.device_mesh(layout.axes), layout.placements(),
+                              shape=shape, stride=_contiguous_stride(shape))
+
+
+def redistribute(x: DTensor, dst: Layout, mesh: Mesh) -> DTensor:
+    """``x`` moved to layout ``dst`` (over ``dst.axes``), one planned collective per step."""
+    src = layout_of(x)
+    if src == dst:
+        return x
+    a, b = common_axes(src, dst)
+    y = x if a.axes == src.axes else _rewrap(x, a, mesh)
+    for step in plan_transition(a, b):
+        y = y.redistribute(y.device_mesh, step.after.placements())
+    return y if b.axes == dst.axes else _rewrap(y, dst, mesh)
+
+
+def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout, global_shape, mesh: Mesh) -> torch.Tensor:
+    """This rank's piece of a tensor moved from ``src`` to ``dst`` (autograd flows through)."""
+    if src == dst:
+        return local
+    return redistribute(to_dtensor(local, src, global_shape, mesh), dst, mesh).to_local()
+
+
+def _rewrap(x: DTensor, layout: Layout, mesh: Mesh) -> DTensor:
+    """The same pieces viewed over another device matrix of the same ranks (no communication)."""
+    return to_dtensor(x.to_local(), layout, x.shape, mesh)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def coarsest(layout: Layout, op_axes: Axes) -> Layout:
+    """``layout`` over the mesh's own op axes when it uses no part-axis, else unchanged."""
+    if layout.axes == op_axes:
+        return layout
+    try:
+        axes, spans_mesh, spans_own = refine(op_axes, layout.axes)
+    except Exception:
+        return layout
+    if axes != layout.axes:
+        return layout
+    try:
+        return collapse(layout, op_axes, spans_mesh)
+    except Exception:
+        return layout

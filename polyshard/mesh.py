@@ -1,0 +1,162 @@
+"""Named device meshes: parse ``dp=2,tp=2``, start the process group, build DeviceMeshes.
+
+Axes listed later are inner (consecutive ranks, hence the same node): put the axis that
+talks most (tensor parallel) last so it lands on the fastest links.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+from polyshard.errors import PolyshardError
+from polyshard.layout import Axes
+
+DEFAULT_DATA_AXES = ("dp",)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp=2,tp=2"`` -> ``{"dp": 2, "tp": 2}``."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, size = part.partition("=")
+        if not eq or not name.strip().isidentifier() or not re.fullmatch(r"[0-9]+", size.strip()) or int(size) < 1:
+            raise PolyshardError(f"mesh entry {part!r} is not NAME=SIZE (e.g. 'dp=2,tp=2')")
+        if name.strip() in out:
+            raise PolyshardError(f"mesh axis {name.strip()!r} appears twice in {text!r}")
+        out[name.strip()] = int(size)
+    if not out:
+        raise PolyshardError(f"mesh {text!r} names no axes (e.g. 'dp=2,tp=2')")
+    return out
+
+
+def check_mesh(shape: dict[str, int], world_size: int) -> None:
+    """Raise before any process-group work if the mesh does not cover the world exactly."""
+    if math.prod(shape.values()) != world_size:
+        dims = " x ".join(f"{n}={s}" for n, s in shape.items())
+        raise PolyshardError(
+            f"mesh {dims} holds {math.prod(shape.values())} devices but the world has {world_size} "
+            f"processes; choose axis sizes that multiply to {world_size}"
+        )
+
+
+@dataclass
+class Mesh:
+    """Named axes over all ranks. Data axes split batches; the other axes (op axes) split operators.
+
+    axes: (name, size), outermost first. data_axes: names of the data-parallel axes.
+    """
+
+    axes: Axes
+    data_axes: tuple[str, ...]
+    device_type: str
+    rank: int
+    _device_meshes: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    @property
+    def op_axes(self) -> Axes:
+        return tuple((n, s) for n, s in self.axes if n not in self.data_axes and s > 1)
+
+    @property
+    def num_data_shards(self) -> int:
+        return math.prod(s for n, s in self.axes if n in self.data_axes)
+
+    def coords(self) -> dict[str, int]:
+        """This rank's index along each axis."""
+        out, rest = {}, self.rank
+        for name, size in reversed(self.axes):
+            out[name] = rest % size
+            rest //= size
+        return out
+
+    @property
+    def data_index(self) -> int:
+        """This rank's position among the data shards (row-major over data axes)."""
+        c = self.coords()
+        idx = 0
+        for name, size in self.axes:
+            if name in self.data_axes:
+                idx = idx * size + c[name]
+        return idx
+
+    def device_mesh(self, op_axes: Axes | None = None):
+        """The DeviceMesh over ``op_axes`` (a refinement of this mesh's op axes) for this rank."""
+        op_axes = self.op_axes if op_axes is None else op_axes
+        if not op_axes:
+            raise PolyshardError(f"mesh {self} has no operator axes to split an operator over")
+        return self._full_mesh(op_axes)[tuple(n for n, _ in op_axes)]
+
+    def data_group(self):
+        """The process group over the data axes (None when there is no data parallelism)."""
+        if self.num_data_shards == 1:
+            return None
+        sub = self._full_mesh(self.op_axes)[self.data_axes]
+        return (sub._flatten() if len(self.data_axes) > 1 else sub).get_group()
+
+    def _full_mesh(self, op_axes: Axes):
+        """One DeviceMesh per refinement of the op axes, data axes outermost; made once, reused."""
+        full = tuple((n, s) for n, s in self.axes if n in self.data_axes) + op_axes
+        if full not in self._device_meshes:
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            names = [n for n, _ in self.axes]
+            order = [names.index(n) for n in self.data_axes] + [i for i, n in enumerate(names) if n not in self.data_axes]
+            ranks = torch.arange(self.world_size).reshape([s for _, s in self.axes]).permute(order)
+            self._device_meshes[full] = DeviceMesh(
+                self.device_type, ranks.reshape([s for _, s in full]), mesh_dim_names=tuple(n for n, _ in full)
+            )
+        return self._device_meshes[full]
+
+    def __str__(self) -> str:
+        roles = {n: ("data" if n in self.data_axes else "op") for n, _ in self.axes}
+        return " x ".join(f"{n}={s}({roles[n]})" for n, s in self.axes)
+
+
+_current: Mesh | None = None
+
+
+def current_mesh() -> Mesh:
+    """The mesh set by :func:`polyshard.init`; the process-wide default, like torch's default group."""
+    if _current is None:
+        raise PolyshardError("no mesh yet: call polyshard.init() (under torchrun or `polyshard run`) first")
+    return _current
+
+
+def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = DEFAULT_DATA_AXES,
+         threads_per_rank: int | None = 1) -> Mesh:
+    """Start the process group (from torchrun's environment, or a world of one) and set the mesh.
+
+    ``mesh=None`` gives a 1-D mesh of all ranks named ``world`` (an op axis).
+    On CPU each rank uses ``threads_per_rank`` threads (1 by default: ranks share the cores).
+    """
+    global _current
+    import torch
+    import torch.distributed as dist
+
+    shape = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh) if mesh else None
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    shape = shape or {"world": world_size}
+    check_mesh(shape, world_size)
+    unknown = [a for a in data_axes if a not in shape]
+    if unknown and data_axes != DEFAULT_DATA_AXES:
+        raise PolyshardError(f"data axes {unknown} are not in the mesh {shape}")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cpu" and threads_per_rank:
+        torch.set_num_threads(threads_per_rank)
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    _current = Mesh(tuple(shape.items()), tuple(a for a in data_axes if a in shape), device_type, dist.get_rank())
+    return _current

@@ -1,0 +1,1 @@
+"""Planning: op rules, sharding propagation and the Plan. Pure: no torch.distributed."""

@@ -1,0 +1,35 @@
+"""Sharding propagation: walk the graph in order, each op choosing its layouts from its inputs'.
+
+Pinned ops keep their strategies; the rest follow the op rules. Parameters shared by two ops
+(tied embeddings) keep the layout the first op chose, and the second adapts to it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import fx
+
+from polyshard.layout import Axes, Layout
+from polyshard.planner.plan import NodePlan, Plan
+from polyshard.planner.rules import RuleContext, decide
+
+
+def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None]) -> Plan:
+    """A Plan for every node and parameter of ``gm`` on the given op axes."""
+    modules = dict(gm.named_modules())
+    ctx = RuleContext(op_axes, modules, {}, {}, warn)
+    plan = Plan(op_axes=op_axes)
+    param_names = {id(p): name for name, p in reversed(list(gm.named_parameters()))}
+    for node in gm.graph.nodes:
+        decision = decide(node, ctx)
+        ctx.layouts[node.name] = decision.output
+        for pname, layout in decision.params.items():
+            param = getattr(modules[node.target], pname)
+            ctx.param_layouts.setdefault(id(param), layout)
+            plan.params.setdefault(param_names[id(param)], ctx.param_layouts[id(param)])
+        plan.nodes[node.name] = NodePlan(decision.impl, decision.inputs, decision.output,
+                                         decision.params, decision.shape_divisors)
+    for name, p in gm.named_parameters():
+        plan.params.setdefault(name, Layout.replicated(op_axes, p.ndim))
+    return plan

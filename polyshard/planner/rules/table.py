@@ -1,0 +1,339 @@
+"""Rules for the ops a GPT and an MLP classifier use; any other op runs replicated (one warning).
+
+Each rule sees the layouts its inputs arrive in and answers with a Decision. Partial sums never
+leave a rule: the "dtensor" ops reduce them before handing their output on.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from polyshard.graph.capture import PIN_ATTR, shape_of
+from polyshard.layout import Layout
+from polyshard.planner.rules.base import Decision, RuleContext
+from polyshard.planner.rules.einsum import (
+    EinsumSpec, embedding_spec, linear_spec, matmul_spec, output_layout, pin_layouts, pin_output_layout, to_common,
+)
+
+ELEMENTWISE = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, torch.add, torch.sub, torch.mul,
+    torch.tanh, torch.sigmoid, torch.relu, torch.exp, F.gelu, F.relu, F.silu, F.dropout, F.tanh,
+    "add", "sub", "mul", "div", "relu", "gelu", "tanh", "sigmoid", "exp", "float", "to", "type_as",
+    "contiguous", "clone", "detach", "pow", "sqrt", "rsqrt",
+}
+NON_TENSOR = {"size", "dim", "ndimension"}
+CREATION = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.ones_like,
+            torch.zeros_like}
+VIEWS = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
+
+
+def decide(node: fx.Node, ctx: RuleContext) -> Decision:
+    """The Decision for one node, given the layouts of the nodes before it."""
+    if node.op == "placeholder":
+        shape = shape_of(node)
+        return Decision("local", {}, ctx.replicated(len(shape)) if shape is not None else None)
+    if node.op == "output":
+        return Decision("local", {n.name: ctx.replicated(len(shape_of(n))) for n in _tensor_inputs(node, ctx)}, None)
+    if node.op == "get_attr":
+        shape = shape_of(node)
+        return Decision("local", {}, ctx.replicated(len(shape)) if shape is not None else None)
+    if node.op == "call_module":
+        module = ctx.modules[node.target]
+        pin = getattr(module, PIN_ATTR, None)
+        if pin is not None:
+            return _pinned_module(node, module, pin, ctx)
+        for kind, rule in ((nn.Linear, _linear), (nn.Embedding, _embedding), (nn.LayerNorm, _layer_norm)):
+            if isinstance(module, kind):
+                return rule(node, module, ctx)
+        return _replicated(node, ctx, warn=True)
+    target = node.target
+    pin = getattr(target, PIN_ATTR, None)
+    if pin is not None:
+        return _pinned_function(node, target, pin, ctx)
+    if target in NON_TENSOR or (target is getattr and node.args[1] in ("shape", "device", "dtype", "ndim")):
+        return Decision("local", {}, None)
+    if target is operator.getitem:
+        return _getitem(node, ctx)
+    if target in CREATION and not _tensor_inputs(node, ctx):
+        return Decision("local", {}, ctx.replicated(len(shape_of(node) or ())))
+    if target in ELEMENTWISE:
+        return _elementwise(node, ctx)
+    if target in VIEWS:
+        return _view(node, ctx)
+    if target in ("transpose", torch.transpose, "permute", torch.permute):
+        return _permute(node, ctx)
+    if target is F.scaled_dot_product_attention:
+        return _attention(node, ctx)
+    if target in (F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax):
+        return _softmax(node, ctx)
+    if target is F.cross_entropy:
+        return _cross_entropy(node, ctx)
+    if target in (torch.matmul, operator.matmul, "matmul"):
+        return _matmul(node, ctx)
+    return _replicated(node, ctx, warn=True)
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _tensor_inputs(node: fx.Node, ctx: RuleContext) -> list[fx.Node]:
+    return [n for n in node.all_input_nodes if isinstance(ctx.layout(n), Layout)]
+
+
+def _replicated(node: fx.Node, ctx: RuleContext, warn: bool = False) -> Decision:
+    """Gather every input and run the op whole on each rank: always correct."""
+    if warn:
+        what = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        kind = type(ctx.modules[node.target]).__name__ if node.op == "call_module" else node.op
+        ctx.warn(f"no sharding rule for `{what}` ({kind}); it runs replicated")
+    inputs = {n.name: ctx.replicated(ctx.layout(n).ndim) for n in _tensor_inputs(node, ctx)}
+    shape = shape_of(node)
+    return Decision("local", inputs, ctx.replicated(len(shape)) if shape is not None else None)
+
+
+def _without(layout: Layout, dims: list[int]) -> Layout:
+    """``layout`` with the given dims gathered (and no partial sums)."""
+    return layout.with_dims([() if i in dims else d for i, d in enumerate(layout.dims)])
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+# -- rules ---------------------------------------------------------------------------------
+def _elementwise(node: fx.Node, ctx: RuleContext) -> Decision:
+    """Broadcasting elementwise op: every input follows the most-split input, aligned from the right."""
+    inputs = _tensor_inputs(node, ctx)
+    out_shape = shape_of(node)
+    if out_shape is None or not inputs:
+        return _replicated(node, ctx)
+    layouts = to_common([ctx.layout(n) for n in inputs])
+    out_nd = len(out_shape)
+    lead = max(layouts, key=lambda l: sum(map(len, l.dims)))
+    shift = out_nd - lead.ndim
+    out_dims = [()] * shift + [tuple(d) for d in lead.dims]
+    out = lead.with_dims(out_dims)
+    required = {}
+    for n, l in zip(inputs, layouts):
+        shape = shape_of(n)
+        off = out_nd - len(shape)
+        dims = [out_dims[off + i] if shape[i] == out_shape[off + i] else () for i in range(len(shape))]
+        required[n.name] = l.with_dims(dims) if l.axes == out.axes else out.with_dims(dims)
+    return Decision("local", required, out)
+
+
+def _view(node: fx.Node, ctx: RuleContext) -> Decision:
+    """view/reshape/flatten: a split moves to the first (outermost) piece of the dim it splits."""
+    x = node.args[0]
+    src = ctx.layout(x)
+    in_shape, out_shape = shape_of(x), shape_of(node)
+    out_dims: list[tuple[str, ...]] = [()] * len(out_shape)
+    gather = []
+    for in_group, out_group in _view_groups(in_shape, out_shape):
+        sharded = [d for d in in_group if src.dims[d]]
+        if not sharded:
+            continue
+        d = sharded[0]
+        n = src.num_shards(d)
+        real_in = [i for i in in_group if in_shape[i] != 1]
+        real_out = [o for o in out_group if out_shape[o] != 1]
+        if len(sharded) == 1 and real_in and d == real_in[0] and real_out and out_shape[real_out[0]] % n == 0:
+            out_dims[real_out[0]] = src.dims[d]
+        else:
+            gather.extend(sharded)
+    need = _without(src, gather)
+    out = need.with_dims(out_dims)
+    divisors = {o: out.num_shards(o) for o in range(len(out_shape)) if out_dims[o]}
+    if node.target in ("flatten", torch.flatten):
+        divisors = {}
+    return Decision("local", {x.name: need}, out, shape_divisors=divisors)
+
+
+def _view_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of input dims with runs of output dims that hold the same elements."""
+    groups, i, j = [], 0, 0
+    while i < len(in_shape) or j < len(out_shape):
+        gi, gj = [], []
+        pi = pj = 1
+        while True:
+            if pi <= pj and i < len(in_shape):
+                gi.append(i); pi *= in_shape[i]; i += 1
+            elif j < len(out_shape):
+                gj.append(j); pj *= out_shape[j]; j += 1
+            else:
+                break
+            if pi == pj and (i == len(in_shape) or in_shape[i] != 1) and (j == len(out_shape) or out_shape[j] != 1):
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def _permute(node: fx.Node, ctx: RuleContext) -> Decision:
+    x = node.args[0]
+    src = _without(ctx.layout(x), [])
+    nd = src.ndim
+    if node.target in ("transpose", torch.transpose):
+        a, b = (_norm_dim(d, nd) for d in node.args[1:3])
+        order = list(range(nd))
+        order[a], order[b] = order[b], order[a]
+    else:
+        dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
+        order = [_norm_dim(d, nd) for d in dims]
+    return Decision("local", {x.name: src}, src.with_dims([src.dims[o] for o in order]))
+
+
+def _getitem(node: fx.Node, ctx: RuleContext) -> Decision:
+    src = ctx.layout(node.args[0])
+    if isinstance(src, tuple):
+        return Decision("local", {}, src[node.args[1]])
+    if isinstance(src, Layout):
+        return _replicated(node, ctx)
+    return Decision("local", {}, None)
+
+
+def _attention(node: fx.Node, ctx: RuleContext) -> Decision:
+    """Attention is independent per (batch, head): q, k, v split alike on those dims run locally."""
+    q, k, v = node.args[:3]
+    lead = _without(ctx.layout(q), [2, 3])
+    if len(node.args) > 3 or node.kwargs.get("attn_mask") is not None:
+        lead = _without(lead, [0, 1])
+    return Decision("local", {n.name: lead for n in (q, k, v)}, lead)
+
+
+def _softmax(node: fx.Node, ctx: RuleContext) -> Decision:
+    x = node.args[0]
+    src = ctx.layout(x)
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
+    need = _without(src, [_norm_dim(dim, src.ndim)])
+    return Decision("local", {x.name: need}, need)
+
+
+def _layer_norm(node: fx.Node, module: nn.LayerNorm, ctx: RuleContext) -> Decision:
+    x = node.args[0]
+    src = ctx.layout(x)
+    need = _without(src, list(range(src.ndim - len(module.normalized_shape), src.ndim)))
+    params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
+    return Decision("local", {x.name: need}, need, params=params)
+
+
+def _cross_entropy(node: fx.Node, ctx: RuleContext) -> Decision:
+    """Logits split over the classes stay split: vocabulary-parallel cross-entropy, no full logits."""
+    logits, target = node.args[:2]
+    src = ctx.layout(logits)
+    plain = set(node.kwargs) <= {"ignore_index"} and len(node.args) == 2
+    if plain and src.ndim == 2 and src.dims[1] and not src.dims[0] and not src.partial:
+        return Decision("vocab_ce", {logits.name: src, target.name: ctx.replicated(1)}, ctx.replicated(0))
+    return _replicated(node, ctx)
+
+
+def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext) -> Decision:
+    """Megatron's pairing: column-parallel after replicated input, row-parallel after a split last dim."""
+    x = node.args[0]
+    src = ctx.layout(x)
+    fixed = ctx.param_layouts.get(id(module.weight))
+    last = src.dims[-1]
+    if fixed is not None:
+        rows, cols = fixed.dims
+        mode = "replicated" if fixed.is_replicated or (rows and cols) else "column" if rows else "row"
+    elif last and not src.partial and module.in_features % src.num_shards(src.ndim - 1) == 0:
+        mode, rows, cols = "row", (), last
+    elif ctx.all_axes and module.out_features % ctx.num_devices == 0:
+        mode, rows, cols = "column", ctx.all_axes, ()
+    else:
+        mode = "replicated"
+    x_need = ctx.replicated(src.ndim)
+    if mode == "replicated":
+        w = fixed or ctx.replicated(2)
+    else:
+        w = Layout(ctx.op_axes, (rows, cols))
+        x_need = x_need.with_dims([()] * (src.ndim - 1) + [cols])
+    spec = linear_spec(src.ndim, module.bias is not None)
+    ins = [x_need, w] + ([Layout(ctx.op_axes, (w.dims[0],))] if module.bias is not None else [])
+    out = output_layout(EinsumSpec(spec.inputs[:2], spec.output), ins[:2], node.name)
+    params = {"weight": w} | ({"bias": ins[2]} if module.bias is not None else {})
+    impl = "local" if mode == "replicated" else "dtensor"
+    return Decision(impl, {x.name: x_need}, _without(out, []), params=params)
+
+
+def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext) -> Decision:
+    """Vocabulary-parallel lookup (rows split, partial sums reduced) for tables taller than wide."""
+    idx = node.args[0]
+    src = ctx.layout(idx)
+    fixed = ctx.param_layouts.get(id(module.weight))
+    tall = module.num_embeddings >= module.embedding_dim and module.num_embeddings % max(ctx.num_devices, 1) == 0
+    w = fixed if fixed is not None else Layout(ctx.op_axes, (ctx.all_axes, ())) if tall and ctx.all_axes else ctx.replicated(2)
+    idx_need = ctx.replicated(src.ndim)
+    out = ctx.replicated(src.ndim + 1)
+    impl = "local" if w.is_replicated else "dtensor"
+    return Decision(impl, {idx.name: idx_need}, out, params={"weight": w})
+
+
+def _matmul(node: fx.Node, ctx: RuleContext) -> Decision:
+    a, b = node.args[:2]
+    la, lb = ctx.layout(a), ctx.layout(b)
+    spec = matmul_spec(la.ndim, lb.ndim)
+    a_need = _without(la, [la.ndim - 1])
+    b_need = _without(lb, list(range(lb.ndim)))
+    out = output_layout(spec, [a_need, b_need], node.name)
+    return Decision("local", {a.name: a_need, b.name: b_need}, out)
+
+
+# -- pins ----------------------------------------------------------------------------------
+def _pinned_module(node: fx.Node, module: nn.Module, pin, ctx: RuleContext) -> Decision:
+    """A user's strategy for a module: Linear and Embedding split their weights by it too."""
+    inputs = [n for n in node.args if isinstance(n, fx.Node)]
+    shapes = [shape_of(n) for n in inputs]
+    if isinstance(module, nn.Linear):
+        spec = linear_spec(len(shapes[0]), False)
+        tensors = inputs + [None]
+        shapes = shapes + [tuple(module.weight.shape)]
+        param_names = ["weight"]
+    elif isinstance(module, nn.Embedding):
+        spec = embedding_spec(len(shapes[0]))
+        tensors, shapes, param_names = inputs + [None], shapes + [tuple(module.weight.shape)], ["weight"]
+    else:
+        spec = EinsumSpec(tuple("".join(chr(97 + 8 * i + d) for d in range(len(s))) for i, s in enumerate(shapes)), "")
+        tensors, param_names = inputs, []
+    layouts = _pin_layouts(spec, pin.in_strategy, shapes, ctx, node.target)
+    params = dict(zip(param_names, layouts[len(inputs):]))
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        params["bias"] = layouts[1].with_dims([layouts[1].dims[0]])
+    for name, p in module.named_parameters(recurse=False):
+        params.setdefault(name, Layout.replicated(layouts[0].axes, p.ndim))
+    if param_names:
+        natural = output_layout(spec, layouts, node.target)
+    else:
+        natural = None
+    out = _pin_output(pin, node, natural, ctx)
+    return Decision("dtensor", {n.name: l for n, l in zip(inputs, layouts)}, out, params=params)
+
+
+def _pinned_function(node: fx.Node, fn, pin, ctx: RuleContext) -> Decision:
+    inputs = [n for n in node.args if isinstance(n, fx.Node)]
+    shapes = [shape_of(n) for n in inputs]
+    spec = spec_for_function(pin.fn, [len(s) for s in shapes])
+    layouts = _pin_layouts(spec, pin.in_strategy, shapes, ctx, pin.name)
+    natural = output_layout(spec, layouts, pin.name) if spec.output else None
+    return Decision("dtensor", {n.name: l for n, l in zip(inputs, layouts)}, _pin_output(pin, node, natural, ctx))
+
+
+def spec_for_function(fn, ndims: list[int]) -> EinsumSpec:
+    """The einsum spec of a known function; unknown ones get independent letters (no output)."""
+    if fn in (torch.matmul, operator.matmul, torch.mm) and len(ndims) == 2:
+        return matmul_spec(*ndims)
+    if fn is F.linear and len(ndims) in (2, 3):
+        return linear_spec(ndims[0], len(ndims) == 3)
+    if fn is F.embedding and len(ndims) == 2:
+        return embedding_spec(ndims[0])
+    return EinsumSpec(tuple("".join(chr(97 + 8 * i + d) for d in range(n)) for i, n in enumerate(ndims)), "")
+
+
+def _pin_layouts(spec: EinsumSpec, strategy, shapes, ctx: RuleContext, op: str) -> list[Layout]:
+    return pin_layouts(spec, strategy, shapes, ctx.op_axes, op)
+
+
+def _pin_output(pin, node: fx.Node, natural: Layout | None, ctx: RuleContext) -> Layout:
+    return pin_output_layout(pin.out_strategy, shape_of(node), natural, ctx.op_axes, str(node.target))

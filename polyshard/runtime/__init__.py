@@ -1,0 +1,1 @@
+"""Runtime: what runs each step (gradient sync, eager sharded calls, the trainer)."""

@@ -1,0 +1,97 @@
+"""Data parallel: gradients averaged over the data axes in buckets, overlapped with backward.
+
+Each bucket's all-reduce starts as soon as backward has produced all its gradients (DDP's
+method), so no parameter gets a collective of its own and communication hides behind compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.pending = len(params)
+        self.flat: torch.Tensor | None = None
+        self.work = None
+
+
+class GradientSync:
+    """Averages ``params``' gradients over ``group`` after every backward (unless in :meth:`no_sync`)."""
+
+    def __init__(self, params: list[nn.Parameter], group, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.enabled = True
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._callback_queued = False
+        current, size = [], 0
+        for p in reversed([p for p in params if p.requires_grad]):  # backward meets the last layers first
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self._add(current)
+                current, size = [], 0
+        if current:
+            self._add(current)
+        for p in params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _add(self, params: list[nn.Parameter]) -> None:
+        bucket = _Bucket(params)
+        self.buckets.append(bucket)
+        for p in params:
+            self._bucket_of[id(p)] = bucket
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (gradient accumulation's inner steps)."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self.enabled:
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self._callback_queued = True
+        bucket = self._bucket_of[id(param)]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for every bucket (launching any whose parameters got no gradient) and write back."""
+        self._callback_queued = False
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                piece = bucket.flat[offset:offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = piece.clone()
+                else:
+                    p.grad.copy_(piece)
+                offset += n
+            bucket.work, bucket.flat, bucket.pending = None, None, len(bucket.params)

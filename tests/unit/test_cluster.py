@@ -1,0 +1,103 @@
+import pytest
+
+from polyshard.cluster import Cluster, Link, format_bytes, parse_bytes
+from polyshard.errors import PolyshardError
+
+
+def test_multi_node_preset():
+    c = Cluster.preset("128x8xA100-80G")
+    assert (c.num_nodes, c.devices_per_node, c.num_devices) == (128, 8, 1024)
+    assert (c.device_type, c.device_name, c.backend) == ("cuda", "A100-80G", "nccl")
+    assert c.memory_bytes == 80 * 2**30
+    assert c.flops_per_s["bfloat16"] == 312e12
+    assert c.intra_node == Link(300e9, 2e-6)
+    assert c.inter_node.bandwidth_bytes_per_s == 25e9
+
+
+def test_single_node_preset_with_suffix():
+    assert Cluster.preset("8xH100-80G-nvlink") == Cluster.preset("1x8xh100-80g")
+    c = Cluster.preset("4xH200-141G-ib")
+    assert (c.num_nodes, c.num_devices, c.device_name) == (1, 4, "H200-141G")
+
+
+def test_cpu_gloo(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert Cluster.preset("cpu-gloo").num_devices == 1
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    c = Cluster.preset("cpu-gloo")
+    assert (c.num_nodes, c.devices_per_node, c.backend) == (1, 3, "gloo")
+    assert Cluster.preset("cpu-gloo:4").num_devices == 4
+    assert c.memory_bytes > 0
+
+
+@pytest.mark.parametrize("spec", ["8xTPU-v4", "axbxA100-80G", "A100-80G", "0x8xA100-80G", "cpu-gloo:x", ""])
+def test_bad_preset_names_the_text(spec):
+    with pytest.raises(PolyshardError) as e:
+        Cluster.preset(spec)
+    assert repr(spec) in str(e.value)
+
+
+def test_unknown_type_lists_known_ones():
+    with pytest.raises(PolyshardError, match="A100-80G.*H100-80G"):
+        Cluster.preset("8xTPU-v4")
+
+
+def test_clusters_hash():
+    assert len({Cluster.preset("8xA100-80G"), Cluster.preset("8xA100-80G")}) == 1
+
+
+def test_yaml_round_trip(tmp_path):
+    c = Cluster.preset("16x8xH100-80G")
+    path = tmp_path / "cluster.yaml"
+    c.to_yaml(path)
+    assert Cluster.from_yaml(path) == c
+    assert Cluster.load(str(path)) == c
+
+
+def test_yaml_missing_and_unknown_keys(tmp_path):
+    path = tmp_path / "cluster.yml"
+    Cluster.preset("8xA100-40G").to_yaml(path)
+    path.write_text(path.read_text().replace("num_nodes:", "nodes:"))
+    with pytest.raises(PolyshardError, match="num_nodes.*nodes"):
+        Cluster.load(str(path))
+
+
+def test_yaml_missing_file(tmp_path):
+    with pytest.raises(PolyshardError, match="nope.yaml"):
+        Cluster.load(str(tmp_path / "nope.yaml"))
+
+
+def test_from_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    c = Cluster.from_env()
+    assert (c.num_nodes, c.devices_per_node, c.device_type) == (4, 4, "cpu")
+
+
+def test_from_env_indivisible(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(PolyshardError, match="WORLD_SIZE=6"):
+        Cluster.from_env()
+
+
+@pytest.mark.parametrize(
+    "text, n",
+    [("70GiB", 70 * 2**30), ("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("80GB", 80 * 10**9),
+     ("1e9", 10**9), ("1.5 gib", 3 * 2**29), ("100", 100), ("4kb", 4000)],
+)
+def test_parse_bytes(text, n):
+    assert parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "12 parsecs", "1.2.3GB", "-5GB"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(PolyshardError, match=repr(text).replace(".", r"\.")):
+        parse_bytes(text)
+
+
+def test_format_bytes():
+    assert format_bytes(3 * 2**29) == "1.5 GiB"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(80 * 2**30) == "80 GiB"
