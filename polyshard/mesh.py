@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from polyshard.errors import PolyshardError
 from polyshard.layout import Axes
@@ -53,7 +53,6 @@ class Mesh:
     data_axes: tuple[str, ...]
     device_type: str
     rank: int
-    _device_meshes: dict = field(default_factory=dict, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -102,17 +101,18 @@ class Mesh:
     def _full_mesh(self, op_axes: Axes):
         """One DeviceMesh per refinement of the op axes, data axes outermost; made once, reused."""
         full = tuple((n, s) for n, s in self.axes if n in self.data_axes) + op_axes
-        if full not in self._device_meshes:
+        key = (full, self.axes, self.data_axes)
+        if key not in _DEVICE_MESHES:
             import torch
             from torch.distributed.device_mesh import DeviceMesh
 
             names = [n for n, _ in self.axes]
             order = [names.index(n) for n in self.data_axes] + [i for i, n in enumerate(names) if n not in self.data_axes]
             ranks = torch.arange(self.world_size).reshape([s for _, s in self.axes]).permute(order)
-            self._device_meshes[full] = DeviceMesh(
+            _DEVICE_MESHES[key] = DeviceMesh(
                 self.device_type, ranks.reshape([s for _, s in full]), mesh_dim_names=tuple(n for n, _ in full)
             )
-        return self._device_meshes[full]
+        return _DEVICE_MESHES[key]
 
     def __str__(self) -> str:
         roles = {n: ("data" if n in self.data_axes else "op") for n, _ in self.axes}
@@ -120,6 +120,7 @@ class Mesh:
 
 
 _current: Mesh | None = None
+_DEVICE_MESHES: dict = {}  # one DeviceMesh (and its process groups) per arrangement, per process
 
 
 def current_mesh() -> Mesh:

@@ -1,0 +1,210 @@
+"""Functions run on every rank of a pool. Each builds its single-device reference itself
+(same model, data and seed) and returns how far the parallel run is from it."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import polyshard as ps
+from polyshard import models
+from polyshard.compiler.redistribute import redistribute, to_dtensor
+from polyshard.layout import Layout
+from polyshard.transitions import common_axes, plan_transition
+from tests.dist.comm_counter import CommCounter
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|: the parity measure (1e-5 in fp32)."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _optimizer(params, name: str):
+    return torch.optim.AdamW(params, lr=1e-2) if name == "adamw" else torch.optim.SGD(params, lr=0.1)
+
+
+def train_parity(mesh: str, model: str = "gpt-tiny", steps: int = 5, dtype=torch.float32, tied: bool = True,
+                 accum: int = 1, optimizer: str = "adamw", batch: int = 8) -> dict:
+    """Train ``steps`` steps on one device and on the mesh; return the worst loss and parameter errors."""
+    ps.init(mesh)
+    torch.manual_seed(123)
+    ref, par = (_build(model, dtype, tied) for _ in range(2))
+    batches = [_batch(ref, batch, seed=s) for s in range(steps)]
+    pm = ps.parallelize(par, example_inputs=_batch(ref, batch // ps.current_mesh().num_data_shards // accum, seed=0))
+    ref_opt, opt = _optimizer(ref.parameters(), optimizer), _optimizer(pm.parameters(), optimizer)
+    loss_err = 0.0
+    for x, y in batches:
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        lx, ly = pm.local_batch(x, y)
+        total = torch.zeros((), dtype=dtype)
+        for i, (mx, my) in enumerate(zip(lx.chunk(accum), ly.chunk(accum))):
+            last = i == accum - 1
+            with (pm.no_sync() if not last else torch.enable_grad()):
+                loss = pm(mx, my) / accum
+                loss.backward()
+            total += loss.detach()
+        if pm.grad_sync is not None:
+            dist.all_reduce(total, group=pm.grad_sync.group)
+            total /= pm.grad_sync.world
+        opt.step()
+        opt.zero_grad()
+        loss_err = max(loss_err, rel_err(total, ref_loss.detach()))
+    full = pm.full_state_dict()
+    param_err = max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters())
+    layouts = {k: str(v) for k, v in pm.plan.params.items()}
+    del pm, opt
+    return {"loss_err": loss_err, "param_err": param_err, "layouts": layouts}
+
+
+def _build(model: str, dtype, tied: bool):
+    torch.manual_seed(7)
+    if model == "mlp":
+        return models.MLPClassifier(in_features=16, hidden=32, num_classes=8).to(dtype)
+    cfg = models.CONFIGS[model]
+    import dataclasses
+    return models.GPT(dataclasses.replace(cfg, tied=tied)).to(dtype)
+
+
+def _batch(model, batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(model, models.MLPClassifier):
+        dtype = next(model.parameters()).dtype
+        return torch.randn(batch, 4, 4, generator=g).to(dtype), torch.randint(0, 8, (batch,), generator=g)
+    t = model.cfg.seq_len
+    return (torch.randint(0, model.cfg.vocab_size, (batch, t), generator=g),
+            torch.randint(0, model.cfg.vocab_size, (batch, t), generator=g))
+
+
+def matmul_parity(in_strategy, out_strategy=None, steps: int = 5) -> dict:
+    """An eager sharded matmul inside a training loop vs plain matmul: output, grads, params."""
+    ps.init()
+    mm = ps.shard(torch.matmul, in_strategy=in_strategy, out_strategy=out_strategy)
+    torch.manual_seed(0)
+    x = torch.randn(8, 12)
+    w_ref = torch.nn.Parameter(torch.randn(12, 4))
+    w = torch.nn.Parameter(w_ref.detach().clone())
+    ref_opt, opt = torch.optim.AdamW([w_ref], lr=1e-2), torch.optim.AdamW([w], lr=1e-2)
+    err, layout = 0.0, None
+    for _ in range(steps):
+        ref = x @ w_ref
+        (ref ** 2).mean().backward()
+        z = mm(x, w)
+        layout = str(z.placements)
+        (z.full_tensor() ** 2).mean().backward()
+        err = max(err, rel_err(z.full_tensor().detach(), ref.detach()), rel_err(w.grad, w_ref.grad))
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+    return {"err": max(err, rel_err(w.detach(), w_ref.detach())), "layout": layout}
+
+
+def two_matmul_parity(steps: int = 5) -> dict:
+    """Z = (X @ W) @ V with X split by rows, then V split by columns: the gather in between is ours."""
+    ps.init()
+    mm1 = ps.shard(torch.matmul, in_strategy=((2, 1), (1, 1)))
+    mm2 = ps.shard(torch.matmul, in_strategy=((1, 1), (1, 2)))
+    torch.manual_seed(0)
+    x = torch.randn(8, 6)
+    ref_params = [torch.nn.Parameter(torch.randn(6, 10)), torch.nn.Parameter(torch.randn(10, 4))]
+    params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
+    ref_opt, opt = torch.optim.AdamW(ref_params, lr=1e-2), torch.optim.AdamW(params, lr=1e-2)
+    err = 0.0
+    with CommCounter() as counter:
+        y = mm1(x, params[0])
+        z = mm2(y, params[1])
+    ops = counter.ops()
+    for _ in range(steps):
+        ref = (x @ ref_params[0]) @ ref_params[1]
+        ref.square().mean().backward()
+        z = mm2(mm1(x, params[0]), params[1])
+        z.full_tensor().square().mean().backward()
+        err = max(err, rel_err(z.full_tensor().detach(), ref.detach()),
+                  *(rel_err(p.grad, r.grad) for p, r in zip(params, ref_params)))
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+    err = max(err, *(rel_err(p.detach(), r.detach()) for p, r in zip(params, ref_params)))
+    return {"err": err, "forward_collectives": ops, "out": str(z.placements)}
+
+
+def redistribution_bytes(mesh: str, src_spec, dst_spec, src_partial=(), dst_partial=(), shape=(8, 12)) -> dict:
+    """Bytes the planner predicts per axis vs the bytes the issued collectives send; value parity."""
+    m = ps.init(mesh)
+    axes = m.op_axes
+    src = Layout(axes, tuple(tuple(d) for d in src_spec), tuple(src_partial))
+    dst = Layout(axes, tuple(tuple(d) for d in dst_spec), tuple(dst_partial))
+    torch.manual_seed(0)
+    full = torch.randn(shape)
+    pieces = to_dtensor(full, Layout.replicated(axes, len(shape)), shape, m).redistribute(
+        m.device_mesh(axes), src.with_dims(src.dims).placements()) if not src.partial else None
+    if src.partial:  # each rank holds an equal share of the sum
+        n = 1
+        for a in src.partial:
+            n *= src.axis_sizes[a]
+        local = _piece(full / n, src.with_dims(src.dims, ()), m)
+        pieces = to_dtensor(local, src, shape, m)
+    a, b = common_axes(src, dst)
+    predicted: dict[str, float] = {}
+    for step in plan_transition(a, b):
+        predicted[step.axis] = predicted.get(step.axis, 0.0) + step.bytes_sent(shape, full.element_size())
+    with CommCounter() as counter:
+        out = redistribute(pieces, dst, m)
+    measured = counter.bytes_by_group()
+    groups = {m.device_mesh(a.axes).get_group(name).group_name: name for name, _ in a.axes}
+    measured_by_axis = {groups[g]: v for g, v in measured.items()}
+    return {"predicted": predicted, "measured": measured_by_axis, "err": rel_err(out.full_tensor(), full)}
+
+
+def _piece(full: torch.Tensor, layout: Layout, mesh) -> torch.Tensor:
+    dm = mesh.device_mesh(layout.axes)
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full, dm, layout.placements(), src_data_rank=None).to_local()
+
+
+def data_parallel_collectives(bucket_bytes: int) -> dict:
+    """All-reduces issued by one data-parallel backward: one per bucket, none per parameter."""
+    ps.init("dp=4")
+    model = _build("gpt-tiny", torch.float32, True)
+    x, y = _batch(model, 8, 0)
+    pm = ps.parallelize(model, example_inputs=(x[:2], y[:2]), bucket_bytes=bucket_bytes)
+    lx, ly = pm.local_batch(x, y)
+    loss = pm(lx, ly)
+    with CommCounter() as counter:
+        loss.backward()
+    return {"all_reduces": counter.ops().count("all_reduce"), "buckets": len(pm.grad_sync.buckets),
+            "params": len(list(pm.parameters()))}
+
+
+class CumsumNet(torch.nn.Module):
+    """A net with an op polyshard has no rule for (cumsum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.out(torch.cumsum(self.fc(x), dim=1)), y)
+
+
+def unruled_op_runs_replicated() -> dict:
+    """An op with no rule: one warning naming it, and the result still equals one device."""
+    import warnings
+    ps.init("tp=2")
+    torch.manual_seed(0)
+    ref = CumsumNet().double()
+    par = CumsumNet().double()
+    par.load_state_dict(ref.state_dict())
+    x, y = torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 4, (6,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = ps.parallelize(par, example_inputs=(x, y))
+    messages = [str(w.message) for w in caught if "polyshard" in str(w.message)]
+    ref_loss, loss = ref(x, y), pm(x, y)
+    ref_loss.backward(), loss.backward()
+    full_grads = {k: p.grad for k, p in ref.named_parameters()}
+    grad_err = 0.0
+    for name, p in pm.program.named_parameters():
+        layout = pm.plan.params[name]
+        g = to_dtensor(p.grad, layout, layout.global_shape(p.shape), ps.current_mesh()).full_tensor()
+        grad_err = max(grad_err, rel_err(g, full_grads[name]))
+    return {"warnings": messages, "loss_err": rel_err(loss.detach(), ref_loss.detach()), "grad_err": grad_err}

@@ -1,0 +1,54 @@
+"""Semi-auto operator parallel: pinned matmuls on 2 and 4 ranks equal plain matmuls."""
+
+import pytest
+
+from tests.dist import cases
+
+TOL = 1e-5
+MATMULS = {
+    "rows_of_A": ((2, 1), (1, 1)),
+    "columns_of_B": ((1, 1), (1, 2)),
+    "contraction": ((1, 2), (2, 1)),
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", MATMULS)
+def test_matmul_strategy_matches_one_device(pools, world, case):
+    results = pools(world).run(cases.matmul_parity, MATMULS[case])
+    assert all(r["err"] < TOL for r in results), results
+    if case == "contraction":
+        assert "Partial" in results[0]["layout"]  # partial sums, reduced only when the full tensor is read
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_two_matmuls_get_a_redistribution_between_them(pools, world):
+    results = pools(world).run(cases.two_matmul_parity)
+    assert all(r["err"] < TOL for r in results), results
+    assert results[0]["forward_collectives"] == ["all_gather"]  # rows gathered once, V's columns sliced locally
+    assert "Shard(dim=1)" in results[0]["out"]
+
+
+def test_out_strategy_reduce_scatters_partial_sums(pools):
+    results = pools(4).run(cases.matmul_parity, ((1, 2), (2, 1)), (2, 1))
+    assert all(r["err"] < TOL for r in results), results
+    assert "Shard(dim=0)" in results[0]["layout"]
+
+
+TRANSITIONS = [
+    # (src dims, dst dims, src partial, dst partial)
+    ([["a", "b"], []], [[], ["b"]], [], []),   # all-to-all on b, then all-gather on a
+    ([[], []], [["b"], []], ["a"], []),        # all-reduce on a, slice on b
+    ([[], []], [["a"], []], ["a"], []),        # reduce-scatter on a
+    ([["b"], []], [[], []], [], []),           # all-gather on b
+    ([["a"], ["b"]], [["b"], ["a"]], [], []),  # every split moves
+]
+
+
+@pytest.mark.parametrize("src,dst,src_p,dst_p", TRANSITIONS)
+def test_redistribution_bytes_match_the_wire(pools, src, dst, src_p, dst_p):
+    results = pools(4).run(cases.redistribution_bytes, "a=2,b=2", src, dst, src_p, dst_p)
+    for r in results:
+        assert r["err"] < TOL
+        predicted = {k: v for k, v in r["predicted"].items() if v}
+        assert predicted == r["measured"], r

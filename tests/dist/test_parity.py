@@ -1,0 +1,69 @@
+"""Whole-model parity: several optimizer steps on a mesh equal the same steps on one device.
+
+AdamW runs in float64: sharded sums reassociate, and Adam turns that rounding noise on
+near-zero gradients (the key bias's gradient is zero in exact arithmetic) into full-size
+updates. fp32 runs use SGD, which passes rounding through unamplified.
+"""
+
+import pytest
+import torch
+
+from tests.dist import cases
+
+TOL = 1e-5
+
+
+def _check(results):
+    for r in results:
+        assert r["loss_err"] < TOL and r["param_err"] < TOL, r
+
+
+@pytest.mark.parametrize("mesh", ["dp=4", "tp=4", "dp=2,tp=2"])
+def test_gpt_adamw_float64(pools, mesh):
+    _check(pools(4).run(cases.train_parity, mesh, "gpt-tiny", 5, torch.float64))
+
+
+@pytest.mark.parametrize("mesh", ["tp=4", "dp=2,tp=2"])
+def test_gpt_sgd_float32(pools, mesh):
+    _check(pools(4).run(cases.train_parity, mesh, "gpt-tiny", 5, torch.float32, True, 1, "sgd"))
+
+
+def test_gpt_tp2_untied_head(pools):
+    results = pools(2).run(cases.train_parity, "tp=2", "gpt-tiny", 5, torch.float64, False)
+    _check(results)
+    assert results[0]["layouts"]["lm_head.weight"] == "S(0)"  # vocabulary-parallel head
+
+
+def test_gpt_tensor_parallel_layouts(pools):
+    layouts = pools(2).run(cases.train_parity, "tp=2", "gpt-tiny", 1, torch.float64)[0]["layouts"]
+    assert layouts["wte.weight"] == "S(0)"             # vocabulary-parallel embedding (tied head)
+    assert layouts["blocks.0.attn.q.weight"] == "S(0)"  # column-parallel
+    assert layouts["blocks.0.attn.proj.weight"] == "S(1)"  # row-parallel
+    assert layouts["blocks.0.mlp.fc.weight"] == "S(0)" and layouts["blocks.0.mlp.proj.weight"] == "S(1)"
+    assert layouts["blocks.0.ln1.weight"] == "R"
+
+
+def test_mlp_data_parallel_float32(pools):
+    _check(pools(2).run(cases.train_parity, "dp=2", "mlp", 5, torch.float32))
+
+
+def test_gradient_accumulation_equals_one_big_batch(pools):
+    _check(pools(2).run(cases.train_parity, "dp=2", "gpt-tiny", 5, torch.float64, True, 4, "adamw", 16))
+
+
+def test_gradient_accumulation_on_one_rank_group(pools):
+    _check(pools(2).run(cases.train_parity, "tp=2", "gpt-tiny", 5, torch.float64, True, 4, "adamw", 8))
+
+
+def test_data_parallel_reduces_in_buckets(pools):
+    r = pools(4).run(cases.data_parallel_collectives, 4096)[0]
+    assert 1 < r["buckets"] < r["params"]
+    assert r["all_reduces"] == r["buckets"]
+    r = pools(4).run(cases.data_parallel_collectives, 25 * 2**20)[0]
+    assert r["all_reduces"] == r["buckets"] == 1
+
+
+def test_op_without_rule_warns_once_and_runs_replicated(pools):
+    r = pools(2).run(cases.unruled_op_runs_replicated)[0]
+    assert len(r["warnings"]) == 1 and "cumsum" in r["warnings"][0], r["warnings"]
+    assert r["loss_err"] < TOL and r["grad_err"] < TOL
