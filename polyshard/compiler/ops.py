@@ -39,7 +39,8 @@ class ShardedModule(nn.Module):
         tensors = iter(self.in_layouts)
         dargs = [self._wrap(a, next(tensors)) if isinstance(a, torch.Tensor) else a for a in args]
         out = self.call(self.module, params, *dargs)
-        return redistribute(out, self.out_layout, self.mesh).to_local()
+        # DTensor may hand back a strided piece (e.g. a transposed matmul); eager code expects a contiguous one
+        return redistribute(out, self.out_layout, self.mesh).to_local().contiguous()
 
     def _wrap(self, local: torch.Tensor, layout: Layout):
         return to_dtensor(local, layout, layout.global_shape(local.shape), self.mesh)

@@ -52,4 +52,4 @@ class TokenBatches:
             len(self.tokens) - self.seq_len, (self.batch_size, 1), generator=self._generator
         )
         windows = self.tokens[starts + self._offsets]
-        return windows[:, :-1], windows[:, 1:]
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -107,7 +107,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def example_inputs(self, batch_size: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of the right shapes and dtypes (for capture and planning)."""

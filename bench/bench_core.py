@@ -1,0 +1,253 @@
+"""Core throughput benchmark: polyshard against torch's own parallel wrappers, in one run.
+
+    torchrun --nproc-per-node 4 bench/bench_core.py --case dp   # polyshard dp=N vs torch DDP
+    torchrun --nproc-per-node 2 bench/bench_core.py --case tp   # polyshard tp=N vs torch parallelize_module
+
+Both systems train the same GPT (same seed, same initial weights) on the same global batches
+with AdamW. After a few warm-up steps each, the systems are timed in interleaved rounds (the
+order flips every round) so machine noise hits both alike. Rank 0 prints the first loss of
+each system (they must agree), one table row, and one JSON line; nothing is written to disk.
+
+tokens/s counts the global batch: steps * batch * seq_len / seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import polyshard as ps  # noqa: E402
+from polyshard import models  # noqa: E402
+
+LR = 1e-3
+NUM_BATCHES = 4  # distinct global batches, cycled through by every system in the same order
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", choices=["dp", "tp"], required=True)
+    p.add_argument("--model", default="gpt-small", choices=sorted(models.CONFIGS))
+    p.add_argument("--steps", type=int, default=20, help="timed steps per round and system")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per system before the rounds")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per system (interleaved)")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--untied", action="store_true", help="untie the LM head from the token embedding (both sides)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def make_batches(cfg, batch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for s in range(n):
+        g = torch.Generator().manual_seed(1000 + s)
+        out.append((torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g),
+                    torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)))
+    return out
+
+
+def build_model(cfg, seed: int) -> models.GPT:
+    torch.manual_seed(seed)
+    return models.GPT(cfg)
+
+
+class System:
+    """One trainable system: ``step(i)`` trains on global batch ``i`` and returns the loss (a float)."""
+
+    name: str
+
+    def step(self, i: int) -> float:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Polyshard(System):
+    def __init__(self, cfg, seed: int, batches, mesh_text: str):
+        self.name = "polyshard"
+        self.batches = batches
+        model = build_model(cfg, seed)
+        mesh = ps.current_mesh()
+        # this rank's share of every global batch, cut once (both systems get their rows the same way)
+        self.local = [self._local_rows(mesh, x, y) for x, y in batches]
+        self.pm = ps.parallelize(model, example_inputs=self.local[0])
+        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
+        self.data_group = self.pm.grad_sync.group if self.pm.grad_sync is not None else None
+        self.mesh_text = mesh_text
+
+    @staticmethod
+    def _local_rows(mesh, x, y):
+        n, i = mesh.num_data_shards, mesh.data_index
+        return x.chunk(n)[i], y.chunk(n)[i]
+
+    def step(self, i: int) -> torch.Tensor:
+        x, y = self.local[i % len(self.local)]
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.pm(x, y)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+    def close(self) -> None:
+        del self.pm, self.opt
+
+
+class TorchDDP(System):
+    def __init__(self, cfg, seed: int, batches):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.name = "torch DDP"
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.local = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
+        self.model = DDP(build_model(cfg, seed))  # gloo, default buckets (25 MiB, first 1 MiB)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+
+    def step(self, i: int) -> torch.Tensor:
+        x, y = self.local[i % len(self.local)]
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+    def close(self) -> None:
+        del self.model, self.opt
+
+
+class TorchTP(System):
+    """torch.distributed.tensor.parallel with polyshard's split: q/k/v/fc column, proj row,
+    token embedding and LM head split over the vocabulary, loss_parallel cross-entropy."""
+
+    def __init__(self, cfg, seed: int, batches):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                                       parallelize_module)
+
+        self.name = "torch TP"
+        self.batches = batches
+        self.loss_parallel = loss_parallel
+        model = build_model(cfg, seed)
+        tp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+        plan = {
+            "wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+        for i in range(cfg.num_layers):
+            b = f"blocks.{i}"
+            plan.update({f"{b}.attn.q": ColwiseParallel(), f"{b}.attn.k": ColwiseParallel(),
+                         f"{b}.attn.v": ColwiseParallel(), f"{b}.attn.proj": RowwiseParallel(),
+                         f"{b}.mlp.fc": ColwiseParallel(), f"{b}.mlp.proj": RowwiseParallel()})
+        self.model = parallelize_module(model, tp_mesh, plan)
+        if cfg.tied:
+            # parallelize_module distributes wte.weight and lm_head.weight separately; both are
+            # Shard(0) over the vocabulary, so sharing one DTensor restores the tie.
+            self.model.lm_head.weight = self.model.wte.weight
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+
+    def step(self, i: int) -> torch.Tensor:
+        x, y = self.batches[i % len(self.batches)]
+        self.opt.zero_grad(set_to_none=True)
+        with self.loss_parallel():
+            loss = self.model(x, y)
+            loss.backward()
+        self.opt.step()
+        return loss.detach().full_tensor()
+
+    def close(self) -> None:
+        del self.model, self.opt
+
+
+def mean_loss(loss: torch.Tensor, case: str) -> float:
+    """The global-batch loss: dp ranks hold their rows' mean, tp ranks hold the whole mean."""
+    if case == "dp":
+        loss = loss.clone()
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()
+    return loss.item()
+
+
+def timed(system: System, steps: int, start: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(start, start + steps):
+        system.step(i)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mesh_text = f"{args.case}={world}"
+    ps.init(mesh_text)  # gloo process group, 1 thread per rank
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+
+    cfg = models.CONFIGS[args.model]
+    if args.untied:
+        cfg = dataclasses.replace(cfg, tied=False)
+    if args.batch % (world if args.case == "dp" else 1):
+        raise SystemExit(f"--batch {args.batch} must be a multiple of {world} for dp")
+    batches = make_batches(cfg, args.batch, NUM_BATCHES)
+
+    ours = Polyshard(cfg, args.seed, batches, mesh_text)
+    base = TorchDDP(cfg, args.seed, batches) if args.case == "dp" else TorchTP(cfg, args.seed, batches)
+    systems = (ours, base)
+
+    # Warm-up: the first step of each starts from the same weights on the same batch, so the
+    # losses must agree; the last warm-up loss checks that training stays together.
+    losses = {s.name: [mean_loss(s.step(i), args.case) for i in range(args.warmup)] for s in systems}
+    if rank == 0:
+        for k in (0, args.warmup - 1) if args.warmup > 1 else (0,):
+            a, b = losses[ours.name][k], losses[base.name][k]
+            print(f"warm-up step {k + 1} loss: polyshard {a:.6f}  {base.name} {b:.6f}  "
+                  f"rel diff {abs(a - b) / abs(b):.1e}", flush=True)
+
+    times: dict[str, list[float]] = {s.name: [] for s in systems}
+    start = args.warmup
+    for r in range(args.rounds):
+        for s in (systems if r % 2 == 0 else systems[::-1]):
+            times[s.name].append(timed(s, args.steps, start))
+        start += args.steps
+
+    tokens = args.steps * args.batch * cfg.seq_len
+    tps = {name: [tokens / t for t in ts] for name, ts in times.items()}
+    med = {name: statistics.median(v) for name, v in tps.items()}
+    ratio = med[ours.name] / med[base.name]
+    if rank == 0:
+        print(f"| {args.model} | {args.case}={world} | {med[ours.name]:,.0f} | {base.name} {med[base.name]:,.0f} "
+              f"| {ratio:.3f} |", flush=True)
+        print(json.dumps({
+            "bench": "core", "case": args.case, "model": args.model, "ranks": world, "tied": cfg.tied,
+            "batch": args.batch, "seq_len": cfg.seq_len, "steps": args.steps, "rounds": args.rounds,
+            "baseline": base.name, "polyshard_tok_s": round(med[ours.name], 1),
+            "baseline_tok_s": round(med[base.name], 1), "ratio": round(ratio, 4),
+            "polyshard_rounds": [round(v, 1) for v in tps[ours.name]],
+            "baseline_rounds": [round(v, 1) for v in tps[base.name]],
+            "first_loss": {"polyshard": losses[ours.name][0], "baseline": losses[base.name][0]},
+            "torch": torch.__version__,
+        }), flush=True)
+
+    for s in systems:
+        s.close()
+    del ours, base, systems
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""``polyshard``: train, launch scripts, list models. Multi-process work goes through torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+from polyshard.errors import PolyshardError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except PolyshardError as exc:
+        print(f"polyshard: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="polyshard", description="Train one PyTorch model across many devices.")
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train a GPT on text shipped with Python, across N processes",
+                       description="Train a GPT from polyshard.models on the pydoc corpus every Python install has.")
+    t.add_argument("--nproc", type=int, default=None, help="processes to launch through torchrun (default: 1, or "
+                   "the current torchrun world)")
+    t.add_argument("--mesh", default="", help="named mesh, e.g. dp=2,tp=2 (default: dp=NPROC); 'dp' splits batches, "
+                   "other axes split operators")
+    t.add_argument("--model", default="gpt-small", help="model name (see `polyshard models`; default gpt-small)")
+    t.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
+    t.add_argument("--batch-size", type=int, default=8, help="global batch rows per step (default 8)")
+    t.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps per step (default 1)")
+    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    t.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
+    t.add_argument("--strategies", default="", help="YAML of per-module pins: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")
+    t.add_argument("--metrics", default="runs/metrics.jsonl", help="JSON-lines metrics path (default runs/metrics.jsonl)")
+    t.add_argument("--log-every", type=int, default=10, help="print a line every N steps (default 10)")
+    t.set_defaults(handler=_train)
+
+    r = sub.add_parser("run", help="run your own script on N processes (torchrun)",
+                       description="Launch SCRIPT on N local processes; inside it, call polyshard.init().")
+    r.add_argument("-n", "--nproc", type=int, required=True, help="number of processes")
+    r.add_argument("script", help="Python script to run")
+    r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    r.set_defaults(handler=_run)
+
+    m = sub.add_parser("models", help="list the models polyshard ships", description="List the named model configs.")
+    m.set_defaults(handler=_models)
+    return p
+
+
+def _train(args) -> int:
+    from polyshard.runtime.trainer import TrainConfig, check_config, train
+
+    cfg = TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
+                      lr=args.lr, seed=args.seed, strategies=args.strategies, metrics=args.metrics,
+                      log_every=args.log_every)
+    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1)
+    if args.nproc is not None and args.nproc < 1:
+        raise PolyshardError(f"--nproc must be at least 1, got {args.nproc}")
+    check_config(cfg, world)
+    if not in_torchrun:
+        rest = _without_flag(sys.argv[1:] if args.nproc is not None else [], "--nproc")
+        return _launch(world, ["-m", "polyshard.cli.main"] + (rest or ["train"]))
+    train(cfg)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+def _run(args) -> int:
+    if args.nproc < 1:
+        raise PolyshardError(f"-n must be at least 1, got {args.nproc}")
+    if not os.path.isfile(args.script):
+        raise PolyshardError(f"script {args.script!r} does not exist")
+    return _launch(args.nproc, [args.script] + args.script_args)
+
+
+def _models(args) -> int:
+    from polyshard.models import CONFIGS
+
+    print(f"{'name':<18} {'layers':>6} {'hidden':>6} {'heads':>5} {'vocab':>6} {'seq':>5} {'params':>10}")
+    for name, c in CONFIGS.items():
+        n = c.num_params()
+        size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+        print(f"{name:<18} {c.num_layers:>6} {c.hidden:>6} {c.num_heads:>5} {c.vocab_size:>6} {c.seq_len:>5} {size:>10}")
+    return 0
+
+
+def _launch(nproc: int, command: list[str]) -> int:
+    """torchrun on this machine: ``nproc`` ranks, one thread each, a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={port}", *command]
+    return subprocess.call(cmd, env=env)
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

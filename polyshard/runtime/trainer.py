@@ -1,0 +1,156 @@
+"""The training loop behind ``polyshard train``: data slicing, accumulation, progress, metrics."""
+
+from __future__ import annotations
+
+import fnmatch
+import gc
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import polyshard as ps
+from polyshard import models
+from polyshard.data.corpus import TokenBatches, load_corpus
+from polyshard.errors import PolyshardError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """model: a name from polyshard.models; mesh: e.g. "dp=2,tp=2"; steps: optimizer steps;
+    batch_size: global rows per step; accum: micro-steps per step; lr: AdamW rate; seed: init and
+    data; strategies: YAML of per-module pins; metrics: JSON-lines path; log_every: steps per line."""
+
+    model: str = "gpt-small"
+    mesh: str = ""
+    steps: int = 50
+    batch_size: int = 8
+    accum: int = 1
+    lr: float = 3e-3
+    seed: int = 0
+    strategies: str = ""
+    metrics: str = "runs/metrics.jsonl"
+    log_every: int = 10
+
+
+def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
+    """Every flag checked before any process starts; returns the mesh shape."""
+    from polyshard.mesh import check_mesh, parse_mesh
+
+    if cfg.model not in models.CONFIGS:
+        raise PolyshardError(f"--model {cfg.model!r} is unknown; `polyshard models` lists: {', '.join(models.CONFIGS)}")
+    shape = parse_mesh(cfg.mesh) if cfg.mesh else {"dp": world_size}
+    check_mesh(shape, world_size)
+    data = shape.get("dp", 1)
+    for flag, value in (("--steps", cfg.steps), ("--batch-size", cfg.batch_size), ("--accum", cfg.accum),
+                        ("--log-every", cfg.log_every)):
+        if value < 1:
+            raise PolyshardError(f"{flag} must be at least 1, got {value}")
+    if cfg.batch_size % (data * cfg.accum):
+        raise PolyshardError(
+            f"--batch-size {cfg.batch_size} must split into dp={data} shards x --accum {cfg.accum} micro-batches; "
+            f"use a multiple of {data * cfg.accum}"
+        )
+    if not cfg.lr > 0:
+        raise PolyshardError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.strategies and not Path(cfg.strategies).is_file():
+        raise PolyshardError(f"--strategies file {cfg.strategies!r} does not exist")
+    return shape
+
+
+def apply_strategies(model: torch.nn.Module, path: str) -> list[str]:
+    """Pin strategies from YAML: ``module-name-or-glob: {in_strategy: [[1, 1], [2, 1]], out_strategy: ...}``."""
+    import yaml
+
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(raw, dict):
+        raise PolyshardError(f"{path}: expected a mapping of module names to strategies")
+    names = dict(model.named_modules())
+    pinned = []
+    for pattern, spec in raw.items():
+        if not isinstance(spec, dict) or "in_strategy" not in spec or set(spec) - {"in_strategy", "out_strategy"}:
+            raise PolyshardError(f"{path}: entry {pattern!r} needs in_strategy (and optionally out_strategy), got {spec!r}")
+        hits = [n for n in names if n and fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise PolyshardError(f"{path}: {pattern!r} matches no module; names look like {next(iter(n for n in names if n))!r}")
+        for name in hits:
+            ps.shard(names[name], in_strategy=_tuples(spec["in_strategy"]), out_strategy=_tuples(spec.get("out_strategy")))
+            pinned.append(name)
+    return pinned
+
+
+def _tuples(value):
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Train on the corpus shipped with Python; rank 0 prints, shows progress and writes metrics."""
+    from tqdm import tqdm
+
+    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    shape = check_config(cfg, world)
+    mesh = ps.init(shape)
+    lead = dist.get_rank() == 0
+    model = models.build(cfg.model, seed=cfg.seed)
+    pinned = apply_strategies(model, cfg.strategies) if cfg.strategies else []
+    micro = cfg.batch_size // mesh.num_data_shards // cfg.accum
+    pm = ps.parallelize(model, example_inputs=model.example_inputs(micro))
+    if lead:
+        print(f"mesh: {mesh}  ({world} processes, {torch.get_num_threads()} thread each)")
+        if pinned:
+            print(f"pinned from {cfg.strategies}: {', '.join(pinned)}")
+        print("parameter layouts:\n" + pm.plan.summary())
+    opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr)
+    batches = TokenBatches(load_corpus(), cfg.batch_size, model.cfg.seq_len, cfg.seed)
+    tokens_per_step = cfg.batch_size * model.cfg.seq_len
+    metrics_file = _open_metrics(cfg.metrics) if lead else None
+    bar = tqdm(total=cfg.steps, disable=not lead, unit="step", dynamic_ncols=True)
+    history, start = [], time.perf_counter()
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        x, y = pm.local_batch(*next(batches))
+        loss_sum = torch.zeros(())
+        for i, (mx, my) in enumerate(zip(x.chunk(cfg.accum), y.chunk(cfg.accum))):
+            sync = i == cfg.accum - 1
+            with (pm.no_sync() if not sync else torch.enable_grad()):
+                loss = pm(mx, my) / cfg.accum
+                loss.backward()
+            loss_sum += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if pm.grad_sync is not None:
+            dist.all_reduce(loss_sum, group=pm.grad_sync.group)
+            loss_sum /= mesh.num_data_shards
+        if not math.isfinite(loss_sum.item()):
+            raise PolyshardError(f"loss became {loss_sum.item()} at step {step}; lower --lr (now {cfg.lr})")
+        step_s = time.perf_counter() - t0
+        record = {"step": step, "loss": round(loss_sum.item(), 6), "tokens_per_s": round(tokens_per_step / step_s, 1),
+                  "step_s": round(step_s, 4), "elapsed_s": round(time.perf_counter() - start, 3)}
+        history.append(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if metrics_file:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+        if lead and (step % cfg.log_every == 0 or step == cfg.steps):
+            bar.write(f"step {step:>5}  loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tokens/s")
+    bar.close()
+    if metrics_file:
+        metrics_file.close()
+        print(f"metrics: {cfg.metrics}")
+    del pm, opt, model
+    gc.collect()
+    dist.barrier()
+    return history
+
+
+def _open_metrics(path: str):
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p.open("w")
