@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps per round and system")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per system before the rounds")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per system (interleaved)")
+    p.add_argument("--block", type=int, default=5,
+                   help="within a round the systems take turns every BLOCK steps (noise hits both alike)")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--untied", action="store_true", help="untie the LM head from the token embedding (both sides)")
     p.add_argument("--seed", type=int, default=0)
@@ -179,12 +181,27 @@ def mean_loss(loss: torch.Tensor, case: str) -> float:
 
 
 def timed(system: System, steps: int, start: int) -> float:
+    """Seconds for ``steps`` steps on every rank (barriers on both sides)."""
     dist.barrier()
     t0 = time.perf_counter()
     for i in range(start, start + steps):
         system.step(i)
     dist.barrier()
     return time.perf_counter() - t0
+
+
+def timed_round(systems, steps: int, block: int, start: int, flip: bool) -> dict[str, float]:
+    """One round: each system runs ``steps`` steps, taking turns every ``block`` steps."""
+    order = systems[::-1] if flip else systems
+    out = {s.name: 0.0 for s in systems}
+    done = 0
+    while done < steps:
+        n = min(block, steps - done)
+        for s in order:
+            out[s.name] += timed(s, n, start + done)
+        done += n
+        order = order[::-1]  # ABBA...: neither system always goes first
+    return out
 
 
 def main(argv=None) -> None:
@@ -219,8 +236,8 @@ def main(argv=None) -> None:
     times: dict[str, list[float]] = {s.name: [] for s in systems}
     start = args.warmup
     for r in range(args.rounds):
-        for s in (systems if r % 2 == 0 else systems[::-1]):
-            times[s.name].append(timed(s, args.steps, start))
+        for name, t in timed_round(systems, args.steps, max(1, args.block), start, flip=r % 2 == 1).items():
+            times[name].append(t)
         start += args.steps
 
     tokens = args.steps * args.batch * cfg.seq_len
@@ -232,7 +249,7 @@ def main(argv=None) -> None:
               f"| {ratio:.3f} |", flush=True)
         print(json.dumps({
             "bench": "core", "case": args.case, "model": args.model, "ranks": world, "tied": cfg.tied,
-            "batch": args.batch, "seq_len": cfg.seq_len, "steps": args.steps, "rounds": args.rounds,
+            "batch": args.batch, "seq_len": cfg.seq_len, "steps": args.steps, "rounds": args.rounds, "block": args.block,
             "baseline": base.name, "polyshard_tok_s": round(med[ours.name], 1),
             "baseline_tok_s": round(med[base.name], 1), "ratio": round(ratio, 4),
             "polyshard_rounds": [round(v, 1) for v in tps[ours.name]],

@@ -81,7 +81,8 @@ class VocabParallelCrossEntropy:
         self.shard_index = index
         self.__name__ = "vocab_parallel_cross_entropy"
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, **defaults) -> torch.Tensor:
+        """Takes F.cross_entropy's arguments; the rule admits only their defaults besides ignore_index."""
         return _VocabCE.apply(logits, target, self.shard_index, self.group, ignore_index)
 
 

@@ -35,7 +35,8 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> fx.Grap
         ) from exc
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))  # meta models take meta inputs
+    fake_inputs = [mode.from_tensor(t.to(device)) if isinstance(t, torch.Tensor) else t for t in example_inputs]
     ShapeProp(gm, fake_mode=mode).propagate(*fake_inputs)
     return gm
 

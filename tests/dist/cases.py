@@ -55,8 +55,9 @@ def train_parity(mesh: str, model: str = "gpt-tiny", steps: int = 5, dtype=torch
     full = pm.full_state_dict()
     param_err = max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters())
     layouts = {k: str(v) for k, v in pm.plan.params.items()}
+    impls = {k: n.impl for k, n in pm.plan.nodes.items()}
     del pm, opt
-    return {"loss_err": loss_err, "param_err": param_err, "layouts": layouts}
+    return {"loss_err": loss_err, "param_err": param_err, "layouts": layouts, "impls": impls}
 
 
 def _build(model: str, dtype, tied: bool):

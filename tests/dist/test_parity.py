@@ -35,7 +35,9 @@ def test_gpt_tp2_untied_head(pools):
 
 
 def test_gpt_tensor_parallel_layouts(pools):
-    layouts = pools(2).run(cases.train_parity, "tp=2", "gpt-tiny", 1, torch.float64)[0]["layouts"]
+    result = pools(2).run(cases.train_parity, "tp=2", "gpt-tiny", 1, torch.float64)[0]
+    assert result["impls"]["cross_entropy"] == "vocab_ce"  # the loss never gathers the logits
+    layouts = result["layouts"]
     assert layouts["wte.weight"] == "S(0)"             # vocabulary-parallel embedding (tied head)
     assert layouts["blocks.0.attn.q.weight"] == "S(0)"  # column-parallel
     assert layouts["blocks.0.attn.proj.weight"] == "S(1)"  # row-parallel

@@ -73,6 +73,8 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
         return _softmax(node, ctx)
     if target is F.cross_entropy:
         return _cross_entropy(node, ctx)
+    if target in ("sum", "mean", torch.sum, torch.mean):
+        return _reduction(node, ctx)
     if target in (torch.matmul, operator.matmul, "matmul"):
         return _matmul(node, ctx)
     return _replicated(node, ctx, warn=True)
@@ -211,6 +213,19 @@ def _softmax(node: fx.Node, ctx: RuleContext) -> Decision:
     return Decision("local", {x.name: need}, need)
 
 
+def _reduction(node: fx.Node, ctx: RuleContext) -> Decision:
+    """sum/mean: split dims that are reduced are gathered first; the others stay split."""
+    x = node.args[0]
+    src = ctx.layout(x)
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    reduced = list(range(src.ndim)) if dim is None else [_norm_dim(d, src.ndim) for d in
+                                                         (dim if isinstance(dim, (tuple, list)) else [dim])]
+    need = _without(src, reduced)
+    keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+    dims = [() if i in reduced else d for i, d in enumerate(need.dims) if keep or i not in reduced]
+    return Decision("local", {x.name: need}, need.with_dims(dims))
+
+
 def _layer_norm(node: fx.Node, module: nn.LayerNorm, ctx: RuleContext) -> Decision:
     x = node.args[0]
     src = ctx.layout(x)
@@ -223,7 +238,8 @@ def _cross_entropy(node: fx.Node, ctx: RuleContext) -> Decision:
     """Logits split over the classes stay split: vocabulary-parallel cross-entropy, no full logits."""
     logits, target = node.args[:2]
     src = ctx.layout(logits)
-    plain = set(node.kwargs) <= {"ignore_index"} and len(node.args) == 2
+    defaults = {"weight": None, "size_average": None, "reduce": None, "reduction": "mean", "label_smoothing": 0.0}
+    plain = len(node.args) == 2 and all(node.kwargs.get(k, v) == v for k, v in defaults.items())
     if plain and src.ndim == 2 and src.dims[1] and not src.dims[0] and not src.partial:
         return Decision("vocab_ce", {logits.name: src, target.name: ctx.replicated(1)}, ctx.replicated(0))
     return _replicated(node, ctx)

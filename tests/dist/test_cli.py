@@ -1,0 +1,62 @@
+"""The command line, end to end: bad flags fail fast and clearly; train and run launch ranks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def polyshard(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "polyshard.cli.main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+
+
+def test_models_lists_every_named_config():
+    out = polyshard("models")
+    assert out.returncode == 0
+    for name in ("gpt-tiny", "pangu-alpha-2.6b", "pangu-alpha-13b", "pangu-alpha-200b", "gpt3-175b"):
+        assert name in out.stdout
+    assert "174.6B" in out.stdout  # GPT-3 175B's parameter count
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--nproc", "4", "--mesh", "dp=3"], "mesh dp=3 holds 3 devices but the world has 4"),
+    (["--nproc", "2", "--mesh", "dp=2,tp"], "'tp' is not NAME=SIZE"),
+    (["--model", "nope"], "--model 'nope' is unknown"),
+    (["--nproc", "4", "--batch-size", "6"], "--batch-size 6 must split into dp=4"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--strategies", "missing.yaml"], "does not exist"),
+])
+def test_bad_train_flags_exit_nonzero_with_a_message(flags, needle):
+    out = polyshard("train", *flags)
+    assert out.returncode == 2
+    assert needle in out.stderr and "Traceback" not in out.stderr
+
+
+def test_train_runs_on_two_ranks_with_pins_and_writes_metrics(tmp_path):
+    pins = tmp_path / "pins.yaml"
+    pins.write_text("blocks.*.mlp.fc: {in_strategy: [[1, 1, 1], [2, 1]]}\n")
+    metrics = tmp_path / "m.jsonl"
+    out = polyshard("train", "--nproc", "2", "--mesh", "tp=2", "--model", "gpt-tiny", "--steps", "3",
+                    "--strategies", str(pins), "--metrics", str(metrics), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mesh: tp=2(op)" in out.stdout and "blocks.0.mlp.fc.weight" in out.stdout
+    assert "pinned from" in out.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and all(r["tokens_per_s"] > 0 for r in records)
+
+
+def test_run_launches_a_user_script(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text(
+        "import torch, torch.distributed as dist, polyshard as ps\n"
+        "mesh = ps.init()\n"
+        "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\n"
+        "print(f'rank {dist.get_rank()} of {mesh.world_size}: {int(t.item())}')\n"
+        "dist.destroy_process_group()\n"
+    )
+    out = polyshard("run", "-n", "2", str(script))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "rank 0 of 2: 3" in out.stdout and "rank 1 of 2: 3" in out.stdout

@@ -1,0 +1,98 @@
+"""Capture and sharding propagation on meta models, in one process."""
+
+import warnings
+
+import pytest
+import torch
+
+import polyshard as ps
+from polyshard import models
+from polyshard.errors import PolyshardError
+from polyshard.graph.capture import capture
+from polyshard.planner.plan import Plan
+from polyshard.planner.propagate import propagate
+
+
+def _plan(model, mesh, inputs=None):
+    seen = []
+    gm = capture(model, inputs if inputs is not None else model.example_inputs())
+    return propagate(gm, mesh, seen.append), seen
+
+
+def test_gpt_gets_megatron_layouts_on_meta():
+    plan, warned = _plan(models.build("gpt-tiny", "meta"), (("tp", 4),))
+    p = {k: str(v) for k, v in plan.params.items()}
+    assert p["wte.weight"] == "S(0)" and "lm_head.weight" not in p  # tied: one entry
+    assert p["blocks.1.attn.v.weight"] == "S(0)" and p["blocks.1.attn.v.bias"] == "S(0)"
+    assert p["blocks.1.attn.proj.weight"] == "S(1)" and p["blocks.1.attn.proj.bias"] == "R"
+    assert p["wpe.weight"] == "R" and p["ln_f.weight"] == "R"
+    assert plan.nodes["cross_entropy"].impl == "vocab_ce"
+    assert plan.nodes["scaled_dot_product_attention"].output.dims[1] == ("tp",)  # heads split
+    assert not warned
+
+
+def test_large_configs_capture_on_meta():
+    plan, _ = _plan(models.build("pangu-alpha-2.6b", "meta"), (("tp", 8),), None)
+    assert str(plan.params["blocks.31.mlp.fc.weight"]) == "S(0)"
+
+
+def test_untied_head_is_column_parallel():
+    import dataclasses
+    model = models.GPT(dataclasses.replace(models.CONFIGS["gpt-tiny"], tied=False)).to("meta")
+    plan, _ = _plan(model, (("tp", 2),))
+    assert str(plan.params["lm_head.weight"]) == "S(0)"
+
+
+def test_pin_overrides_the_default():
+    model = models.MLPClassifier(16, 32, 8)
+    ps.shard(model.fc1, in_strategy=((1, 2), (1, 2)))  # row-parallel: input features split
+    plan, _ = _plan(model, (("tp", 2),))
+    assert str(plan.params["fc1.weight"]) == "RS(1)" or plan.params["fc1.weight"].dims == ((), ("tp",))
+    assert plan.nodes["fc1"].inputs["flatten"].dims == ((), ("tp",))
+
+
+def test_pin_that_does_not_divide_names_the_module():
+    model = models.MLPClassifier(16, 32, 8)
+    ps.shard(model.fc2, in_strategy=((1, 1), (3, 1)))
+    with pytest.raises(PolyshardError, match="fc2.*does not divide dim 0 of size 8"):
+        _plan(model, (("tp", 2),))
+
+
+def test_mlp_default_is_column_then_row():
+    plan, _ = _plan(models.MLPClassifier(16, 32, 8), (("tp", 2),))
+    assert plan.params["fc1.weight"].dims == (("tp",), ())
+    assert plan.params["fc2.weight"].dims == ((), ("tp",))
+
+
+def test_op_without_rule_warns_and_replicates():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 8)
+
+        def forward(self, x):
+            return torch.cumsum(self.fc(x), 1).sum()
+
+    plan, warned = _plan(Net(), (("tp", 2),), (torch.zeros(2, 4),))
+    assert warned == ["no sharding rule for `cumsum` (call_function); it runs replicated"]
+    assert plan.nodes["cumsum"].inputs["fc"].is_replicated
+
+
+def test_plan_round_trips_through_json():
+    plan, _ = _plan(models.build("gpt-tiny", "meta"), (("tp", 2),))
+    text = plan.to_json()
+    again = Plan.from_json(text)
+    assert again.to_json() == text and again.params == plan.params
+
+
+def test_plan_from_bad_json_is_a_clear_error():
+    with pytest.raises(PolyshardError, match="not a polyshard plan"):
+        Plan.from_json('{"params": {}}')
+
+
+def test_parallelize_needs_shapes_for_foreign_models():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ps.init()
+    with pytest.raises(PolyshardError, match="example_inputs"):
+        ps.parallelize(torch.nn.Linear(2, 2))
