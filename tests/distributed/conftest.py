@@ -1,6 +1,6 @@
 import pytest
 
-from tests.dist.pool import RankPool
+from tests.distributed.pool import RankPool
 
 
 @pytest.fixture(scope="session")

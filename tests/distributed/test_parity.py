@@ -8,7 +8,7 @@ updates. fp32 runs use SGD, which passes rounding through unamplified.
 import pytest
 import torch
 
-from tests.dist import cases
+from tests.distributed import cases
 
 TOL = 1e-5
 

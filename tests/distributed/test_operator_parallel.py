@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.dist import cases
+from tests.distributed import cases
 
 TOL = 1e-5
 MATMULS = {

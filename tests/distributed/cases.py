@@ -11,7 +11,7 @@ from polyshard import models
 from polyshard.compiler.redistribute import redistribute, to_dtensor
 from polyshard.layout import Layout
 from polyshard.transitions import common_axes, plan_transition
-from tests.dist.comm_counter import CommCounter
+from tests.distributed.comm_counter import CommCounter
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
