@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
+from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.layout import Axes
 
@@ -47,12 +49,14 @@ class Mesh:
     """Named axes over all ranks. Data axes split batches; the other axes (op axes) split operators.
 
     axes: (name, size), outermost first. data_axes: names of the data-parallel axes.
+    cluster: the machines the ranks run on (nodes, links, memory), when known.
     """
 
     axes: Axes
     data_axes: tuple[str, ...]
     device_type: str
     rank: int
+    cluster: Cluster | None = None
 
     @property
     def world_size(self) -> int:
@@ -131,11 +135,13 @@ def current_mesh() -> Mesh:
 
 
 def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = DEFAULT_DATA_AXES,
-         threads_per_rank: int | None = 1) -> Mesh:
+         threads_per_rank: int | None = 1, cluster: Cluster | str | None = None) -> Mesh:
     """Start the process group (from torchrun's environment, or a world of one) and set the mesh.
 
     ``mesh=None`` gives a 1-D mesh of all ranks named ``world`` (an op axis).
     On CPU each rank uses ``threads_per_rank`` threads (1 by default: ranks share the cores).
+    ``cluster`` (a preset such as ``8xA100-80G``, a YAML path, or a Cluster) defaults to torchrun's
+    environment; operator axes that span nodes get a warning, since they talk the most.
     """
     global _current
     import torch
@@ -148,6 +154,13 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
     unknown = [a for a in data_axes if a not in shape]
     if unknown and data_axes != DEFAULT_DATA_AXES:
         raise PolyshardError(f"data axes {unknown} are not in the mesh {shape}")
+    cluster = Cluster.load(cluster) if isinstance(cluster, str) else cluster or Cluster.from_env()
+    if cluster.num_devices != world_size:
+        raise PolyshardError(
+            f"cluster of {cluster.num_devices} devices ({cluster.num_nodes} nodes x {cluster.devices_per_node}) "
+            f"does not match the world of {world_size} processes"
+        )
+    _warn_if_op_axes_span_nodes(shape, data_axes, cluster)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cpu" and threads_per_rank:
         torch.set_num_threads(threads_per_rank)
@@ -159,5 +172,19 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    _current = Mesh(tuple(shape.items()), tuple(a for a in data_axes if a in shape), device_type, dist.get_rank())
+    _current = Mesh(tuple(shape.items()), tuple(a for a in data_axes if a in shape), device_type, dist.get_rank(),
+                    cluster)
     return _current
+
+
+def _warn_if_op_axes_span_nodes(shape: dict[str, int], data_axes: tuple[str, ...], cluster: Cluster) -> None:
+    """Inner axes are consecutive ranks; operator axes beyond one node's devices cross the slow links."""
+    inner = 1
+    for name, size in reversed(shape.items()):
+        if name in data_axes:
+            break
+        inner *= size
+    if inner > cluster.devices_per_node:
+        warnings.warn(
+            f"polyshard: operator axes of {inner} devices span nodes of {cluster.devices_per_node}; "
+            "keep them within a node and list them last in the mesh", stacklevel=3)

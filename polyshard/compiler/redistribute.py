@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from polyshard.layout import Axes, Layout, collapse, refine
+from polyshard.layout import Axes, Layout
 from polyshard.mesh import Mesh
 from polyshard.transitions import common_axes, plan_transition
 
@@ -59,19 +59,3 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= s
     return tuple(reversed(stride))
-
-
-def coarsest(layout: Layout, op_axes: Axes) -> Layout:
-    """``layout`` over the mesh's own op axes when it uses no part-axis, else unchanged."""
-    if layout.axes == op_axes:
-        return layout
-    try:
-        axes, spans_mesh, spans_own = refine(op_axes, layout.axes)
-    except Exception:
-        return layout
-    if axes != layout.axes:
-        return layout
-    try:
-        return collapse(layout, op_axes, spans_mesh)
-    except Exception:
-        return layout

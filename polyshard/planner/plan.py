@@ -15,7 +15,16 @@ from polyshard.layout import Axes, Layout
 
 @dataclass
 class NodePlan:
-    """How one graph node runs; see polyshard.planner.rules.base.Decision for the fields."""
+    """How one graph node runs (a rule's Decision).
+
+    impl: "local" (the op runs on each rank's pieces as written), "dtensor" (the op runs on
+      DTensors built from the pieces: split weights, contractions), or "vocab_ce"
+      (vocabulary-parallel cross-entropy).
+    inputs: the layout each tensor input must be in (by input node name).
+    output: the layout of the node's value (None for non-tensors, a tuple for tuples).
+    params: for a module node, each parameter's layout (by the parameter's own name).
+    shape_divisors: for view-like ops, output dim -> pieces, to turn global shape args local.
+    """
 
     impl: str
     inputs: dict[str, Layout]

@@ -11,7 +11,7 @@ from typing import Callable
 from torch import fx
 
 from polyshard.layout import Axes, Layout
-from polyshard.planner.plan import NodePlan, Plan
+from polyshard.planner.plan import Plan
 from polyshard.planner.rules import RuleContext, decide
 
 
@@ -28,8 +28,7 @@ def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None]) ->
             param = getattr(modules[node.target], pname)
             ctx.param_layouts.setdefault(id(param), layout)
             plan.params.setdefault(param_names[id(param)], ctx.param_layouts[id(param)])
-        plan.nodes[node.name] = NodePlan(decision.impl, decision.inputs, decision.output,
-                                         decision.params, decision.shape_divisors)
+        plan.nodes[node.name] = decision
     for name, p in gm.named_parameters():
         plan.params.setdefault(name, Layout.replicated(op_axes, p.ndim))
     return plan

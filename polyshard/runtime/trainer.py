@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import gc
 import json
@@ -118,7 +119,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         loss_sum = torch.zeros(())
         for i, (mx, my) in enumerate(zip(x.chunk(cfg.accum), y.chunk(cfg.accum))):
             sync = i == cfg.accum - 1
-            with (pm.no_sync() if not sync else torch.enable_grad()):
+            with (pm.no_sync() if not sync else contextlib.nullcontext()):
                 loss = pm(mx, my) / cfg.accum
                 loss.backward()
             loss_sum += loss.detach()

@@ -1,34 +1,15 @@
-"""The shape of a rule's answer, and what a rule may look at."""
+"""What a rule may look at; its answer is a Decision (the Plan's per-node entry)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import fx, nn
 
 from polyshard.layout import Axes, Layout
-
-
-@dataclass
-class Decision:
-    """How one graph node runs.
-
-    impl: "local" (the op runs on each rank's pieces as written), "dtensor" (the op runs on
-      DTensors built from the pieces: sharded weights, contractions), or "vocab_ce"
-      (vocabulary-parallel cross-entropy).
-    inputs: the layout each tensor input must be in (by input node name).
-    output: the layout of the node's value (None for non-tensors, a tuple for tuples).
-    params: for a module node, each parameter's layout (by the parameter's own name).
-    shape_divisors: for view-like ops, output dim -> pieces, to turn global shape args local.
-    """
-
-    impl: str
-    inputs: dict[str, Layout]
-    output: Any
-    params: dict[str, Layout] = field(default_factory=dict)
-    shape_divisors: dict[int, int] = field(default_factory=dict)
+from polyshard.planner.plan import NodePlan as Decision
 
 
 @dataclass
