@@ -211,3 +211,27 @@ def unruled_op_runs_replicated() -> dict:
         g = to_dtensor(p.grad, layout, layout.global_shape(p.shape), ps.current_mesh()).full_tensor()
         grad_err = max(grad_err, rel_err(g, full_grads[name]))
     return {"warnings": messages, "loss_err": rel_err(loss.detach(), ref_loss.detach()), "grad_err": grad_err}
+
+
+def pinned_gpt_parity(mesh: str = "tp=2", steps: int = 5) -> dict:
+    """Pins on an Embedding, a Linear (named form) and a LayerNorm (any module) are honoured; parity holds."""
+    ps.init(mesh)
+    ref, par = _build("gpt-tiny", torch.float64, True), _build("gpt-tiny", torch.float64, True)
+    ps.shard(par.wte, in_strategy=((1, 1), (2, 1)))                          # vocabulary split
+    ps.shard(par.blocks[0].mlp.fc, in_strategy=((None, None, "tp"), (None, "tp")))  # in-features split
+    ps.shard(par.ln_f, in_strategy=((2, 1, 1),))                             # rows of the input split
+    x, y = _batch(ref, 4, 0)
+    pm = ps.parallelize(par, example_inputs=(x, y))
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    loss_err = 0.0
+    for s in range(steps):
+        x, y = _batch(ref, 4, s)
+        ref_loss, loss = ref(x, y), pm(x, y)
+        ref_loss.backward(), loss.backward()
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+        loss_err = max(loss_err, rel_err(loss.detach(), ref_loss.detach()))
+    full = pm.full_state_dict()
+    param_err = max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters())
+    return {"loss_err": loss_err, "param_err": param_err,
+            "layouts": {k: str(v) for k, v in pm.plan.params.items()},
+            "inputs": {k: {i: str(l) for i, l in pm.plan.nodes[k].inputs.items()} for k in ("blocks_0_mlp_fc", "ln_f")}}

@@ -69,3 +69,13 @@ def test_op_without_rule_warns_once_and_runs_replicated(pools):
     r = pools(2).run(cases.unruled_op_runs_replicated)[0]
     assert len(r["warnings"]) == 1 and "cumsum" in r["warnings"][0], r["warnings"]
     assert r["loss_err"] < TOL and r["grad_err"] < TOL
+
+
+def test_pins_on_embedding_linear_and_any_module(pools):
+    results = pools(2).run(cases.pinned_gpt_parity)
+    _check(results)
+    r = results[0]
+    assert r["layouts"]["wte.weight"] == "S(0)"
+    assert r["layouts"]["blocks.0.mlp.fc.weight"] == "S(1)"  # pinned: in-features split, not the default
+    assert r["inputs"]["blocks_0_mlp_fc"] == {"blocks_0_ln2": "S(2)"}
+    assert r["inputs"]["ln_f"] == {"add_4": "S(0)"}

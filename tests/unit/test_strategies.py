@@ -69,3 +69,9 @@ def test_shard_marks_modules_for_parallelize():
     fc = torch.nn.Linear(4, 8)
     assert ps.shard(fc, ((1, 1), (2, 1))) is fc
     assert fc._polyshard_pin.in_strategy == ((1, 1), (2, 1))
+
+
+def test_named_specs_must_split_shared_dims_alike():
+    axes = (("tp", 2),)
+    with pytest.raises(PolyshardError, match="`fc`: input 0 splits its dim 'k' on no axis but input 1 on"):
+        pin_layouts(linear_spec(2, False), ((None, None), (None, "tp")), [(4, 8), (6, 8)], axes, "fc")

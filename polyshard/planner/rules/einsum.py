@@ -105,16 +105,16 @@ def layouts_from_counts(spec: EinsumSpec, strategy: Sequence[Sequence[int]], sha
 def output_layout(spec: EinsumSpec, in_layouts: Sequence[Layout], op: str) -> Layout:
     """The layout the op produces when its inputs have ``in_layouts``; contractions become partial."""
     axes_of: dict[str, tuple[str, ...]] = {}
+    first: dict[str, int] = {}
     for i, (letters, layout) in enumerate(zip(spec.inputs, in_layouts)):
         for letter, axes in zip(letters, layout.dims):
-            if letter in axes_of and axes_of[letter] != axes and axes:
-                if axes_of[letter]:
-                    raise PolyshardError(
-                        f"`{op}`: dim {letter!r} is split on {axes_of[letter]} by one input and on {axes} "
-                        f"by input {i}; they must match"
-                    )
-            if axes or letter not in axes_of:
-                axes_of[letter] = axes
+            if letter in axes_of and axes_of[letter] != axes:
+                raise PolyshardError(
+                    f"`{op}`: input {first[letter]} splits its dim {letter!r} on {axes_of[letter] or 'no axis'} "
+                    f"but input {i} on {axes or 'no axis'}; the same dim must be split alike"
+                )
+            axes_of.setdefault(letter, axes)
+            first.setdefault(letter, i)
     dims = tuple(axes_of.get(l, ()) for l in spec.output)
     partial = tuple(a for l, axes in axes_of.items() if l not in spec.output for a in axes)
     mesh_order = [n for n, _ in in_layouts[0].axes]
@@ -159,7 +159,9 @@ def pin_layouts(spec: EinsumSpec, strategy, shapes, op_axes: Axes, op: str) -> l
     """A pinned in_strategy (slice counts or named specs) -> one layout per input."""
     if _is_named(strategy):
         _check_strategy(spec, strategy, shapes, op)
-        return [spec_layout(s, op_axes, shape, op) for s, shape in zip(strategy, shapes)]
+        layouts = [spec_layout(s, op_axes, shape, op) for s, shape in zip(strategy, shapes)]
+        output_layout(spec, layouts, op)  # checks that shared dims are split alike
+        return layouts
     return layouts_from_counts(spec, strategy, shapes, op_axes, op)
 
 
