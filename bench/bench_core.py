@@ -4,9 +4,10 @@
     torchrun --nproc-per-node 2 bench/bench_core.py --case tp   # polyshard tp=N vs torch parallelize_module
 
 Both systems train the same GPT (same seed, same initial weights) on the same global batches
-with AdamW. After a few warm-up steps each, the systems are timed in interleaved rounds (the
-order flips every round) so machine noise hits both alike. Rank 0 prints the first loss of
-each system (they must agree), one table row, and one JSON line; nothing is written to disk.
+with AdamW. After a few warm-up steps each, the systems are timed in interleaved rounds: within
+a round they take turns every --block steps (ABBA order), so machine noise hits both alike.
+The figure for each system is the median over rounds. Rank 0 prints the warm-up losses of
+each system (the first must agree), one table row, and one JSON line; nothing is written to disk.
 
 tokens/s counts the global batch: steps * batch * seq_len / seconds.
 """
@@ -64,11 +65,11 @@ def build_model(cfg, seed: int) -> models.GPT:
 
 
 class System:
-    """One trainable system: ``step(i)`` trains on global batch ``i`` and returns the loss (a float)."""
+    """One trainable system: ``step(i)`` trains one step on global batch ``i`` and returns the loss."""
 
     name: str
 
-    def step(self, i: int) -> float:
+    def step(self, i: int) -> torch.Tensor:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -76,22 +77,16 @@ class System:
 
 
 class Polyshard(System):
-    def __init__(self, cfg, seed: int, batches, mesh_text: str):
+    def __init__(self, cfg, seed: int, batches):
         self.name = "polyshard"
-        self.batches = batches
         model = build_model(cfg, seed)
         mesh = ps.current_mesh()
-        # this rank's share of every global batch, cut once (both systems get their rows the same way)
-        self.local = [self._local_rows(mesh, x, y) for x, y in batches]
-        self.pm = ps.parallelize(model, example_inputs=self.local[0])
-        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
-        self.data_group = self.pm.grad_sync.group if self.pm.grad_sync is not None else None
-        self.mesh_text = mesh_text
-
-    @staticmethod
-    def _local_rows(mesh, x, y):
         n, i = mesh.num_data_shards, mesh.data_index
-        return x.chunk(n)[i], y.chunk(n)[i]
+        example = tuple(t.chunk(n)[i] for t in batches[0])  # one rank's batch: shapes for capture
+        self.pm = ps.parallelize(model, example_inputs=example)
+        # this rank's rows of every global batch, cut once before timing (as for the baseline)
+        self.local = [self.pm.local_batch(x, y) for x, y in batches]
+        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
 
     def step(self, i: int) -> torch.Tensor:
         x, y = self.local[i % len(self.local)]
@@ -216,11 +211,13 @@ def main(argv=None) -> None:
     cfg = models.CONFIGS[args.model]
     if args.untied:
         cfg = dataclasses.replace(cfg, tied=False)
-    if args.batch % (world if args.case == "dp" else 1):
+    if args.case == "dp" and args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be a multiple of {world} for dp")
+    if min(args.warmup, args.steps, args.rounds) < 1:
+        raise SystemExit("--warmup, --steps and --rounds must be at least 1")
     batches = make_batches(cfg, args.batch, NUM_BATCHES)
 
-    ours = Polyshard(cfg, args.seed, batches, mesh_text)
+    ours = Polyshard(cfg, args.seed, batches)
     base = TorchDDP(cfg, args.seed, batches) if args.case == "dp" else TorchTP(cfg, args.seed, batches)
     systems = (ours, base)
 
@@ -228,7 +225,7 @@ def main(argv=None) -> None:
     # losses must agree; the last warm-up loss checks that training stays together.
     losses = {s.name: [mean_loss(s.step(i), args.case) for i in range(args.warmup)] for s in systems}
     if rank == 0:
-        for k in (0, args.warmup - 1) if args.warmup > 1 else (0,):
+        for k in sorted({0, args.warmup - 1}):
             a, b = losses[ours.name][k], losses[base.name][k]
             print(f"warm-up step {k + 1} loss: polyshard {a:.6f}  {base.name} {b:.6f}  "
                   f"rel diff {abs(a - b) / abs(b):.1e}", flush=True)
@@ -244,14 +241,17 @@ def main(argv=None) -> None:
     tps = {name: [tokens / t for t in ts] for name, ts in times.items()}
     med = {name: statistics.median(v) for name, v in tps.items()}
     ratio = med[ours.name] / med[base.name]
+    # per-round ratio (both systems timed in the same round): less sensitive to load drift
+    paired = statistics.median(a / b for a, b in zip(tps[ours.name], tps[base.name]))
     if rank == 0:
         print(f"| {args.model} | {args.case}={world} | {med[ours.name]:,.0f} | {base.name} {med[base.name]:,.0f} "
-              f"| {ratio:.3f} |", flush=True)
+              f"| {ratio:.3f} | paired {paired:.3f} |", flush=True)
         print(json.dumps({
             "bench": "core", "case": args.case, "model": args.model, "ranks": world, "tied": cfg.tied,
             "batch": args.batch, "seq_len": cfg.seq_len, "steps": args.steps, "rounds": args.rounds, "block": args.block,
             "baseline": base.name, "polyshard_tok_s": round(med[ours.name], 1),
             "baseline_tok_s": round(med[base.name], 1), "ratio": round(ratio, 4),
+            "paired_ratio": round(paired, 4),
             "polyshard_rounds": [round(v, 1) for v in tps[ours.name]],
             "baseline_rounds": [round(v, 1) for v in tps[base.name]],
             "first_loss": {"polyshard": losses[ours.name][0], "baseline": losses[base.name][0]},

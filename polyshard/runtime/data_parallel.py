@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+FIRST_BUCKET_BYTES = 2**20  # a small first bucket starts communication early in backward (as DDP does)
 
 
 class _Bucket:
@@ -37,7 +38,7 @@ class GradientSync:
         for p in reversed([p for p in params if p.requires_grad]):  # backward meets the last layers first
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
+            if size >= (min(FIRST_BUCKET_BYTES, bucket_bytes) if not self.buckets else bucket_bytes):
                 self._add(current)
                 current, size = [], 0
         if current:
@@ -85,13 +86,9 @@ class GradientSync:
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                piece = bucket.flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = piece.clone()
-                else:
-                    p.grad.copy_(piece)
-                offset += n
+            pieces = bucket.flat.split([p.numel() for p in bucket.params])
+            missing = [p for p in bucket.params if p.grad is None]
+            for p in missing:
+                p.grad = torch.empty_like(p)
+            torch._foreach_copy_([p.grad for p in bucket.params], [x.view_as(p) for x, p in zip(pieces, bucket.params)])
             bucket.work, bucket.flat, bucket.pending = None, None, len(bucket.params)
