@@ -5,6 +5,7 @@ from polyshard.errors import PolyshardError
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh, current_mesh, init
 from polyshard.planner.plan import Plan
+from polyshard.runtime import comm
 from polyshard.runtime.parallel import ParallelModule, parallelize
 
-__all__ = ["Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "parallelize", "shard"]
+__all__ = ["comm", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "parallelize", "shard"]

@@ -95,6 +95,13 @@ class Mesh:
             raise PolyshardError(f"mesh {self} has no operator axes to split an operator over")
         return self._full_mesh(op_axes)[tuple(n for n, _ in op_axes)]
 
+    def axis_mesh(self, axis: str):
+        """The one-dimensional DeviceMesh along ``axis`` (data or op) through this rank."""
+        size = dict(self.axes).get(axis)
+        if size is None or size == 1:
+            raise PolyshardError(f"axis {axis!r} of mesh {self} has no ranks to talk to; axes: {dict(self.axes)}")
+        return self._full_mesh(self.op_axes)[axis]
+
     def data_group(self):
         """The process group over the data axes (None when there is no data parallelism)."""
         if self.num_data_shards == 1:

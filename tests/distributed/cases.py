@@ -235,3 +235,55 @@ def pinned_gpt_parity(mesh: str = "tp=2", steps: int = 5) -> dict:
     return {"loss_err": loss_err, "param_err": param_err,
             "layouts": {k: str(v) for k, v in pm.plan.params.items()},
             "inputs": {k: {i: str(l) for i, l in pm.plan.nodes[k].inputs.items()} for k in ("blocks_0_mlp_fc", "ln_f")}}
+
+
+def manual_collectives() -> dict:
+    """Each collective on dp=2 x tp=2 against the same arithmetic on full tensors, values and grads."""
+    mesh = ps.init("dp=2,tp=2")
+    tp = mesh.coords()["tp"]
+    torch.manual_seed(0)
+    full = torch.randn(4, 6, dtype=torch.float64)
+    mine = full.chunk(2)[tp].clone().requires_grad_()
+    gathered = ps.comm.all_gather(mine, "tp", dim=0)
+    (gathered * full).sum().backward()  # same loss on every tp rank
+    errs = [rel_err(gathered.detach(), full), rel_err(mine.grad, full.chunk(2)[tp])]
+    share = (full * (tp + 1)).requires_grad_()  # each rank holds a summand
+    total = full * 3
+    errs.append(rel_err(ps.comm.all_reduce(share, "tp").detach(), total))
+    scattered = ps.comm.reduce_scatter(share, "tp", dim=1)
+    errs.append(rel_err(scattered.detach(), total.chunk(2, dim=1)[tp]))
+    scattered.sum().backward()
+    errs.append(rel_err(share.grad, torch.ones_like(full)))  # all-gather of ones
+    moved = ps.comm.all_to_all(full.chunk(2, dim=0)[tp].clone(), "tp", split_dim=1, concat_dim=0)
+    errs.append(rel_err(moved, full.chunk(2, dim=1)[tp]))
+    x = torch.randn(2, 6, dtype=torch.float64)  # differs per rank: the data axis sums across dp
+    errs.append(rel_err(ps.comm.all_reduce(x, "dp"), _sum_over("dp", x, mesh)))
+    return {"err": max(errs)}
+
+
+def _sum_over(axis: str, x: torch.Tensor, mesh) -> torch.Tensor:
+    out = x.clone()
+    dist.all_reduce(out, group=mesh.axis_mesh(axis).get_group())
+    return out
+
+
+def manual_pipeline() -> dict:
+    """Two ranks as two stages with send/recv: loss and both stages' gradients equal one device."""
+    ps.init()
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 8).double(), torch.nn.Linear(8, 2).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    ref = second(torch.tanh(first(x))).square().mean()
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in (*first.parameters(), *second.parameters())]
+    for p in (*first.parameters(), *second.parameters()):
+        p.grad = None
+    if dist.get_rank() == 0:
+        anchor = ps.comm.send(torch.tanh(first(x)), dst=1)
+        anchor.backward()
+        return {"grad_err": max(rel_err(p.grad, g) for p, g in zip(first.parameters(), ref_grads[:2]))}
+    h = ps.comm.recv((3, 8), src=0, dtype=torch.float64)
+    loss = second(h).square().mean()
+    loss.backward()
+    return {"grad_err": max(rel_err(p.grad, g) for p, g in zip(second.parameters(), ref_grads[2:])),
+            "loss_err": rel_err(loss.detach(), ref.detach())}

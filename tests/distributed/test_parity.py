@@ -18,7 +18,7 @@ def _check(results):
         assert r["loss_err"] < TOL and r["param_err"] < TOL, r
 
 
-@pytest.mark.parametrize("mesh", ["dp=4", "tp=4", "dp=2,tp=2"])
+@pytest.mark.parametrize("mesh", ["dp=4", "tp=4", "dp=2,tp=2", "tp=2,dp=2"])
 def test_gpt_adamw_float64(pools, mesh):
     _check(pools(4).run(cases.train_parity, mesh, "gpt-tiny", 5, torch.float64))
 
