@@ -46,6 +46,12 @@ def embedding_spec(idx_ndim: int) -> EinsumSpec:
     return EinsumSpec((batch, "vh"), batch + "h")
 
 
+def independent_spec(ndims: Sequence[int]) -> EinsumSpec:
+    """Inputs that share no dims (an op without a known spec): each strategy stands alone."""
+    letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    return EinsumSpec(tuple("".join(next(letters) for _ in range(n)) for n in ndims), "")
+
+
 def _check_strategy(spec: EinsumSpec, strategy: Sequence, shapes: Sequence[Sequence[int]], op: str) -> None:
     if len(strategy) != len(spec.inputs):
         raise PolyshardError(
@@ -173,4 +179,4 @@ def pin_output_layout(out_strategy, shape, natural: Layout | None, op_axes: Axes
         return counts_layout(out_strategy, shape, op_axes, op)
     if natural is None:
         return Layout.replicated(op_axes, len(shape))
-    return natural.with_dims(natural.dims)
+    return natural.with_dims(natural.dims)  # partial sums reduced

@@ -17,7 +17,8 @@ from polyshard.graph.capture import PIN_ATTR, shape_of
 from polyshard.layout import Layout
 from polyshard.planner.rules.base import Decision, RuleContext
 from polyshard.planner.rules.einsum import (
-    EinsumSpec, embedding_spec, linear_spec, matmul_spec, output_layout, pin_layouts, pin_output_layout, to_common,
+    EinsumSpec, embedding_spec, independent_spec, linear_spec, matmul_spec, output_layout, pin_layouts,
+    pin_output_layout, to_common,
 )
 
 ELEMENTWISE = {
@@ -94,6 +95,11 @@ def _replicated(node: fx.Node, ctx: RuleContext, warn: bool = False) -> Decision
     inputs = {n.name: ctx.replicated(ctx.layout(n).ndim) for n in _tensor_inputs(node, ctx)}
     shape = shape_of(node)
     return Decision("local", inputs, ctx.replicated(len(shape)) if shape is not None else None)
+
+
+def _reduced(layout: Layout) -> Layout:
+    """``layout`` with its partial sums reduced (what a "dtensor" op hands on)."""
+    return layout.with_dims(layout.dims)
 
 
 def _without(layout: Layout, dims: list[int]) -> Layout:
@@ -266,12 +272,10 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext) -> Decision:
     else:
         w = Layout(ctx.op_axes, (rows, cols))
         x_need = x_need.with_dims([()] * (src.ndim - 1) + [cols])
-    spec = linear_spec(src.ndim, module.bias is not None)
-    ins = [x_need, w] + ([Layout(ctx.op_axes, (w.dims[0],))] if module.bias is not None else [])
-    out = output_layout(EinsumSpec(spec.inputs[:2], spec.output), ins[:2], node.name)
-    params = {"weight": w} | ({"bias": ins[2]} if module.bias is not None else {})
+    out = output_layout(linear_spec(src.ndim, False), [x_need, w], node.name)
+    params = {"weight": w} | ({"bias": Layout(ctx.op_axes, (w.dims[0],))} if module.bias is not None else {})
     impl = "local" if mode == "replicated" else "dtensor"
-    return Decision(impl, {x.name: x_need}, _without(out, []), params=params)
+    return Decision(impl, {x.name: x_need}, _reduced(out), params=params)
 
 
 def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext) -> Decision:
@@ -304,26 +308,20 @@ def _pinned_module(node: fx.Node, module: nn.Module, pin, ctx: RuleContext) -> D
     shapes = [shape_of(n) for n in inputs]
     if isinstance(module, nn.Linear):
         spec = linear_spec(len(shapes[0]), False)
-        tensors = inputs + [None]
-        shapes = shapes + [tuple(module.weight.shape)]
-        param_names = ["weight"]
     elif isinstance(module, nn.Embedding):
         spec = embedding_spec(len(shapes[0]))
-        tensors, shapes, param_names = inputs + [None], shapes + [tuple(module.weight.shape)], ["weight"]
     else:
-        spec = EinsumSpec(tuple("".join(chr(97 + 8 * i + d) for d in range(len(s))) for i, s in enumerate(shapes)), "")
-        tensors, param_names = inputs, []
-    layouts = _pin_layouts(spec, pin.in_strategy, shapes, ctx, node.target)
-    params = dict(zip(param_names, layouts[len(inputs):]))
+        spec = independent_spec([len(s) for s in shapes])
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        shapes.append(tuple(module.weight.shape))  # the strategy's last entry is the weight
+    layouts = pin_layouts(spec, pin.in_strategy, shapes, ctx.op_axes, node.target)
+    params = {"weight": layouts[-1]} if len(layouts) > len(inputs) else {}
     if isinstance(module, nn.Linear) and module.bias is not None:
-        params["bias"] = layouts[1].with_dims([layouts[1].dims[0]])
+        params["bias"] = layouts[-1].with_dims([layouts[-1].dims[0]])
     for name, p in module.named_parameters(recurse=False):
         params.setdefault(name, Layout.replicated(layouts[0].axes, p.ndim))
-    if param_names:
-        natural = output_layout(spec, layouts, node.target)
-    else:
-        natural = None
-    out = _pin_output(pin, node, natural, ctx)
+    natural = output_layout(spec, layouts, node.target) if params.get("weight") is not None and spec.output else None
+    out = pin_output_layout(pin.out_strategy, shape_of(node), natural, ctx.op_axes, node.target)
     return Decision("dtensor", {n.name: l for n, l in zip(inputs, layouts)}, out, params=params)
 
 
@@ -331,9 +329,10 @@ def _pinned_function(node: fx.Node, fn, pin, ctx: RuleContext) -> Decision:
     inputs = [n for n in node.args if isinstance(n, fx.Node)]
     shapes = [shape_of(n) for n in inputs]
     spec = spec_for_function(pin.fn, [len(s) for s in shapes])
-    layouts = _pin_layouts(spec, pin.in_strategy, shapes, ctx, pin.name)
+    layouts = pin_layouts(spec, pin.in_strategy, shapes, ctx.op_axes, pin.name)
     natural = output_layout(spec, layouts, pin.name) if spec.output else None
-    return Decision("dtensor", {n.name: l for n, l in zip(inputs, layouts)}, _pin_output(pin, node, natural, ctx))
+    out = pin_output_layout(pin.out_strategy, shape_of(node), natural, ctx.op_axes, pin.name)
+    return Decision("dtensor", {n.name: l for n, l in zip(inputs, layouts)}, out)
 
 
 def spec_for_function(fn, ndims: list[int]) -> EinsumSpec:
@@ -344,12 +343,4 @@ def spec_for_function(fn, ndims: list[int]) -> EinsumSpec:
         return linear_spec(ndims[0], len(ndims) == 3)
     if fn is F.embedding and len(ndims) == 2:
         return embedding_spec(ndims[0])
-    return EinsumSpec(tuple("".join(chr(97 + 8 * i + d) for d in range(n)) for i, n in enumerate(ndims)), "")
-
-
-def _pin_layouts(spec: EinsumSpec, strategy, shapes, ctx: RuleContext, op: str) -> list[Layout]:
-    return pin_layouts(spec, strategy, shapes, ctx.op_axes, op)
-
-
-def _pin_output(pin, node: fx.Node, natural: Layout | None, ctx: RuleContext) -> Layout:
-    return pin_output_layout(pin.out_strategy, shape_of(node), natural, ctx.op_axes, str(node.target))
+    return independent_spec(ndims)
