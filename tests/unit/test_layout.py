@@ -6,6 +6,7 @@ import pytest
 
 from polyshard.errors import PolyshardError
 from polyshard.layout import Layout, collapse, expand, refine
+from tests.unit.layout_cases import all_layouts
 
 DP_TP = (("dp", 2), ("tp", 2))
 
@@ -220,21 +221,6 @@ def test_expand_hand_example():
     assert big.axes == (("x", 2), ("y:0", 2), ("y:1", 3))
 
 
-def _all_layouts(axes, ndim):
-    """Every layout where each axis is replicated, partial, or splits one dim (mesh order)."""
-    out = []
-    for roles in itertools.product(["R", "P"] + list(range(ndim)), repeat=len(axes)):
-        dims = [[] for _ in range(ndim)]
-        partial = []
-        for (name, _), role in zip(axes, roles):
-            if role == "P":
-                partial.append(name)
-            elif role != "R":
-                dims[role].append(name)
-        out.append(Layout(axes, tuple(map(tuple, dims)), tuple(partial)))
-    return out
-
-
 @pytest.mark.parametrize(
     "a, b",
     [
@@ -246,7 +232,7 @@ def _all_layouts(axes, ndim):
 def test_expand_then_collapse_is_identity(a, b):
     refined, spans_a, spans_b = refine(a, b)
     for axes, spans in ((a, spans_a), (b, spans_b)):
-        layouts = _all_layouts(axes, 2)
+        layouts = all_layouts(axes, 2)
         assert len(layouts) == 4 ** len(axes)
         for lay in layouts:
             big = expand(lay, refined, spans)

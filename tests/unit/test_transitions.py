@@ -8,6 +8,7 @@ import pytest
 from polyshard.errors import PolyshardError
 from polyshard.layout import Layout, collapse, refine
 from polyshard.transitions import Step, common_axes, plan_transition, transition_bytes, wire_bytes
+from tests.unit.layout_cases import all_layouts
 
 TP4 = (("tp", 4),)
 DP_TP = (("dp", 2), ("tp", 2))
@@ -234,20 +235,6 @@ def test_transition_bytes_sums_over_axes():
 AXES3 = (("a", 2), ("b", 3), ("c", 2))
 
 
-def _layouts(axes, ndim):
-    out = []
-    for roles in itertools.product(["R", "P"] + list(range(ndim)), repeat=len(axes)):
-        dims = [[] for _ in range(ndim)]
-        partial = []
-        for (name, _), role in zip(axes, roles):
-            if role == "P":
-                partial.append(name)
-            elif role != "R":
-                dims[role].append(name)
-        out.append(Layout(axes, tuple(map(tuple, dims)), tuple(partial)))
-    return out
-
-
 def _role(lay, axis):
     """('P',), ('R',) or ('S', dim, position within the dim's splits)."""
     if axis in lay.partial:
@@ -299,7 +286,7 @@ def _check_plan(src, dst):
 
 
 def test_every_pair_of_2d_layouts_plans_to_target():
-    layouts = _layouts(AXES3, 2)
+    layouts = all_layouts(AXES3, 2)
     assert len(layouts) == 64
     planned = 0
     for src, dst in itertools.product(layouts, repeat=2):
@@ -315,7 +302,7 @@ def test_every_pair_of_2d_layouts_plans_to_target():
 
 def test_sampled_pairs_of_3d_layouts_plan_to_target():
     rng = random.Random(1234)
-    layouts = _layouts(AXES3, 3)
+    layouts = all_layouts(AXES3, 3)
     assert len(layouts) == 125
     for _ in range(600):
         src, dst = rng.choice(layouts), rng.choice(layouts)
@@ -327,8 +314,8 @@ def test_every_pair_across_refinable_matrices():
     a_axes = (("x", 2), ("y", 6))
     b_axes = (("u", 4), ("v", 3))
     _, _, spans_b = refine(a_axes, b_axes)
-    for src in _layouts(a_axes, 2):
-        for dst in _layouts(b_axes, 2):
+    for src in all_layouts(a_axes, 2):
+        for dst in all_layouts(b_axes, 2):
             a, b = common_axes(src, dst)
             assert a.axes == b.axes == (("x", 2), ("y:0", 2), ("y:1", 3))
             if not set(b.partial) <= set(a.partial):
