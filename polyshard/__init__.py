@@ -6,6 +6,6 @@ from polyshard.layout import Layout
 from polyshard.mesh import Mesh, current_mesh, init
 from polyshard.planner.plan import Plan
 from polyshard.runtime import comm
-from polyshard.runtime.parallel import ParallelModule, parallelize
+from polyshard.runtime.parallel import ParallelModule, micro_batch_interleaved, parallelize
 
-__all__ = ["comm", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "parallelize", "shard"]
+__all__ = ["comm", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "micro_batch_interleaved", "parallelize", "shard"]

@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--strategies", default="", help="YAML of per-module pins: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")
     t.add_argument("--metrics", default="runs/metrics.jsonl", help="JSON-lines metrics path (default runs/metrics.jsonl)")
     t.add_argument("--log-every", type=int, default=10, help="print a line every N steps (default 10)")
+    t.add_argument("--copies", default="1", help="run each micro-batch as N interleaved copies so collectives "
+                   "overlap compute; 'auto' lets the cost model choose (default 1)")
     t.set_defaults(handler=_train)
 
     r = sub.add_parser("run", help="run your own script on N processes (torchrun)",
@@ -59,7 +61,7 @@ def _train(args) -> int:
 
     cfg = TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
                       lr=args.lr, seed=args.seed, strategies=args.strategies, metrics=args.metrics,
-                      log_every=args.log_every)
+                      log_every=args.log_every, copies=args.copies)
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1)
     if args.nproc is not None and args.nproc < 1:

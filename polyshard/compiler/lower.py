@@ -22,14 +22,15 @@ from polyshard.planner.plan import Plan
 
 
 class Redistribute:
-    """Graph op: move this rank's piece from one layout to another."""
+    """Graph op: move this rank's piece from one layout to another (waited for where first used)."""
 
     def __init__(self, src: Layout, dst: Layout, mesh: Mesh):
         self.src, self.dst, self.mesh = src, dst, mesh
         self.__name__ = f"redistribute_{src}_to_{dst}".replace("(", "").replace(")", "")
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
-        return redistribute_local(local, self.src, self.dst, self.src.global_shape(local.shape), self.mesh)
+        return redistribute_local(local, self.src, self.dst, self.src.global_shape(local.shape), self.mesh,
+                                  async_op=True)
 
 
 class GlobalSize:

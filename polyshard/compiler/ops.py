@@ -38,9 +38,10 @@ class ShardedModule(nn.Module):
                   for name, p in self.module.named_parameters(recurse=False)}
         tensors = iter(self.in_layouts)
         dargs = [self._wrap(a, next(tensors)) if isinstance(a, torch.Tensor) else a for a in args]
-        out = self.call(self.module, params, *dargs)
-        # DTensor may hand back a strided piece (e.g. a transposed matmul); eager code expects a contiguous one
-        return redistribute(out, self.out_layout, self.mesh).to_local().contiguous()
+        out = redistribute(self.call(self.module, params, *dargs), self.out_layout, self.mesh, async_op=True).to_local()
+        # DTensor may hand back a strided piece (a transposed matmul); eager code expects a contiguous one.
+        # A pending collective's result is contiguous already: it is left unwaited, to overlap later work.
+        return out if out.is_contiguous() else out.contiguous()
 
     def _wrap(self, local: torch.Tensor, layout: Layout):
         return to_dtensor(local, layout, layout.global_shape(local.shape), self.mesh)

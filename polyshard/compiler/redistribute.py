@@ -29,23 +29,27 @@ def to_dtensor(local: torch.Tensor, layout: Layout, global_shape, mesh: Mesh) ->
                               shape=shape, stride=_contiguous_stride(shape))
 
 
-def redistribute(x: DTensor, dst: Layout, mesh: Mesh) -> DTensor:
-    """``x`` moved to layout ``dst`` (over ``dst.axes``), one planned collective per step."""
+def redistribute(x: DTensor, dst: Layout, mesh: Mesh, async_op: bool = False) -> DTensor:
+    """``x`` moved to layout ``dst`` (over ``dst.axes``), one planned collective per step.
+
+    With ``async_op`` the last collective is waited for only where its result is first used,
+    so work issued in between (another micro-batch copy's compute) overlaps it."""
     src = layout_of(x)
     if src == dst:
         return x
     a, b = common_axes(src, dst)
     y = x if a.axes == src.axes else _rewrap(x, a, mesh)
     for step in plan_transition(a, b):
-        y = y.redistribute(y.device_mesh, step.after.placements())
+        y = y.redistribute(y.device_mesh, step.after.placements(), async_op=async_op)
     return y if b.axes == dst.axes else _rewrap(y, dst, mesh)
 
 
-def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout, global_shape, mesh: Mesh) -> torch.Tensor:
+def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout, global_shape, mesh: Mesh,
+                       async_op: bool = False) -> torch.Tensor:
     """This rank's piece of a tensor moved from ``src`` to ``dst`` (autograd flows through)."""
     if src == dst:
         return local
-    return redistribute(to_dtensor(local, src, global_shape, mesh), dst, mesh).to_local()
+    return redistribute(to_dtensor(local, src, global_shape, mesh), dst, mesh, async_op).to_local()
 
 
 def _rewrap(x: DTensor, layout: Layout, mesh: Mesh) -> DTensor:

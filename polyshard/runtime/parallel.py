@@ -8,28 +8,39 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
+from polyshard.cluster import Cluster
 from polyshard.compiler.lower import lower
 from polyshard.compiler.redistribute import to_dtensor
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.mesh import Mesh, current_mesh
+from polyshard.planner.cost.overlap import choose_copies
 from polyshard.planner.plan import Plan
 from polyshard.planner.propagate import propagate
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
+from polyshard.runtime.interleave import interleave
+
+COPIES_ATTR = "_polyshard_copies"
 
 
 class ParallelModule(nn.Module):
     """This rank's share of a model. Call it with this rank's batch (see :meth:`local_batch`)."""
 
-    def __init__(self, program: nn.Module, plan: Plan, mesh: Mesh, bucket_bytes: int):
+    def __init__(self, program: fx.GraphModule, plan: Plan, mesh: Mesh, bucket_bytes: int):
         super().__init__()
-        self.program = program
+        object.__setattr__(self, "_single_copy", program)  # not a submodule: the same parameters
+        self.program = interleave(program, plan.copies)
         self.plan = plan
         self.mesh = mesh
         group = mesh.data_group()
         self.grad_sync = GradientSync(list(program.parameters()), group, bucket_bytes) if group is not None else None
+
+    def set_copies(self, copies: int) -> None:
+        """Run each batch as ``copies`` interleaved slices (1: as one)."""
+        self.program = interleave(self._single_copy, copies)
+        self.plan.copies = copies
 
     def forward(self, *args):
         return self.program(*args)
@@ -51,7 +62,7 @@ class ParallelModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, on every rank (gathers split ones)."""
         out = {}
-        for name, p in self.program.named_parameters():
+        for name, p in self._single_copy.named_parameters():
             layout = self.plan.params[name]
             if layout.is_replicated:
                 out[name] = p.detach().clone()
@@ -62,11 +73,14 @@ class ParallelModule(nn.Module):
 
 
 def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None = None, mesh: Mesh | None = None,
-                plan: Plan | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelModule:
+                plan: Plan | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                copies: int | str | None = None) -> ParallelModule:
     """Split ``model`` over the mesh: pinned ops keep their strategies, the others follow the op rules.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values) default to the model's own
     ``example_inputs()``. A given ``plan`` (e.g. edited by hand) is used instead of propagation.
+    ``copies``: interleaved batch slices (multi-copy parallel); "auto" lets the cost model choose;
+    by default the plan's, or what :func:`micro_batch_interleaved` set on the model.
     """
     mesh = mesh or current_mesh()
     if example_inputs is None:
@@ -87,6 +101,26 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
 
         plan = propagate(gm, mesh.op_axes, warn)
     plan.mesh, plan.data_axes = mesh.axes, mesh.data_axes
+    copies = copies if copies is not None else getattr(model, COPIES_ATTR, None)
+    if copies == "auto":
+        cluster = mesh.cluster or Cluster.from_env()
+        copies, _ = choose_copies(gm, plan, cluster, batch_rows=example_inputs[0].size(0))
+    if copies is not None:
+        if not isinstance(copies, int) or copies < 1:
+            raise PolyshardError(f"copies must be a positive integer or 'auto', got {copies!r}")
+        plan.copies = copies
     if dist.is_initialized() and dist.get_world_size() != mesh.world_size:
         raise PolyshardError(f"mesh {mesh} does not match the world of {dist.get_world_size()} processes")
     return ParallelModule(lower(gm, plan, mesh), plan, mesh, bucket_bytes)
+
+
+def micro_batch_interleaved(model: nn.Module, copies: int = 2) -> nn.Module:
+    """Run each batch as ``copies`` interleaved slices, so one slice's collectives overlap another's
+    compute. On a ParallelModule it takes effect at once; on a model, when it is parallelized."""
+    if not isinstance(copies, int) or copies < 1:
+        raise PolyshardError(f"copies must be a positive integer, got {copies!r}")
+    if isinstance(model, ParallelModule):
+        model.set_copies(copies)
+    else:
+        setattr(model, COPIES_ATTR, copies)
+    return model

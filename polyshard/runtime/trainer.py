@@ -24,7 +24,8 @@ from polyshard.errors import PolyshardError
 class TrainConfig:
     """model: a name from polyshard.models; mesh: e.g. "dp=2,tp=2"; steps: optimizer steps;
     batch_size: global rows per step; accum: micro-steps per step; lr: AdamW rate; seed: init and
-    data; strategies: YAML of per-module pins; metrics: JSON-lines path; log_every: steps per line."""
+    data; strategies: YAML of per-module pins; metrics: JSON-lines path; log_every: steps per line;
+    copies: interleaved slices per micro-batch ("auto": the cost model chooses)."""
 
     model: str = "gpt-small"
     mesh: str = ""
@@ -36,6 +37,7 @@ class TrainConfig:
     strategies: str = ""
     metrics: str = "runs/metrics.jsonl"
     log_every: int = 10
+    copies: str = "1"
 
 
 def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
@@ -55,6 +57,14 @@ def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
         raise PolyshardError(
             f"--batch-size {cfg.batch_size} must split into dp={data} shards x --accum {cfg.accum} micro-batches; "
             f"use a multiple of {data * cfg.accum}"
+        )
+    if cfg.copies != "auto" and not (cfg.copies.isdigit() and int(cfg.copies) >= 1):
+        raise PolyshardError(f"--copies must be a positive integer or 'auto', got {cfg.copies!r}")
+    micro = cfg.batch_size // data // cfg.accum
+    if cfg.copies != "auto" and int(cfg.copies) > micro:
+        raise PolyshardError(
+            f"--copies {cfg.copies} needs at least as many rows per micro-batch, which has {micro} "
+            f"(--batch-size {cfg.batch_size} / dp={data} / --accum {cfg.accum})"
         )
     if not cfg.lr > 0:
         raise PolyshardError(f"--lr must be positive, got {cfg.lr}")
@@ -101,9 +111,12 @@ def train(cfg: TrainConfig) -> list[dict]:
     model = models.build(cfg.model, seed=cfg.seed)
     pinned = apply_strategies(model, cfg.strategies) if cfg.strategies else []
     micro = cfg.batch_size // mesh.num_data_shards // cfg.accum
-    pm = ps.parallelize(model, example_inputs=model.example_inputs(micro))
+    copies = "auto" if cfg.copies == "auto" else int(cfg.copies)
+    pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies)
     if lead:
         print(f"mesh: {mesh}  ({world} processes, {torch.get_num_threads()} thread each)")
+        if pm.plan.copies > 1 or copies == "auto":
+            print(f"multi-copy: each micro-batch runs as {pm.plan.copies} interleaved copies")
         if pinned:
             print(f"pinned from {cfg.strategies}: {', '.join(pinned)}")
         print("parameter layouts:\n" + pm.plan.summary())

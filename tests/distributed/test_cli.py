@@ -27,6 +27,8 @@ def test_models_lists_every_named_config():
     (["--nproc", "4", "--batch-size", "6"], "--batch-size 6 must split into dp=4"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--strategies", "missing.yaml"], "does not exist"),
+    (["--copies", "two"], "--copies must be a positive integer or 'auto'"),
+    (["--nproc", "2", "--batch-size", "4", "--copies", "4"], "--copies 4 needs at least as many rows"),
 ])
 def test_bad_train_flags_exit_nonzero_with_a_message(flags, needle):
     out = polyshard("train", *flags)
@@ -39,10 +41,10 @@ def test_train_runs_on_two_ranks_with_pins_and_writes_metrics(tmp_path):
     pins.write_text("blocks.*.mlp.fc: {in_strategy: [[1, 1, 1], [2, 1]]}\n")
     metrics = tmp_path / "m.jsonl"
     out = polyshard("train", "--nproc", "2", "--mesh", "tp=2", "--model", "gpt-tiny", "--steps", "3",
-                    "--strategies", str(pins), "--metrics", str(metrics), cwd=tmp_path)
+                    "--strategies", str(pins), "--metrics", str(metrics), "--copies", "2", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "mesh: tp=2(op)" in out.stdout and "blocks.0.mlp.fc.weight" in out.stdout
-    assert "pinned from" in out.stdout
+    assert "pinned from" in out.stdout and "2 interleaved copies" in out.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["tokens_per_s"] > 0 for r in records)
 

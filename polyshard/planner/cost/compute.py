@@ -1,0 +1,39 @@
+"""Forward FLOPs each op does on one rank, from its global shapes and the plan's layouts.
+
+Matrix products count 2 FLOPs per multiply-add (nanoGPT's estimate_mfu convention); attention
+counts its two products, 4*B*H*T*S*D; elementwise ops count one FLOP per output element.
+Training costs 3x forward (backward does two products per forward one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+from torch import fx, nn
+
+from polyshard.graph.capture import shape_of
+from polyshard.layout import Layout
+from polyshard.planner.plan import Plan
+
+TRAIN_FLOPS_PER_FORWARD = 3
+
+
+def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> float:
+    """FLOPs of ``node``'s forward on this rank."""
+    shape = shape_of(node)
+    out = plan.nodes[node.name].output
+    if shape is None or not isinstance(out, Layout):
+        return 0.0
+    local = math.prod(shape) / math.prod(out.num_shards(d) for d in range(out.ndim))
+    if node.op == "call_module":
+        module = modules[node.target]
+        if isinstance(module, nn.Linear):
+            weight = plan.nodes[node.name].params["weight"]
+            return 2 * local * module.in_features / weight.num_shards(1)
+        if isinstance(module, nn.Embedding):
+            return 0.0
+    if node.target is F.scaled_dot_product_attention:
+        q, k = (shape_of(n) for n in node.args[:2])
+        return 4 * local / q[-1] * k[-2] * q[-1]
+    return local

@@ -1,0 +1,75 @@
+"""Multi-copy overlap: predicted step time for k interleaved copies, and the best k.
+
+Each op of each copy is a compute task (its share of the FLOPs, plus a fixed per-op cost for
+launching it) followed, if it communicates, by a communication task (its share of the bytes,
+plus the link latency per collective). Tasks run in the interleaved order (op-major, copy-minor)
+on one compute stream and one communication stream, and a copy's next op waits for its own
+previous communication: list scheduling of that order gives the step time, so the other
+copies' compute hides each collective as far as there is compute to hide it behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx
+
+from polyshard.cluster import Cluster
+from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes
+from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops
+from polyshard.planner.plan import Plan
+
+# Fixed cost of issuing one op: Python dispatch on CPU, a kernel launch on GPU (order of magnitude).
+OP_OVERHEAD_S = {"cpu": 2e-5, "cuda": 5e-6}
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op for the whole batch: compute_s (FLOPs at the device rate), comm_s (bytes over
+    bandwidth), latency_s (the links' latency for its collectives, paid again by every copy)."""
+
+    compute_s: float
+    comm_s: float
+    latency_s: float
+
+
+def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "float32", itemsize: int = 4) -> list[OpCost]:
+    """Training cost of every op in program order (forward and backward folded together)."""
+    modules = dict(gm.named_modules())
+    rate = cluster.flops_per_s[dtype]
+    out = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr") or node.name not in plan.nodes:
+            continue
+        flops = TRAIN_FLOPS_PER_FORWARD * forward_flops(node, plan, modules)
+        sent = node_comm_bytes(node, plan, modules, itemsize, cluster.backend)
+        transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
+        # backward sends what forward sends: each collective's gradient is its reverse
+        out.append(OpCost(flops / rate, 2 * transfer, 2 * latency))
+    return out
+
+
+def step_seconds(costs: list[OpCost], copies: int, op_overhead_s: float) -> float:
+    """List-scheduled time of the interleaved order on one compute and one communication stream."""
+    compute_free = comm_free = 0.0
+    ready = [0.0] * copies  # when each copy's previous communication is done
+    for cost in costs:
+        for c in range(copies):
+            start = max(compute_free, ready[c])
+            compute_free = start + cost.compute_s / copies + op_overhead_s
+            if cost.comm_s or cost.latency_s:
+                comm_start = max(comm_free, compute_free)
+                comm_free = comm_start + cost.comm_s / copies + cost.latency_s
+                ready[c] = comm_free
+            else:
+                ready[c] = compute_free
+    return max([compute_free, comm_free, *ready])
+
+
+def choose_copies(gm: fx.GraphModule, plan: Plan, cluster: Cluster, batch_rows: int,
+                  candidates: tuple[int, ...] = (1, 2, 4)) -> tuple[int, dict[int, float]]:
+    """The copy count with the lowest predicted step time, and the prediction for each candidate."""
+    costs = op_costs(gm, plan, cluster)
+    overhead = OP_OVERHEAD_S[cluster.device_type]
+    predicted = {k: step_seconds(costs, k, overhead) for k in candidates if k <= batch_rows}
+    return min(predicted, key=predicted.get), predicted
