@@ -49,20 +49,26 @@ def test_step_time_hides_communication_behind_the_other_copy():
     assert step_seconds(costs, 2, 0.0) == pytest.approx(4.5)  # all but the last half-collective hidden
 
 
-def test_cost_model_splits_only_when_communication_is_worth_hiding():
-    def plan_for(cfg):
-        model = models.GPT(cfg).to("meta")
-        gm = capture(model, model.example_inputs(8))
-        plan = propagate(gm, (("tp", 4),), lambda msg: None)
-        plan.mesh = (("tp", 4),)
-        return gm, plan
+def _plan_for(cfg, rows):
+    model = models.GPT(cfg).to("meta")
+    gm = capture(model, model.example_inputs(rows))
+    plan = propagate(gm, (("tp", 4),), lambda msg: None)
+    plan.mesh = (("tp", 4),)
+    return gm, plan
 
-    cluster = Cluster.preset("cpu-gloo:4")
-    tiny = choose_copies(*plan_for(models.CONFIGS["gpt-tiny"]), cluster, 8)
-    assert tiny[0] == 1  # per-op overhead dominates a tiny model
-    wide = dataclasses.replace(models.CONFIGS["gpt-tiny"], hidden=512, num_heads=8, seq_len=128)
-    chosen, predicted = choose_copies(*plan_for(wide), cluster, 8)
+
+def test_on_cpu_nothing_hides_so_one_copy_wins():
+    cfg = dataclasses.replace(models.CONFIGS["gpt-tiny"], hidden=512, num_heads=8, seq_len=128)
+    chosen, predicted = choose_copies(*_plan_for(cfg, 8), Cluster.preset("cpu-gloo:4"), 8)
+    assert chosen == 1 and predicted[1] < predicted[2] < predicted[4]
+
+
+def test_on_gpus_a_large_layer_is_worth_splitting():
+    cfg = dataclasses.replace(models.CONFIGS["gpt-tiny"], hidden=4096, num_heads=32, seq_len=2048)
+    chosen, predicted = choose_copies(*_plan_for(cfg, 8), Cluster.preset("4xA100-80G"), 8)
     assert chosen > 1 and predicted[chosen] < predicted[1]
+    tiny = choose_copies(*_plan_for(models.CONFIGS["gpt-tiny"], 8), Cluster.preset("4xA100-80G"), 8)
+    assert tiny[0] == 1  # launch overhead dominates a tiny model
 
 
 def test_micro_batch_interleaved_marks_models_and_rejects_bad_counts():

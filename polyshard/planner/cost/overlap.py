@@ -6,6 +6,9 @@ plus the link latency per collective). Tasks run in the interleaved order (op-ma
 on one compute stream and one communication stream, and a copy's next op waits for its own
 previous communication: list scheduling of that order gives the step time, so the other
 copies' compute hides each collective as far as there is compute to hide it behind.
+
+On CPU, gloo's collectives run on the same cores as the compute (there is no separate copy
+engine), so there the two streams are one and nothing hides: more copies only add per-op cost.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
     return out
 
 
-def step_seconds(costs: list[OpCost], copies: int, op_overhead_s: float) -> float:
-    """List-scheduled time of the interleaved order on one compute and one communication stream."""
+def step_seconds(costs: list[OpCost], copies: int, op_overhead_s: float, overlap: bool = True) -> float:
+    """List-scheduled time of the interleaved order on one compute and one communication stream
+    (``overlap=False``: communication occupies the compute stream too)."""
     compute_free = comm_free = 0.0
     ready = [0.0] * copies  # when each copy's previous communication is done
     for cost in costs:
@@ -61,6 +65,8 @@ def step_seconds(costs: list[OpCost], copies: int, op_overhead_s: float) -> floa
                 comm_start = max(comm_free, compute_free)
                 comm_free = comm_start + cost.comm_s / copies + cost.latency_s
                 ready[c] = comm_free
+                if not overlap:
+                    compute_free = comm_free
             else:
                 ready[c] = compute_free
     return max([compute_free, comm_free, *ready])
@@ -71,5 +77,6 @@ def choose_copies(gm: fx.GraphModule, plan: Plan, cluster: Cluster, batch_rows: 
     """The copy count with the lowest predicted step time, and the prediction for each candidate."""
     costs = op_costs(gm, plan, cluster)
     overhead = OP_OVERHEAD_S[cluster.device_type]
-    predicted = {k: step_seconds(costs, k, overhead) for k in candidates if k <= batch_rows}
+    overlap = cluster.device_type == "cuda"
+    predicted = {k: step_seconds(costs, k, overhead, overlap) for k in candidates if k <= batch_rows}
     return min(predicted, key=predicted.get), predicted
