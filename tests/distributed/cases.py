@@ -288,3 +288,45 @@ def manual_pipeline() -> dict:
     loss.backward()
     return {"grad_err": max(rel_err(p.grad, g) for p, g in zip(second.parameters(), ref_grads[2:])),
             "loss_err": rel_err(loss.detach(), ref.detach())}
+
+
+def plan_from_json_parity(edit: bool) -> dict:
+    """A plan written to JSON (and optionally edited by hand) runs, with parity."""
+    from polyshard.graph.capture import capture
+    from polyshard.planner.plan import Plan
+    from polyshard.planner.propagate import propagate
+
+    ps.init("tp=2")
+    ref, par = _build("gpt-tiny", torch.float64, True), _build("gpt-tiny", torch.float64, True)
+    x, y = _batch(ref, 4, 0)
+    plan = propagate(capture(_build("gpt-tiny", torch.float64, True), (x, y)), ps.current_mesh().op_axes, print)
+    text = plan.to_json()
+    if edit:  # by hand: keep the first MLP whole (replicated weights, gathered input)
+        import json
+        raw = json.loads(text)
+        replicated = {"axes": [["tp", 2]], "dims": [[], []], "partial": []}
+        raw["params"]["blocks.0.mlp.fc.weight"] = raw["params"]["blocks.0.mlp.proj.weight"] = replicated
+        raw["params"]["blocks.0.mlp.fc.bias"] = raw["params"]["blocks.0.mlp.proj.bias"] = {
+            "axes": [["tp", 2]], "dims": [[]], "partial": []}
+        for name in ("blocks_0_mlp_fc", "blocks_0_mlp_proj"):
+            node = raw["nodes"][name]
+            node["impl"] = "local"
+            node["params"] = {"weight": replicated, "bias": {"axes": [["tp", 2]], "dims": [[]], "partial": []}}
+            node["inputs"] = {k: {"axes": [["tp", 2]], "dims": [[], [], []], "partial": []} for k in node["inputs"]}
+            node["output"] = {"axes": [["tp", 2]], "dims": [[], [], []], "partial": []}
+        for name in ("gelu",):
+            raw["nodes"][name]["inputs"] = {k: {"axes": [["tp", 2]], "dims": [[], [], []], "partial": []}
+                                            for k in raw["nodes"][name]["inputs"]}
+            raw["nodes"][name]["output"] = {"axes": [["tp", 2]], "dims": [[], [], []], "partial": []}
+        text = json.dumps(raw)
+    pm = ps.parallelize(par, example_inputs=(x, y), plan=Plan.from_json(text))
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for s in range(5):
+        x, y = _batch(ref, 4, s)
+        ref_loss, loss = ref(x, y), pm(x, y)
+        ref_loss.backward(), loss.backward()
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+    full = pm.full_state_dict()
+    return {"loss_err": rel_err(loss.detach(), ref_loss.detach()),
+            "param_err": max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters()),
+            "fc": str(pm.plan.params["blocks.0.mlp.fc.weight"])}

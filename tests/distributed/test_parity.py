@@ -79,3 +79,10 @@ def test_pins_on_embedding_linear_and_any_module(pools):
     assert r["layouts"]["blocks.0.mlp.fc.weight"] == "S(1)"  # pinned: in-features split, not the default
     assert r["inputs"]["blocks_0_mlp_fc"] == {"blocks_0_ln2": "S(2)"}
     assert r["inputs"]["ln_f"] == {"add_4": "S(0)"}
+
+
+@pytest.mark.parametrize("edit", [False, True])
+def test_plan_json_and_hand_edited_plan_run(pools, edit):
+    results = pools(2).run(cases.plan_from_json_parity, edit)
+    _check(results)
+    assert results[0]["fc"] == ("R" if edit else "S(0)")
