@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 from polyshard.errors import PolyshardError
 
@@ -42,7 +43,25 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=int, default=10, help="print a line every N steps (default 10)")
     t.add_argument("--copies", default="1", help="run each micro-batch as N interleaved copies so collectives "
                    "overlap compute; 'auto' lets the cost model choose (default 1)")
+    t.add_argument("--plan", default="", help="run this plan file (from `polyshard plan`, or edited by hand)")
+    t.add_argument("--auto", action="store_true", help="search the best plan for the processes at hand, then train")
     t.set_defaults(handler=_train)
+
+    pl = sub.add_parser("plan", help="choose how to split a model over a cluster (prints it, can write it)",
+                        description="Search every dp x tp split of the cluster's devices, with operator strategies "
+                                    "from sharding propagation, under a per-device memory limit.")
+    pl.add_argument("--model", required=True, help="model name (see `polyshard models`)")
+    pl.add_argument("--cluster", required=True, help="NODESxDEVICESxTYPE (e.g. 128x8xA100-80G), cpu-gloo:N, or a YAML file")
+    pl.add_argument("--batch-size", type=int, default=0, help="global batch rows per step (default: 1 per device)")
+    pl.add_argument("--memory-limit", default="", help="bytes per device, e.g. 70GiB (default: the device's memory)")
+    pl.add_argument("--out", default="", help="write the plan here as JSON")
+    pl.set_defaults(handler=_plan)
+
+    ex = sub.add_parser("explain", help="show a plan file again, with why its choice won",
+                        description="Print a plan file: candidates, the choice and its runner-up, memory, layouts.")
+    ex.add_argument("plan", help="plan JSON file")
+    ex.add_argument("--layouts", type=int, default=40, help="parameter layouts to list (default 40)")
+    ex.set_defaults(handler=_explain)
 
     r = sub.add_parser("run", help="run your own script on N processes (torchrun)",
                        description="Launch SCRIPT on N local processes; inside it, call polyshard.init().")
@@ -61,7 +80,7 @@ def _train(args) -> int:
 
     cfg = TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
                       lr=args.lr, seed=args.seed, strategies=args.strategies, metrics=args.metrics,
-                      log_every=args.log_every, copies=args.copies)
+                      log_every=args.log_every, copies=args.copies, plan=args.plan, auto=args.auto)
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1)
     if args.nproc is not None and args.nproc < 1:
@@ -74,6 +93,42 @@ def _train(args) -> int:
     import torch.distributed as dist
 
     dist.destroy_process_group()
+    return 0
+
+
+def _plan(args) -> int:
+    import time
+
+    from polyshard import models
+    from polyshard.cluster import Cluster, parse_bytes
+    from polyshard.planner.report import render
+    from polyshard.planner.search import search
+
+    cluster = Cluster.load(args.cluster)
+    if args.model not in models.CONFIGS:
+        raise PolyshardError(f"--model {args.model!r} is unknown; `polyshard models` lists: {', '.join(models.CONFIGS)}")
+    batch = args.batch_size or cluster.num_devices
+    if batch < 1:
+        raise PolyshardError(f"--batch-size must be at least 1, got {batch}")
+    limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    start = time.perf_counter()
+    model = models.build(args.model, device="meta")
+    plan, _ = search(model, model.example_inputs(1), cluster, batch, limit)
+    plan.model = args.model
+    print(f"planned {args.model} on {cluster.num_devices} devices ({args.cluster}) "
+          f"in {time.perf_counter() - start:.1f} s")
+    print(render(plan))
+    if args.out:
+        Path(args.out).write_text(plan.to_json())
+        print(f"plan: {args.out}")
+    return 0
+
+
+def _explain(args) -> int:
+    from polyshard.planner.report import render
+    from polyshard.runtime.trainer import load_plan
+
+    print(render(load_plan(args.plan), layouts=args.layouts))
     return 0
 
 

@@ -37,7 +37,8 @@ class NodePlan:
 class Plan:
     """op_axes: the device matrix operators split over; params: layout per parameter name;
     nodes: per graph node, how it runs; mesh/data_axes: the whole mesh it was made for;
-    copies: how many interleaved slices each batch runs as (multi-copy parallel)."""
+    copies: how many interleaved slices each batch runs as (multi-copy parallel);
+    model/global_batch: what it was made for, when a search made it; report: the search's figures."""
 
     op_axes: Axes
     params: dict[str, Layout] = field(default_factory=dict)
@@ -45,10 +46,14 @@ class Plan:
     mesh: Axes = ()
     data_axes: tuple[str, ...] = ()
     copies: int = 1
+    model: str = ""
+    global_batch: int = 0
+    report: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({
             "mesh": [list(a) for a in self.mesh], "data_axes": list(self.data_axes), "copies": self.copies,
+            "model": self.model, "global_batch": self.global_batch, "report": self.report,
             "op_axes": [list(a) for a in self.op_axes],
             "params": {k: _layout_out(v) for k, v in self.params.items()},
             "nodes": {k: {"impl": n.impl, "inputs": {i: _layout_out(l) for i, l in n.inputs.items()},
@@ -69,7 +74,8 @@ class Plan:
                                    {int(d): v for d, v in n["shape_divisors"].items()})
                        for k, n in raw["nodes"].items()},
                 mesh=_axes_in(raw.get("mesh", [])), data_axes=tuple(raw.get("data_axes", [])),
-                copies=int(raw.get("copies", 1)),
+                copies=int(raw.get("copies", 1)), model=raw.get("model", ""),
+                global_batch=int(raw.get("global_batch", 0)), report=raw.get("report", {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PolyshardError(f"not a polyshard plan: {type(exc).__name__}: {exc}") from exc

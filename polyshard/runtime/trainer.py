@@ -7,6 +7,7 @@ import fnmatch
 import gc
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,10 @@ import torch.distributed as dist
 
 import polyshard as ps
 from polyshard import models
+from polyshard.cluster import Cluster
+from polyshard.planner.plan import Plan
+from polyshard.planner.report import render
+from polyshard.planner.search import search
 from polyshard.data.corpus import TokenBatches, load_corpus
 from polyshard.errors import PolyshardError
 
@@ -25,7 +30,8 @@ class TrainConfig:
     """model: a name from polyshard.models; mesh: e.g. "dp=2,tp=2"; steps: optimizer steps;
     batch_size: global rows per step; accum: micro-steps per step; lr: AdamW rate; seed: init and
     data; strategies: YAML of per-module pins; metrics: JSON-lines path; log_every: steps per line;
-    copies: interleaved slices per micro-batch ("auto": the cost model chooses)."""
+    copies: interleaved slices per micro-batch ("auto": the cost model chooses);
+    plan: a plan file to run (mesh and layouts from it); auto: search a plan for the processes at hand."""
 
     model: str = "gpt-small"
     mesh: str = ""
@@ -38,6 +44,17 @@ class TrainConfig:
     metrics: str = "runs/metrics.jsonl"
     log_every: int = 10
     copies: str = "1"
+    plan: str = ""
+    auto: bool = False
+
+
+def load_plan(path: str) -> Plan:
+    """A plan file, read and parsed (errors name the file)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PolyshardError(f"--plan {path!r} cannot be read: {exc.strerror}") from exc
+    return Plan.from_json(text)
 
 
 def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
@@ -46,9 +63,17 @@ def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
 
     if cfg.model not in models.CONFIGS:
         raise PolyshardError(f"--model {cfg.model!r} is unknown; `polyshard models` lists: {', '.join(models.CONFIGS)}")
-    shape = parse_mesh(cfg.mesh) if cfg.mesh else {"dp": world_size}
+    if cfg.plan and (cfg.mesh or cfg.auto):
+        raise PolyshardError("--plan fixes the mesh: leave out --mesh and --auto")
+    if cfg.auto and cfg.mesh:
+        raise PolyshardError("--auto chooses the mesh: leave out --mesh")
+    if cfg.plan:
+        plan = load_plan(cfg.plan)
+        shape = dict(plan.mesh) or {"dp": world_size}
+    else:
+        shape = parse_mesh(cfg.mesh) if cfg.mesh else {"dp": world_size}
     check_mesh(shape, world_size)
-    data = shape.get("dp", 1)
+    data = 1 if cfg.auto else shape.get("dp", 1)  # --auto: the search picks a split that divides the batch
     for flag, value in (("--steps", cfg.steps), ("--batch-size", cfg.batch_size), ("--accum", cfg.accum),
                         ("--log-every", cfg.log_every)):
         if value < 1:
@@ -104,16 +129,26 @@ def train(cfg: TrainConfig) -> list[dict]:
     """Train on the corpus shipped with Python; rank 0 prints, shows progress and writes metrics."""
     from tqdm import tqdm
 
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     shape = check_config(cfg, world)
+    plan = load_plan(cfg.plan) if cfg.plan else None
+    model_name = plan.model if plan is not None and plan.model else cfg.model
+    if cfg.auto:
+        meta = models.build(model_name, device="meta")
+        plan, _ = search(meta, meta.example_inputs(1), Cluster.from_env(), cfg.batch_size // cfg.accum)
+        plan.model, shape = model_name, dict(plan.mesh)
     mesh = ps.init(shape)
     lead = dist.get_rank() == 0
-    model = models.build(cfg.model, seed=cfg.seed)
+    model = models.build(model_name, seed=cfg.seed)
     pinned = apply_strategies(model, cfg.strategies) if cfg.strategies else []
     micro = cfg.batch_size // mesh.num_data_shards // cfg.accum
+    if cfg.auto and cfg.batch_size % (mesh.num_data_shards * cfg.accum):
+        raise PolyshardError(f"the searched mesh {mesh} does not split --batch-size {cfg.batch_size} x --accum {cfg.accum}")
     copies = "auto" if cfg.copies == "auto" else int(cfg.copies)
-    pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies)
+    pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan)
     if lead:
+        if cfg.auto:
+            print(render(pm.plan, layouts=0))
         print(f"mesh: {mesh}  ({world} processes, {torch.get_num_threads()} thread each)")
         if pm.plan.copies > 1 or copies == "auto":
             print(f"multi-copy: each micro-batch runs as {pm.plan.copies} interleaved copies")

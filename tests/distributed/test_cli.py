@@ -62,3 +62,21 @@ def test_run_launches_a_user_script(tmp_path):
     out = polyshard("run", "-n", "2", str(script))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rank 0 of 2: 3" in out.stdout and "rank 1 of 2: 3" in out.stdout
+
+
+def test_plan_explain_and_train_from_the_plan(tmp_path):
+    plan = tmp_path / "plan.json"
+    out = polyshard("plan", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--batch-size", "4", "--out", str(plan))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "runner-up" in out.stdout and plan.is_file()
+    shown = polyshard("explain", str(plan))
+    assert shown.returncode == 0 and "memory per device" in shown.stdout
+    trained = polyshard("train", "--nproc", "2", "--plan", str(plan), "--steps", "2", "--batch-size", "4",
+                        "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "mesh: dp=" in trained.stdout
+
+
+def test_plan_that_cannot_fit_says_by_how_much():
+    out = polyshard("plan", "--model", "gpt3-175b", "--cluster", "8xA100-80G")
+    assert out.returncode == 2 and "does not fit" in out.stderr and "over the 80 GiB limit" in out.stderr

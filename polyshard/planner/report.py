@@ -1,0 +1,40 @@
+"""A plan as the table ``polyshard plan`` and ``polyshard explain`` print."""
+
+from __future__ import annotations
+
+from polyshard.cluster import format_bytes
+from polyshard.planner.plan import Plan
+
+
+def render(plan: Plan, layouts: int = 40) -> str:
+    """The plan as a person reads it: candidates, why the choice won, memory, parameter layouts."""
+    rep = plan.report
+    lines = []
+    if rep:
+        lines.append(f"model {plan.model or '?'}, global batch {plan.global_batch}, "
+                     f"memory limit {format_bytes(rep['limit_bytes'])} per device")
+        lines.append(f"  {'mesh':<16} {'step':>10} {'compute':>10} {'op comm':>10} {'dp comm':>10} {'memory':>11}")
+        for c in rep["candidates"]:
+            mark = "*" if c["mesh"] == rep["chosen"] else " " if c["fits"] else "x"
+            lines.append(f"{mark} {c['mesh']:<16} {_ms(c['step_s'])} {_ms(c['compute_s'])} {_ms(c['op_comm_s'])} "
+                         f"{_ms(c['dp_comm_s'])} {format_bytes(c['memory']['total']):>11}")
+        fitting = [c for c in rep["candidates"] if c["fits"]]
+        chosen = next(c for c in rep["candidates"] if c["mesh"] == rep["chosen"])
+        runner = next((c for c in fitting if c is not chosen), None)
+        if runner:
+            lines.append(f"chosen {chosen['mesh']}: {runner['mesh']} (runner-up) predicts "
+                         f"{(runner['step_s'] / chosen['step_s'] - 1) * 100:.1f}% longer steps")
+        m = chosen["memory"]
+        lines.append("memory per device: " + ", ".join(f"{k} {format_bytes(m[k])}" for k in
+                     ("params", "grads", "optimizer", "activations", "buffers"))
+                     + f" = {format_bytes(m['total'])} of {format_bytes(rep['limit_bytes'])}")
+    lines.append(f"mesh: {' x '.join(f'{n}={s}' for n, s in plan.mesh) or 'one device'}; parameter layouts:")
+    summary = plan.summary().splitlines()
+    lines.extend(summary[:layouts])
+    if len(summary) > layouts:
+        lines.append(f"... {len(summary) - layouts} more (the plan file has all)")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:>8.1f}ms"

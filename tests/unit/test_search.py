@@ -1,0 +1,63 @@
+"""Mesh search and the memory model on meta models, in one process."""
+
+import pytest
+
+from polyshard import models
+from polyshard.cluster import Cluster, parse_bytes
+from polyshard.errors import PolyshardError
+from polyshard.graph.capture import capture
+from polyshard.planner.cost.memory import estimate_memory
+from polyshard.planner.plan import Plan
+from polyshard.planner.propagate import propagate
+from polyshard.planner.report import render
+from polyshard.planner.search import search
+
+
+def _search(limit=None, batch=8):
+    model = models.build("gpt-small", "meta")
+    return search(model, model.example_inputs(1), Cluster.preset("cpu-gloo:4"), batch, limit)
+
+
+def test_every_split_is_costed_and_the_fastest_fitting_one_wins():
+    plan, candidates = _search()
+    assert sorted(c.describe() for c in candidates) == ["dp=1 x tp=4", "dp=2 x tp=2", "dp=4 x tp=1"]
+    assert plan.report["chosen"] == candidates[0].describe()
+    assert [c.step_s for c in candidates] == sorted(c.step_s for c in candidates)
+
+
+def test_memory_limit_moves_the_choice_to_a_leaner_split():
+    _, candidates = _search()
+    by_mesh = {c.describe(): c.memory.total_bytes for c in candidates}
+    limit = (by_mesh["dp=2 x tp=2"] + by_mesh["dp=4 x tp=1"]) / 2  # dp=4 no longer fits
+    plan, _ = _search(limit)
+    assert dict(plan.mesh)["tp"] > 1
+
+
+def test_a_model_that_cannot_fit_is_told_by_how_much():
+    with pytest.raises(PolyshardError, match=r"does not fit: .* over the 1 MiB limit"):
+        _search(parse_bytes("1MiB"))
+
+
+def test_parameter_memory_follows_the_layouts():
+    model = models.build("gpt-tiny", "meta")
+    gm = capture(model, model.example_inputs(1))
+    full = estimate_memory(gm, propagate(gm, (), print))
+    split = estimate_memory(gm, propagate(gm, (("tp", 2),), print))
+    numel = sum(p.numel() for p in model.parameters())
+    assert full.params_bytes == numel * 4 and full.optimizer_bytes == 2 * numel * 4
+    replicated = sum(p.numel() for n, p in model.named_parameters() if "ln" in n or "wpe" in n or "proj.bias" in n)
+    assert split.params_bytes == (replicated + (numel - replicated) / 2) * 4
+
+
+def test_search_report_survives_json_and_renders():
+    plan, _ = _search()
+    plan.model = "gpt-small"
+    again = Plan.from_json(plan.to_json())
+    text = render(again)
+    assert again.report == plan.report and "runner-up" in text and plan.report["chosen"] in text
+
+
+def test_large_models_plan_in_seconds():
+    model = models.build("pangu-alpha-2.6b", "meta")
+    plan, candidates = search(model, model.example_inputs(1), Cluster.preset("8xA100-80G"), 8)
+    assert len(candidates) == 4 and plan.report["chosen"]
