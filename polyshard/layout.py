@@ -9,6 +9,7 @@ compactly per axis, e.g. ``S(0)R`` for "dim 0 split on the first axis, replicate
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,19 +34,21 @@ class Layout:
     partial: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        names = [name for name, _ in self.axes]
+        position = _positions(self.axes)
         used = [a for d in self.dims for a in d] + list(self.partial)
-        unknown = [a for a in used if a not in names]
+        if not used:
+            return  # replicated: nothing to check (the planner builds many)
+        unknown = [a for a in used if a not in position]
         if unknown:
-            raise PolyshardError(f"layout uses axes {unknown} not in the device matrix {names}")
+            raise PolyshardError(f"layout uses axes {unknown} not in the device matrix {list(position)}")
         if len(set(used)) != len(used):
             raise PolyshardError(f"layout {self.dims} partial={self.partial} uses an axis twice")
-        object.__setattr__(self, "partial", tuple(sorted(self.partial, key=names.index)))
+        if len(self.partial) > 1:
+            object.__setattr__(self, "partial", tuple(sorted(self.partial, key=position.__getitem__)))
         for d in self.dims:
-            order = [names.index(a) for a in d]
-            if order != sorted(order):
+            if any(position[a] > position[b] for a, b in zip(d, d[1:])):
                 raise PolyshardError(
-                    f"axes {d} split one dim out of mesh order {names}; list them outermost first"
+                    f"axes {d} split one dim out of mesh order {list(position)}; list them outermost first"
                 )
 
     # -- construction ---------------------------------------------------------------
@@ -144,6 +147,11 @@ class Layout:
     def describe(self) -> str:
         """Per-axis form with names, e.g. ``dp=2:S(0) tp=2:R``."""
         return " ".join(f"{n}={s}:{p}" for (n, s), p in zip(self.axes, _split_str(str(self))))
+
+
+@functools.lru_cache(maxsize=None)
+def _positions(axes: Axes) -> dict[str, int]:
+    return {name: i for i, (name, _) in enumerate(axes)}
 
 
 def _split_str(text: str) -> list[str]:

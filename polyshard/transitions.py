@@ -14,6 +14,7 @@ place are gathered innermost first, then the target's new splits are sliced oute
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -120,11 +121,17 @@ def common_axes(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
     return expand(src, axes, spans_src), expand(dst, axes, spans_dst)
 
 
-def transition_bytes(src: Layout, dst: Layout, global_shape: Sequence[int], itemsize: int,
-                     backend: str = "gloo") -> dict[str, float]:
-    """Bytes each rank sends per axis to go from ``src`` to ``dst``."""
+@functools.lru_cache(maxsize=65536)
+def _transition_bytes(src: Layout, dst: Layout, global_shape: tuple[int, ...], itemsize: int,
+                      backend: str) -> tuple[tuple[str, float], ...]:
     a, b = common_axes(src, dst)
     out: dict[str, float] = {}
     for step in plan_transition(a, b):
         out[step.axis] = out.get(step.axis, 0.0) + step.bytes_sent(global_shape, itemsize, backend)
-    return out
+    return tuple(out.items())
+
+
+def transition_bytes(src: Layout, dst: Layout, global_shape: Sequence[int], itemsize: int,
+                     backend: str = "gloo") -> dict[str, float]:
+    """Bytes each rank sends per axis to go from ``src`` to ``dst`` (memoised: the search asks often)."""
+    return dict(_transition_bytes(src, dst, tuple(global_shape), itemsize, backend))

@@ -13,11 +13,15 @@ def render(plan: Plan, layouts: int = 40) -> str:
     if rep:
         lines.append(f"model {plan.model or '?'}, global batch {plan.global_batch}, "
                      f"memory limit {format_bytes(rep['limit_bytes'])} per device")
-        lines.append(f"  {'mesh':<16} {'step':>10} {'compute':>10} {'op comm':>10} {'dp comm':>10} {'memory':>11}")
+        lines.append(f"  {'mesh':<16} {'step':>10} {'compute':>10} {'op comm':>10} {'dp comm':>10} {'memory':>11} {'gap':>6}")
         for c in rep["candidates"]:
+            if c.get("pruned"):
+                bound = f">{c['step_s'] * 1e3:.1f}ms"
+                lines.append(f"  {c['mesh']:<16} {bound:>10}   (pruned: its LP bound already loses to the choice)")
+                continue
             mark = "*" if c["mesh"] == rep["chosen"] else " " if c["fits"] else "x"
             lines.append(f"{mark} {c['mesh']:<16} {_ms(c['step_s'])} {_ms(c['compute_s'])} {_ms(c['op_comm_s'])} "
-                         f"{_ms(c['dp_comm_s'])} {format_bytes(c['memory']['total']):>11}")
+                         f"{_ms(c['dp_comm_s'])} {format_bytes(c['memory']['total']):>11} {c.get('gap', 0):>6.1%}")
         fitting = [c for c in rep["candidates"] if c["fits"]]
         chosen = next(c for c in rep["candidates"] if c["mesh"] == rep["chosen"])
         runner = next((c for c in fitting if c is not chosen), None)

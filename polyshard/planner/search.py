@@ -1,13 +1,14 @@
-"""Mesh search: every dp x tp split of the devices, costed, under a per-device memory limit.
+"""Full search: every dp x tp split of the devices, and within each the cheapest strategy per op.
 
-Operator strategies within a split come from sharding propagation (the op rules); the split
-with the lowest predicted step time that fits wins. Costs use one capture of the model at one
-row per data shard, scaled by the rows each split gives a device (compute, activations and
+Within a split an integer program picks every op's strategy (polyshard.planner.intra_op) under
+the memory limit; the split with the lowest predicted step time wins. Costs use one capture of
+the model at one row, scaled by the rows each split gives a device (compute, activations and
 their communication grow with rows; parameters do not).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,6 +21,7 @@ from polyshard.graph.capture import capture
 from polyshard.planner.cost.comm import axis_link
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
 from polyshard.planner.cost.overlap import OP_OVERHEAD_S, op_costs
+from polyshard.planner.intra_op import solve
 from polyshard.planner.plan import Plan
 from polyshard.planner.propagate import propagate
 from polyshard.transitions import wire_bytes
@@ -36,6 +38,8 @@ class Candidate:
     op_comm_s: float
     dp_comm_s: float
     memory: MemoryEstimate
+    gap: float = 0.0  # the intra-op program's distance from its LP lower bound
+    pruned: bool = False  # not solved: its LP bound already lost (figures are lower bounds)
 
     @property
     def step_s(self) -> float:
@@ -59,14 +63,28 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     limit = memory_limit_bytes or cluster.memory_bytes
     gm = capture(model, example_row)
     candidates, plans = [], {}
-    for mesh in meshes or mesh_candidates(cluster.num_devices):
+    best_s = float("inf")
+    # splits whose operator axes fill one node first: they are likely best, and bound the rest
+    order = sorted(meshes or mesh_candidates(cluster.num_devices),
+                   key=lambda m: abs(math.log(dict(m).get("tp", 1) / cluster.devices_per_node)))
+    for mesh in order:
         sizes = dict(mesh)
         dp, tp = sizes.get("dp", 1), sizes.get("tp", 1)
         if global_batch % dp:
             continue
         rows = global_batch // dp
         op_axes = (("tp", tp),) if tp > 1 else ()
-        plan = propagate(gm, op_axes, lambda msg: None)
+        all_params = 4 * sum(p.numel() for p in gm.parameters())
+        dp_floor = _dp_seconds(all_params / tp, mesh, cluster)  # as if every weight were split over tp
+        try:
+            solved = solve(gm, op_axes, cluster, rows, limit, cutoff_s=best_s - dp_floor)
+        except PolyshardError:
+            solved = None  # nothing fits on this split; costed below with propagation's plan
+        if solved is not None and solved.plan is None:
+            candidates.append(Candidate(mesh, rows, solved.lower_bound_s, 0.0, dp_floor,
+                                        MemoryEstimate(0, 0, 0, 0, 0), pruned=True))
+            continue
+        plan = solved.plan if solved is not None else propagate(gm, op_axes, lambda msg: None)
         plan.mesh, plan.data_axes = mesh, ("dp",)
         costs = op_costs(gm, plan, cluster)
         overhead = OP_OVERHEAD_S[cluster.device_type] * len(costs)
@@ -75,18 +93,17 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         one_row = estimate_memory(gm, plan, data_parallel=dp > 1)
         memory = MemoryEstimate(one_row.params_bytes, one_row.grads_bytes, one_row.optimizer_bytes,
                                 one_row.activations_bytes * rows, one_row.buffers_bytes)
-        link = axis_link(mesh, "dp", cluster)
-        dp_comm = 0.0
-        if dp > 1:
-            sent = wire_bytes("all_reduce", memory.grads_bytes, dp)
-            dp_comm = sent / link.bandwidth_bytes_per_s + link.latency_s
-        candidates.append(Candidate(mesh, rows, compute, op_comm, dp_comm, memory))
+        dp_comm = _dp_seconds(memory.grads_bytes, mesh, cluster)
+        candidate = Candidate(mesh, rows, compute, op_comm, dp_comm, memory, solved.gap if solved else 0.0)
+        candidates.append(candidate)
         plans[mesh] = plan
+        if solved is not None and memory.total_bytes <= limit:
+            best_s = min(best_s, candidate.step_s)
     if not candidates:
         raise PolyshardError(f"no dp x tp split of {cluster.num_devices} devices divides the batch of {global_batch}")
-    fitting = [c for c in candidates if c.memory.total_bytes <= limit]
+    fitting = [c for c in candidates if c.memory.total_bytes <= limit and not c.pruned]
     if not fitting:
-        least = min(candidates, key=lambda c: c.memory.total_bytes)
+        least = min((c for c in candidates if not c.pruned), key=lambda c: c.memory.total_bytes)
         raise PolyshardError(
             f"the model does not fit: the leanest split ({least.describe()}) needs "
             f"{format_bytes(least.memory.total_bytes)} per device, {format_bytes(least.memory.total_bytes - limit)} "
@@ -99,14 +116,23 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     return plan, ranked
 
 
+def _dp_seconds(grad_bytes: float, mesh, cluster: Cluster) -> float:
+    """Gradient all-reduce over dp (alpha-beta on the dp axis's link)."""
+    dp = dict(mesh).get("dp", 1)
+    if dp == 1:
+        return 0.0
+    link = axis_link(mesh, "dp", cluster)
+    return wire_bytes("all_reduce", grad_bytes, dp) / link.bandwidth_bytes_per_s + link.latency_s
+
+
 def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: float) -> dict:
     """JSON-able figures of every candidate split and the choice."""
     def row(c: Candidate) -> dict:
         m = c.memory
         return {"mesh": c.describe(), "rows": c.rows, "step_s": c.step_s, "compute_s": c.compute_s,
-                "op_comm_s": c.op_comm_s, "dp_comm_s": c.dp_comm_s,
+                "op_comm_s": c.op_comm_s, "dp_comm_s": c.dp_comm_s, "gap": c.gap,
                 "memory": {"params": m.params_bytes, "grads": m.grads_bytes, "optimizer": m.optimizer_bytes,
                            "activations": m.activations_bytes, "buffers": m.buffers_bytes, "total": m.total_bytes},
-                "fits": m.total_bytes <= limit_bytes}
+                "fits": m.total_bytes <= limit_bytes and not c.pruned, "pruned": c.pruned}
     return {"chosen": chosen.describe(), "limit_bytes": limit_bytes, "candidates": [row(c) for c in candidates]}
 

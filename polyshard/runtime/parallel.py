@@ -17,6 +17,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.mesh import Mesh, current_mesh
 from polyshard.planner.cost.overlap import choose_copies
+from polyshard.planner.intra_op import solve
 from polyshard.planner.plan import Plan
 from polyshard.planner.propagate import propagate
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
@@ -74,13 +75,16 @@ class ParallelModule(nn.Module):
 
 def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None = None, mesh: Mesh | None = None,
                 plan: Plan | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                copies: int | str | None = None) -> ParallelModule:
+                copies: int | str | None = None, search: bool = False,
+                memory_limit_bytes: float | None = None) -> ParallelModule:
     """Split ``model`` over the mesh: pinned ops keep their strategies, the others follow the op rules.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values) default to the model's own
     ``example_inputs()``. A given ``plan`` (e.g. edited by hand) is used instead of propagation.
     ``copies``: interleaved batch slices (multi-copy parallel); "auto" lets the cost model choose;
     by default the plan's, or what :func:`micro_batch_interleaved` set on the model.
+    ``search``: choose every op's strategy by the cost model's integer program (pins kept) instead
+    of the rules' defaults, under ``memory_limit_bytes`` per device (default: the device's memory).
     """
     mesh = mesh or current_mesh()
     if example_inputs is None:
@@ -99,7 +103,12 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
                 seen.add(msg)
                 warnings.warn(f"polyshard: {msg}", stacklevel=3)
 
-        plan = propagate(gm, mesh.op_axes, warn)
+        if search:
+            cluster = mesh.cluster or Cluster.from_env()
+            limit = memory_limit_bytes or cluster.memory_bytes
+            plan = solve(gm, mesh.op_axes, cluster, example_inputs[0].size(0), limit).plan
+        else:
+            plan = propagate(gm, mesh.op_axes, warn)
     plan.mesh, plan.data_axes = mesh.axes, mesh.data_axes
     copies = copies if copies is not None else getattr(model, COPIES_ATTR, None)
     if copies == "auto":

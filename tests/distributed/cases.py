@@ -26,14 +26,15 @@ def _optimizer(params, name: str):
 
 
 def train_parity(mesh: str, model: str = "gpt-tiny", steps: int = 5, dtype=torch.float32, tied: bool = True,
-                 accum: int = 1, optimizer: str = "adamw", batch: int = 8, copies: int = 1) -> dict:
+                 accum: int = 1, optimizer: str = "adamw", batch: int = 8, copies: int = 1,
+                 search: bool = False) -> dict:
     """Train ``steps`` steps on one device and on the mesh; return the worst loss and parameter errors."""
     ps.init(mesh)
     torch.manual_seed(123)
     ref, par = (_build(model, dtype, tied) for _ in range(2))
     batches = [_batch(ref, batch, seed=s) for s in range(steps)]
     pm = ps.parallelize(par, example_inputs=_batch(ref, batch // ps.current_mesh().num_data_shards // accum, seed=0),
-                        copies=copies)
+                        copies=copies, search=search)
     ref_opt, opt = _optimizer(ref.parameters(), optimizer), _optimizer(pm.parameters(), optimizer)
     loss_err = 0.0
     for x, y in batches:

@@ -86,3 +86,9 @@ def test_plan_json_and_hand_edited_plan_run(pools, edit):
     results = pools(2).run(cases.plan_from_json_parity, edit)
     _check(results)
     assert results[0]["fc"] == ("R" if edit else "S(0)")
+
+
+@pytest.mark.parametrize("mesh", ["tp=4", "dp=2,tp=2"])
+def test_searched_plan_matches_one_device(pools, mesh):
+    results = pools(4).run(cases.train_parity, mesh, "gpt-small", 5, torch.float64, True, 1, "adamw", 8, 1, True)
+    _check(results)

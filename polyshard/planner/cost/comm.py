@@ -39,12 +39,12 @@ def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], it
         if isinstance(src, Layout) and dst is not None and src != dst:
             for axis, b in transition_bytes(src, dst, shape_of(inp), itemsize, backend).items():
                 out[axis] = out.get(axis, 0.0) + b
-    for axis, b in _partial_sum_bytes(node, entry, modules, itemsize, backend).items():
+    for axis, b in partial_sum_bytes(node, entry, modules, itemsize, backend).items():
         out[axis] = out.get(axis, 0.0) + b
     return out
 
 
-def _partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, float]:
+def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, float]:
     """A split contraction (row-parallel Linear, vocabulary-parallel Embedding) all-reduces its output."""
     if entry.impl != "dtensor" or node.op != "call_module":
         return {}

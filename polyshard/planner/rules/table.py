@@ -33,6 +33,25 @@ CREATION = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torc
 VIEWS = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
 
 
+def decide_all(node: fx.Node, ctx: RuleContext) -> list[Decision]:
+    """Every Decision the search may choose for ``node`` given its inputs' layouts (default first)."""
+    options = [decide(node, ctx)]
+    pinned = node.op == "call_module" and hasattr(ctx.modules[node.target], PIN_ATTR)
+    if node.op == "call_module" and not pinned:
+        module = ctx.modules[node.target]
+        if isinstance(module, nn.Linear):
+            options += [_linear(node, module, ctx, mode) for mode in ("column", "row", "replicated")]
+        elif isinstance(module, nn.Embedding):
+            options += [_embedding(node, module, ctx, split) for split in (True, False)]
+    elif node.target is F.cross_entropy:
+        options += [_cross_entropy(node, ctx, vocab) for vocab in (True, False)]
+    unique: list[Decision] = []
+    for d in options:
+        if d is not None and d not in unique:
+            unique.append(d)
+    return unique
+
+
 def decide(node: fx.Node, ctx: RuleContext) -> Decision:
     """The Decision for one node, given the layouts of the nodes before it."""
     if node.op == "placeholder":
@@ -240,24 +259,38 @@ def _layer_norm(node: fx.Node, module: nn.LayerNorm, ctx: RuleContext) -> Decisi
     return Decision("local", {x.name: need}, need, params=params)
 
 
-def _cross_entropy(node: fx.Node, ctx: RuleContext) -> Decision:
-    """Logits split over the classes stay split: vocabulary-parallel cross-entropy, no full logits."""
+def _cross_entropy(node: fx.Node, ctx: RuleContext, vocab: bool | None = None) -> Decision | None:
+    """Logits split over the classes stay split: vocabulary-parallel cross-entropy, no full logits.
+
+    ``vocab`` forces the choice, for the search (True slices replicated logits); None if it cannot apply."""
     logits, target = node.args[:2]
     src = ctx.layout(logits)
     defaults = {"weight": None, "size_average": None, "reduce": None, "reduction": "mean", "label_smoothing": 0.0}
-    plain = len(node.args) == 2 and all(node.kwargs.get(k, v) == v for k, v in defaults.items())
-    if plain and src.ndim == 2 and src.dims[1] and not src.dims[0] and not src.partial:
-        return Decision("vocab_ce", {logits.name: src, target.name: ctx.replicated(1)}, ctx.replicated(0))
-    return _replicated(node, ctx)
+    plain = len(node.args) == 2 and all(node.kwargs.get(k, v) == v for k, v in defaults.items()) and src.ndim == 2
+    if vocab is None:
+        vocab = plain and bool(src.dims[1]) and not src.dims[0] and not src.partial
+    if not vocab:
+        return _replicated(node, ctx)
+    if not plain or not ctx.all_axes or shape_of(logits)[1] % ctx.num_devices:
+        return None
+    need = src if src.dims[1] and not src.dims[0] and not src.partial else ctx.replicated(2).with_dims([(), ctx.all_axes])
+    return Decision("vocab_ce", {logits.name: need, target.name: ctx.replicated(1)}, ctx.replicated(0))
 
 
-def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext) -> Decision:
-    """Megatron's pairing: column-parallel after replicated input, row-parallel after a split last dim."""
+def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None = None) -> Decision | None:
+    """Megatron's pairing: column-parallel after replicated input, row-parallel after a split last dim.
+
+    ``mode`` ("column", "row", "replicated") forces a choice, for the search; None if it cannot apply."""
     x = node.args[0]
     src = ctx.layout(x)
     fixed = ctx.param_layouts.get(id(module.weight))
     last = src.dims[-1]
-    if fixed is not None:
+    if mode is not None:
+        rows, cols = {"column": (ctx.all_axes, ()), "row": ((), last or ctx.all_axes)}.get(mode, ((), ()))
+        n = ctx.num_devices
+        if mode != "replicated" and (not ctx.all_axes or module.in_features % n or module.out_features % n):
+            return None
+    elif fixed is not None:
         rows, cols = fixed.dims
         mode = "replicated" if fixed.is_replicated or (rows and cols) else "column" if rows else "row"
     elif last and not src.partial and module.in_features % src.num_shards(src.ndim - 1) == 0:
@@ -278,17 +311,21 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext) -> Decision:
     return Decision(impl, {x.name: x_need}, _reduced(out), params=params)
 
 
-def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext) -> Decision:
-    """Vocabulary-parallel lookup (rows split, partial sums reduced) for tables taller than wide."""
+def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: bool | None = None) -> Decision | None:
+    """Vocabulary-parallel lookup (rows split, partial sums reduced) for tables taller than wide.
+
+    ``split`` forces the choice, for the search; None if it cannot apply."""
     idx = node.args[0]
     src = ctx.layout(idx)
     fixed = ctx.param_layouts.get(id(module.weight))
-    tall = module.num_embeddings >= module.embedding_dim and module.num_embeddings % max(ctx.num_devices, 1) == 0
-    w = fixed if fixed is not None else Layout(ctx.op_axes, (ctx.all_axes, ())) if tall and ctx.all_axes else ctx.replicated(2)
-    idx_need = ctx.replicated(src.ndim)
-    out = ctx.replicated(src.ndim + 1)
+    divides = bool(ctx.all_axes) and module.num_embeddings % ctx.num_devices == 0
+    if split is None:
+        split = divides and module.num_embeddings >= module.embedding_dim
+    elif split and not divides:
+        return None
+    w = fixed if fixed is not None else Layout(ctx.op_axes, (ctx.all_axes, ())) if split else ctx.replicated(2)
     impl = "local" if w.is_replicated else "dtensor"
-    return Decision(impl, {idx.name: idx_need}, out, params={"weight": w})
+    return Decision(impl, {idx.name: ctx.replicated(src.ndim)}, ctx.replicated(src.ndim + 1), params={"weight": w})
 
 
 def _matmul(node: fx.Node, ctx: RuleContext) -> Decision:

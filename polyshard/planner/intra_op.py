@@ -1,0 +1,272 @@
+"""Intra-op search: one strategy per op, chosen by an integer program (Alpa's formulation).
+
+Each op gets candidate strategies (the op rules' decisions for every layout its inputs may
+arrive in, and every alternative a rule offers: column/row/replicated Linear, split/whole
+Embedding, vocabulary-parallel/plain loss). A binary variable picks one per op; an edge
+variable per pair of neighbouring picks carries the redistribution's cost. Minimised: compute
+plus communication (seconds); subject to: per-device memory under the limit, and shared
+parameters laid out alike at every use. Repeated blocks (a ModuleList of identical layers)
+share one set of variables, so a 96-layer model is solved as one layer. The LP relaxation's
+optimum bounds the true optimum from below: the gap reported is how far the plan can be from it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from torch import fx
+
+from polyshard.cluster import Cluster
+from polyshard.errors import PolyshardError
+from polyshard.graph.capture import shape_of
+from polyshard.layout import Axes, Layout
+from polyshard.planner.cost.comm import comm_seconds, partial_sum_bytes
+from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops
+from polyshard.planner.cost.memory import VIEW_OPS, local_numel
+from polyshard.planner.plan import NodePlan, Plan
+from polyshard.planner.rules import RuleContext, decide_all
+from polyshard.transitions import transition_bytes
+
+MAX_COMBOS = 64  # input-layout combinations tried per op
+BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two moments
+
+
+@dataclass(frozen=True)
+class IntraOpResult:
+    """plan: the chosen strategies (None when pruned: the LP bound already loses to a known split);
+    cost_s: their predicted seconds per step (rows included); lower_bound_s: the LP relaxation's
+    optimum; memory_bytes: per device; variables: in the program."""
+
+    plan: Plan | None
+    cost_s: float
+    lower_bound_s: float
+    memory_bytes: float
+    variables: int
+
+    @property
+    def gap(self) -> float:
+        return max(0.0, (self.cost_s - self.lower_bound_s) / self.cost_s) if self.cost_s else 0.0
+
+
+def candidates(gm: fx.GraphModule, op_axes: Axes) -> dict[str, list[NodePlan]]:
+    """Every node's candidate strategies, in graph order."""
+    modules = dict(gm.named_modules())
+    ctx = RuleContext(op_axes, modules, {}, {}, lambda msg: None)
+    values: dict[str, list] = {}
+    out: dict[str, list[NodePlan]] = {}
+    for node in gm.graph.nodes:
+        inputs = node.all_input_nodes
+        found: list[NodePlan] = []
+        for combo in itertools.islice(itertools.product(*(values[i.name] for i in inputs)), MAX_COMBOS):
+            ctx.layouts.update({i.name: v for i, v in zip(inputs, combo)})
+            found += [d for d in decide_all(node, ctx) if d not in found]
+        out[node.name] = found
+        values[node.name] = list({_key(d.output): d.output for d in found}.values())
+    return out
+
+
+def _key(value):
+    return repr(value)
+
+
+@dataclass
+class Program:
+    """The integer program's data. options: candidates per node; rep: each node's stand-in (tied
+    blocks share variables); var_of: (stand-in, candidate) -> column; node_cost / node_mem: per
+    column; edges: (producer stand-in, consumer stand-in) -> cost matrix [producer pick, consumer pick]."""
+
+    options: dict[str, list[NodePlan]]
+    rep: dict[str, str]
+    var_of: dict[tuple[str, int], int]
+    node_cost: np.ndarray
+    node_mem: np.ndarray
+    edges: dict[tuple[str, str], np.ndarray]
+    conflicts: list[tuple[tuple[str, int], tuple[str, int]]]
+
+
+def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int) -> Program:
+    """Candidates, costs (seconds per step at ``rows`` rows) and memory of every choice."""
+    options = candidates(gm, op_axes)
+    modules = dict(gm.named_modules())
+    nodes = list(gm.graph.nodes)
+    rep = _representatives(nodes, options)
+    var_of: dict[tuple[str, int], int] = {}
+    for n in nodes:
+        if rep[n.name] == n.name:
+            for i in range(len(options[n.name])):
+                var_of[(n.name, i)] = len(var_of)
+    node_cost, node_mem = np.zeros(len(var_of)), np.zeros(len(var_of))
+    seen_params: set[int] = set()
+    rate = cluster.flops_per_s["float32"]
+    for n in nodes:
+        for i, d in enumerate(options[n.name]):
+            v = var_of[(rep[n.name], i)]
+            node_cost[v] += _op_seconds(n, d, modules, op_axes, cluster, rows, rate)
+            node_mem[v] += _op_memory(n, d, modules, rows, seen_params)
+        if n.op == "call_module":
+            seen_params.update(id(p) for p in modules[n.target].parameters(recurse=False))
+    edges: dict[tuple[str, str], np.ndarray] = {}
+    for n in nodes:
+        for u in n.all_input_nodes:
+            costs = np.array([[_edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster, rows)
+                               for d in options[n.name]] for o in options[u.name]])
+            key = (rep[u.name], rep[n.name])
+            edges[key] = edges.get(key, 0) + costs
+    conflicts = list(_shared_param_conflicts(nodes, options, rep, modules))
+    return Program(options, rep, var_of, node_cost, node_mem, edges, conflicts)
+
+
+def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
+    """(seconds, bytes) of one choice per stand-in: the objective the integer program minimises."""
+    x = np.zeros(len(program.var_of))
+    for name, i in picks.items():
+        x[program.var_of[(name, i)]] = 1.0
+    cost = float(program.node_cost @ x)
+    for (u, v), costs in program.edges.items():
+        cost += float(costs[picks[u], picks[v]])
+    return cost, float(program.node_mem @ x)
+
+
+def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory_limit_bytes: float,
+          cutoff_s: float | None = None, time_limit_s: float = 30.0) -> IntraOpResult:
+    """The cheapest strategy per op for ``rows`` batch rows per device (``gm`` captured at one row).
+
+    Pruned (no plan) when the LP bound shows nothing here costs less than ``cutoff_s``."""
+    import highspy
+
+    program = build_program(gm, op_axes, cluster, rows)
+    options, rep, var_of = program.options, program.rep, program.var_of
+    nodes = list(gm.graph.nodes)
+    modules = dict(gm.named_modules())
+    node_cost, node_mem = program.node_cost, program.node_mem
+    # Seconds can be 1e-9 and bytes 1e11: scale both to order one so the solver's tolerances bite.
+    scale = 1.0 / max(node_cost.max(initial=0.0), *(c.max() for c in program.edges.values() if np.size(c)), 1e-30)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", time_limit_s)
+    h.setOptionValue("mip_rel_gap", 1e-9)
+    h.setOptionValue("mip_abs_gap", 0.0)
+    num_x = len(var_of)
+    h.addVars(num_x, np.zeros(num_x), np.ones(num_x))
+    h.changeColsCost(num_x, np.arange(num_x, dtype=np.int32), node_cost * scale)
+    for name in {rep[n.name] for n in nodes}:
+        idx = np.array([var_of[(name, i)] for i in range(len(options[name]))], dtype=np.int32)
+        h.addRow(1.0, 1.0, len(idx), idx, np.ones(len(idx)))
+    for (u, v), costs in program.edges.items():
+        if not costs.any():
+            continue
+        for i, j in zip(*np.nonzero(costs)):
+            y = h.getNumCol()
+            h.addCol(float(costs[i, j] * scale), 0.0, 1.0, 0, np.array([], dtype=np.int32), np.array([]))
+            xi, xj = var_of[(u, i)], var_of[(v, j)]
+            # y >= x_i + x_j - 1: the pair's redistribution is paid when both are picked
+            h.addRow(-1.0, highspy.kHighsInf, 3, np.array([y, xi, xj], dtype=np.int32), np.array([1.0, -1.0, -1.0]))
+    for a, b in program.conflicts:
+        h.addRow(-highspy.kHighsInf, 1.0, 2, np.array([var_of[a], var_of[b]], dtype=np.int32), np.array([1.0, 1.0]))
+    h.addRow(-highspy.kHighsInf, 1.0, num_x, np.arange(num_x, dtype=np.int32), node_mem / memory_limit_bytes)
+    h.run()
+    lower = h.getInfo().objective_function_value / scale
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        raise PolyshardError(f"no strategy fits {memory_limit_bytes / 2**30:.1f} GiB per device on op axes {dict(op_axes)}")
+    if cutoff_s is not None and lower >= cutoff_s:
+        return IntraOpResult(None, lower, lower, 0.0, h.getNumCol())
+    h.changeColsIntegrality(num_x, np.arange(num_x, dtype=np.int32), np.ones(num_x, dtype=np.uint8))
+    h.run()
+    x = np.array(h.getSolution().col_value[:num_x])
+    plan = Plan(op_axes=op_axes)
+    for n in nodes:
+        pick = max(range(len(options[n.name])), key=lambda i: x[var_of[(rep[n.name], i)]])
+        plan.nodes[n.name] = options[n.name][pick]
+    _fill_params(gm, plan, modules, op_axes)
+    cost = h.getInfo().objective_function_value / scale
+    return IntraOpResult(plan, cost, min(lower, cost), float(node_mem @ np.round(x)), h.getNumCol())
+
+
+def _op_seconds(node, d: NodePlan, modules, axes, cluster, rows, rate) -> float:
+    plan = Plan(op_axes=axes, nodes={node.name: d})
+    flops = TRAIN_FLOPS_PER_FORWARD * forward_flops(node, plan, modules) * rows
+    sent = {a: b * rows for a, b in partial_sum_bytes(node, d, modules, 4, cluster.backend).items()}
+    transfer, latency = comm_seconds(sent, axes, cluster)
+    return flops / rate + 2 * (transfer + latency)
+
+
+def _op_memory(node, d: NodePlan, modules, rows, seen_params: set[int]) -> float:
+    total = 0.0
+    for name, p in (modules[node.target].named_parameters(recurse=False) if node.op == "call_module" else []):
+        if id(p) not in seen_params and name in d.params:
+            total += local_numel(p.shape, d.params[name]) * BYTES_PER_PARAM
+    shape = shape_of(node)
+    if isinstance(d.output, Layout) and shape is not None and node.op != "placeholder" and node.target not in VIEW_OPS:
+        total += local_numel(shape, d.output) * 4 * rows
+    return total
+
+
+def _edge_seconds(u: fx.Node, src, dst, axes, cluster, rows) -> float:
+    if not isinstance(src, Layout) or dst is None or src == dst:
+        return 0.0
+    sent = {a: b * rows for a, b in transition_bytes(src, dst, shape_of(u), 4, cluster.backend).items()}
+    transfer, latency = comm_seconds(sent, axes, cluster)
+    return 2 * (transfer + latency)  # backward moves the gradient the reverse way
+
+
+def _representatives(nodes: list[fx.Node], options) -> dict[str, str]:
+    """Each node's stand-in: the same position in the first of a run of identical blocks."""
+    blocks: dict[str, list[fx.Node]] = {}
+    for n in nodes:
+        block = _block_of(n)
+        if block:
+            blocks.setdefault(block, []).append(n)
+    rep = {n.name: n.name for n in nodes}
+    groups: dict[tuple, list[list[fx.Node]]] = {}
+    for members in blocks.values():
+        signature = tuple((m.op, _strip(m)) + tuple(_shape_key(options[m.name])) for m in members)
+        groups.setdefault(signature, []).append(members)
+    for runs in groups.values():
+        first = runs[0]
+        for members in runs[1:]:
+            for m, f in zip(members, first):
+                rep[m.name] = f.name
+    return rep
+
+
+def _block_of(node: fx.Node) -> str:
+    for path in (node.meta.get("nn_module_stack") or {}).values():
+        name = path[0] if isinstance(path, tuple) else path
+        if re.fullmatch(r".*\.\d+", name):
+            return name
+    return ""
+
+
+def _strip(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return re.sub(r"\d+", "#", target)
+
+
+def _shape_key(decisions: list[NodePlan]) -> list[str]:
+    return [repr((d.impl, list(d.inputs.values()), d.output, d.params)) for d in decisions]
+
+
+def _shared_param_conflicts(nodes, options, rep, modules):
+    """Pairs of picks that would lay one shared parameter (a tied embedding) out two ways."""
+    uses: dict[int, list[tuple[str, str]]] = {}
+    for n in nodes:
+        for pname, p in (modules[n.target].named_parameters(recurse=False) if n.op == "call_module" else []):
+            uses.setdefault(id(p), []).append((n.name, pname))
+    for users in uses.values():
+        for (a, pa), (b, pb) in itertools.combinations(users, 2):
+            for i, da in enumerate(options[a]):
+                for j, db in enumerate(options[b]):
+                    if da.params.get(pa) != db.params.get(pb):
+                        yield (rep[a], i), (rep[b], j)
+
+
+def _fill_params(gm: fx.GraphModule, plan: Plan, modules, op_axes: Axes) -> None:
+    names = {id(p): n for n, p in reversed(list(gm.named_parameters()))}
+    for node in gm.graph.nodes:
+        for pname, layout in plan.nodes[node.name].params.items():
+            plan.params.setdefault(names[id(getattr(modules[node.target], pname))], layout)
+    for name, p in gm.named_parameters():
+        plan.params.setdefault(name, Layout.replicated(op_axes, p.ndim))

@@ -1,0 +1,76 @@
+"""The intra-op integer program: exhaustive optimum on small graphs, pins, tied blocks, memory."""
+
+import itertools
+
+import pytest
+import torch
+
+import polyshard as ps
+from polyshard import models
+from polyshard.cluster import Cluster
+from polyshard.errors import PolyshardError
+from polyshard.graph.capture import capture
+from polyshard.planner.intra_op import build_program, evaluate, solve
+
+CLUSTERS = ["cpu-gloo:2", "2xA100-80G"]
+
+
+def _mlp():
+    return models.MLPClassifier(in_features=64, hidden=256, num_classes=16)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_program_optimum_equals_exhaustive_enumeration(cluster, rows):
+    model = _mlp()
+    gm = capture(model, (torch.zeros(1, 64), torch.zeros(1, dtype=torch.long)))
+    cl, axes = Cluster.preset(cluster), (("tp", 2),)
+    program = build_program(gm, axes, cl, rows)
+    names = sorted({program.rep[n] for n in program.options})
+    best = min(evaluate(program, dict(zip(names, picks)))[0]
+               for picks in itertools.product(*(range(len(program.options[n])) for n in names))
+               if _allowed(program, dict(zip(names, picks))))
+    result = solve(gm, axes, cl, rows, 2**40)
+    assert result.cost_s == pytest.approx(best, rel=1e-9)
+    assert result.lower_bound_s <= result.cost_s * (1 + 1e-9)
+
+
+def _allowed(program, picks):
+    return all(not (picks[a] == i and picks[b] == j) for (a, i), (b, j) in program.conflicts)
+
+
+def test_memory_limit_trades_time_for_memory():
+    model = _mlp()
+    gm = capture(model, (torch.zeros(1, 64), torch.zeros(1, dtype=torch.long)))
+    cl, axes = Cluster.preset("2xA100-80G"), (("tp", 2),)
+    program = build_program(gm, axes, cl, 1)
+    names = sorted({program.rep[n] for n in program.options})
+    leanest = min(evaluate(program, dict(zip(names, picks)))[1]
+                  for picks in itertools.product(*(range(len(program.options[n])) for n in names)))
+    free = solve(gm, axes, cl, 1, 2**40)
+    assert free.memory_bytes > leanest  # unconstrained, the fastest choice is not the leanest
+    limit = (free.memory_bytes + leanest) / 2
+    tight = solve(gm, axes, cl, 1, limit)
+    assert tight.memory_bytes <= limit and tight.cost_s >= free.cost_s
+    with pytest.raises(PolyshardError, match="no strategy fits"):
+        solve(gm, axes, cl, 1, leanest * 0.99)
+
+
+def test_pins_are_kept():
+    model = _mlp()
+    ps.shard(model.fc2, in_strategy=((1, 2), (1, 2)))
+    gm = capture(model, (torch.zeros(1, 64), torch.zeros(1, dtype=torch.long)))
+    plan = solve(gm, (("tp", 2),), Cluster.preset("cpu-gloo:2"), 1, 2**40).plan
+    assert plan.params["fc2.weight"].dims == ((), ("tp",))
+
+
+def test_identical_blocks_share_variables_and_tied_weights_agree():
+    small = models.build("gpt-small", "meta")  # 4 blocks
+    gm = capture(small, small.example_inputs(1))
+    program = build_program(gm, (("tp", 4),), Cluster.preset("4xA100-80G"), 8)
+    reps = set(program.rep.values())
+    assert len(reps) < len(program.rep) / 2  # blocks 1..3 stand in for by block 0
+    plan = solve(gm, (("tp", 4),), Cluster.preset("4xA100-80G"), 8, 2**40).plan
+    for k in range(1, 4):
+        assert plan.params[f"blocks.{k}.mlp.fc.weight"] == plan.params["blocks.0.mlp.fc.weight"]
+    assert plan.nodes["wte"].params["weight"] == plan.nodes["lm_head"].params["weight"]
