@@ -48,12 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     t.set_defaults(handler=_train)
 
     pl = sub.add_parser("plan", help="choose how to split a model over a cluster (prints it, can write it)",
-                        description="Search every dp x tp split of the cluster's devices, with operator strategies "
-                                    "from sharding propagation, under a per-device memory limit.")
+                        description="Search every dp x tp split of the cluster's devices and, within each, every "
+                                    "operator's strategy (an integer program), under a per-device memory limit.")
     pl.add_argument("--model", required=True, help="model name (see `polyshard models`)")
     pl.add_argument("--cluster", required=True, help="NODESxDEVICESxTYPE (e.g. 128x8xA100-80G), cpu-gloo:N, or a YAML file")
     pl.add_argument("--batch-size", type=int, default=0, help="global batch rows per step (default: 1 per device)")
     pl.add_argument("--memory-limit", default="", help="bytes per device, e.g. 70GiB (default: the device's memory)")
+    pl.add_argument("--pin", default="", help="YAML of strategies to keep: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")
     pl.add_argument("--out", default="", help="write the plan here as JSON")
     pl.set_defaults(handler=_plan)
 
@@ -113,6 +114,12 @@ def _plan(args) -> int:
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     start = time.perf_counter()
     model = models.build(args.model, device="meta")
+    if args.pin:
+        from polyshard.runtime.trainer import apply_strategies
+
+        if not Path(args.pin).is_file():
+            raise PolyshardError(f"--pin file {args.pin!r} does not exist")
+        apply_strategies(model, args.pin)
     plan, _ = search(model, model.example_inputs(1), cluster, batch, limit)
     plan.model = args.model
     print(f"planned {args.model} on {cluster.num_devices} devices ({args.cluster}) "

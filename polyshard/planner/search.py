@@ -62,7 +62,7 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     """
     limit = memory_limit_bytes or cluster.memory_bytes
     gm = capture(model, example_row)
-    candidates, plans = [], {}
+    candidates, plans, skipped = [], {}, []
     best_s = float("inf")
     # splits whose operator axes fill one node first: they are likely best, and bound the rest
     order = sorted(meshes or mesh_candidates(cluster.num_devices),
@@ -84,7 +84,11 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
             candidates.append(Candidate(mesh, rows, solved.lower_bound_s, 0.0, dp_floor,
                                         MemoryEstimate(0, 0, 0, 0, 0), pruned=True))
             continue
-        plan = solved.plan if solved is not None else propagate(gm, op_axes, lambda msg: None)
+        try:
+            plan = solved.plan if solved is not None else propagate(gm, op_axes, lambda msg: None)
+        except PolyshardError as exc:  # a pin that this split cannot hold
+            skipped.append(f"{' x '.join(f'{n}={s}' for n, s in mesh)}: {exc}")
+            continue
         plan.mesh, plan.data_axes = mesh, ("dp",)
         costs = op_costs(gm, plan, cluster)
         overhead = OP_OVERHEAD_S[cluster.device_type] * len(costs)
@@ -100,7 +104,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         if solved is not None and memory.total_bytes <= limit:
             best_s = min(best_s, candidate.step_s)
     if not candidates:
-        raise PolyshardError(f"no dp x tp split of {cluster.num_devices} devices divides the batch of {global_batch}")
+        why = "; ".join(skipped) or f"none divides the batch of {global_batch}"
+        raise PolyshardError(f"no dp x tp split of {cluster.num_devices} devices works: {why}")
     fitting = [c for c in candidates if c.memory.total_bytes <= limit and not c.pruned]
     if not fitting:
         least = min((c for c in candidates if not c.pruned), key=lambda c: c.memory.total_bytes)

@@ -61,3 +61,14 @@ def test_large_models_plan_in_seconds():
     model = models.build("pangu-alpha-2.6b", "meta")
     plan, candidates = search(model, model.example_inputs(1), Cluster.preset("8xA100-80G"), 8)
     assert len(candidates) == 4 and plan.report["chosen"]
+
+
+def test_pins_survive_the_search_and_rule_out_splits_that_cannot_hold_them():
+    import polyshard as ps
+
+    model = models.build("gpt-small", "meta")
+    for block in model.blocks:
+        ps.shard(block.mlp.fc, in_strategy=((1, 1, 2), (1, 2)))
+    plan, candidates = search(model, model.example_inputs(1), Cluster.preset("cpu-gloo:2"), 4)
+    assert [c.describe() for c in candidates] == ["dp=1 x tp=2"]  # dp=2 x tp=1 has no axis to split on
+    assert plan.params["blocks.3.mlp.fc.weight"].dims == ((), ("tp",))
