@@ -12,6 +12,7 @@ optimum bounds the true optimum from below: the gap reported is how far the plan
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass
@@ -51,21 +52,63 @@ class IntraOpResult:
         return max(0.0, (self.cost_s - self.lower_bound_s) / self.cost_s) if self.cost_s else 0.0
 
 
-def candidates(gm: fx.GraphModule, op_axes: Axes) -> dict[str, list[NodePlan]]:
-    """Every node's candidate strategies, in graph order."""
+def candidates(gm: fx.GraphModule, op_axes: Axes) -> tuple[dict[str, list[NodePlan]], dict[str, str]]:
+    """Every node's candidate strategies, in graph order, and the nodes whose came from a twin.
+
+    A node in the third or later of a run of identical blocks takes its twin's candidates (in
+    the run's second block, renamed) when its inputs may arrive in the same layouts: a 96-layer
+    model is enumerated as two layers."""
     modules = dict(gm.named_modules())
     ctx = RuleContext(op_axes, modules, {}, {}, lambda msg: None)
+    nodes = list(gm.graph.nodes)
+    twins = _twins(nodes)
     values: dict[str, list] = {}
     out: dict[str, list[NodePlan]] = {}
-    for node in gm.graph.nodes:
+    copied: dict[str, str] = {}
+    for node in nodes:
         inputs = node.all_input_nodes
+        twin = twins.get(node.name)
+        if twin is not None and all(_same(values[a.name], values[b.name]) for a, b in zip(inputs, twin.all_input_nodes)):
+            rename = {b.name: a.name for a, b in zip(inputs, twin.all_input_nodes)}
+            out[node.name] = [dataclasses.replace(d, inputs={rename[k]: v for k, v in d.inputs.items()})
+                              for d in out[twin.name]]
+            values[node.name] = values[twin.name]
+            copied[node.name] = twin.name
+            continue
         found: list[NodePlan] = []
         for combo in itertools.islice(itertools.product(*(values[i.name] for i in inputs)), MAX_COMBOS):
             ctx.layouts.update({i.name: v for i, v in zip(inputs, combo)})
             found += [d for d in decide_all(node, ctx) if d not in found]
         out[node.name] = found
         values[node.name] = list({_key(d.output): d.output for d in found}.values())
-    return out
+    return out, copied
+
+
+def _same(a: list, b: list) -> bool:
+    return a == b
+
+
+def _twins(nodes: list[fx.Node]) -> dict[str, fx.Node]:
+    """Node -> the same position in the second block of its run of identical blocks (third block on)."""
+    blocks: dict[str, list[fx.Node]] = {}
+    for n in nodes:
+        block = _block_of(n)
+        if block:
+            blocks.setdefault(block, []).append(n)
+    twins: dict[str, fx.Node] = {}
+    run: list[list[fx.Node]] = []
+    for members in list(blocks.values()) + [[]]:
+        if run and _signature(members) == _signature(run[0]):
+            run.append(members)
+            continue
+        for later in run[2:]:
+            twins.update({m.name: t for m, t in zip(later, run[1])})
+        run = [members]
+    return twins
+
+
+def _signature(members: list[fx.Node]) -> tuple:
+    return tuple((m.op, _strip(m), shape_of(m), len(m.all_input_nodes)) for m in members)
 
 
 def _key(value):
@@ -89,10 +132,10 @@ class Program:
 
 def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int) -> Program:
     """Candidates, costs (seconds per step at ``rows`` rows) and memory of every choice."""
-    options = candidates(gm, op_axes)
+    options, copied = candidates(gm, op_axes)
     modules = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)
-    rep = _representatives(nodes, options)
+    rep = _representatives(nodes, options, copied)
     var_of: dict[tuple[str, int], int] = {}
     for n in nodes:
         if rep[n.name] == n.name:
@@ -101,18 +144,29 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
     node_cost, node_mem = np.zeros(len(var_of)), np.zeros(len(var_of))
     seen_params: set[int] = set()
     rate = cluster.flops_per_s["float32"]
+    per_node: dict[str, tuple[list[float], list[float]]] = {}  # a twin costs what its twin does
     for n in nodes:
-        for i, d in enumerate(options[n.name]):
+        if n.name in copied and not _shares_params(n, modules, seen_params):
+            costs, mems = per_node[copied[n.name]]
+        else:
+            costs = [_op_seconds(n, d, modules, op_axes, cluster, rows, rate) for d in options[n.name]]
+            mems = [_op_memory(n, d, modules, rows, seen_params) for d in options[n.name]]
+        per_node[n.name] = (costs, mems)
+        for i, (c, m) in enumerate(zip(costs, mems)):
             v = var_of[(rep[n.name], i)]
-            node_cost[v] += _op_seconds(n, d, modules, op_axes, cluster, rows, rate)
-            node_mem[v] += _op_memory(n, d, modules, rows, seen_params)
+            node_cost[v] += c
+            node_mem[v] += m
         if n.op == "call_module":
             seen_params.update(id(p) for p in modules[n.target].parameters(recurse=False))
     edges: dict[tuple[str, str], np.ndarray] = {}
+    per_edge: dict[tuple[str, str], np.ndarray] = {}
     for n in nodes:
         for u in n.all_input_nodes:
-            costs = np.array([[_edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster, rows)
-                               for d in options[n.name]] for o in options[u.name]])
+            costs = per_edge.get((copied.get(u.name), copied.get(n.name)))  # the twin edge, inside a block
+            if costs is None:
+                costs = np.array([[_edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster, rows)
+                                   for d in options[n.name]] for o in options[u.name]])
+            per_edge[(u.name, n.name)] = costs
             key = (rep[u.name], rep[n.name])
             edges[key] = edges.get(key, 0) + costs
     conflicts = list(_shared_param_conflicts(nodes, options, rep, modules))
@@ -185,6 +239,11 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     return IntraOpResult(plan, cost, min(lower, cost), float(node_mem @ np.round(x)), h.getNumCol())
 
 
+def _shares_params(node: fx.Node, modules, seen: set[int]) -> bool:
+    """Whether a parameter of ``node`` was met before (a tied weight counts its memory once)."""
+    return node.op == "call_module" and any(id(p) in seen for p in modules[node.target].parameters(recurse=False))
+
+
 def _op_seconds(node, d: NodePlan, modules, axes, cluster, rows, rate) -> float:
     plan = Plan(op_axes=axes, nodes={node.name: d})
     flops = TRAIN_FLOPS_PER_FORWARD * forward_flops(node, plan, modules) * rows
@@ -212,7 +271,7 @@ def _edge_seconds(u: fx.Node, src, dst, axes, cluster, rows) -> float:
     return 2 * (transfer + latency)  # backward moves the gradient the reverse way
 
 
-def _representatives(nodes: list[fx.Node], options) -> dict[str, str]:
+def _representatives(nodes: list[fx.Node], options, copied: dict[str, str]) -> dict[str, str]:
     """Each node's stand-in: the same position in the first of a run of identical blocks."""
     blocks: dict[str, list[fx.Node]] = {}
     for n in nodes:
@@ -220,15 +279,14 @@ def _representatives(nodes: list[fx.Node], options) -> dict[str, str]:
         if block:
             blocks.setdefault(block, []).append(n)
     rep = {n.name: n.name for n in nodes}
-    groups: dict[tuple, list[list[fx.Node]]] = {}
+    firsts: dict[tuple, list[fx.Node]] = {}
     for members in blocks.values():
+        if all(m.name in copied for m in members):  # a twin's stand-in is already known
+            rep.update({m.name: rep[copied[m.name]] for m in members})
+            continue
         signature = tuple((m.op, _strip(m)) + tuple(_shape_key(options[m.name])) for m in members)
-        groups.setdefault(signature, []).append(members)
-    for runs in groups.values():
-        first = runs[0]
-        for members in runs[1:]:
-            for m, f in zip(members, first):
-                rep[m.name] = f.name
+        first = firsts.setdefault(signature, members)
+        rep.update({m.name: rep[f.name] for m, f in zip(members, first)})
     return rep
 
 

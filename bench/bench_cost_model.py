@@ -1,0 +1,408 @@
+"""Cost-model check: the planner's predicted step time of every dp x tp mesh against the measured one.
+
+    torchrun --nproc-per-node 4 bench/bench_cost_model.py                       # gpt-tiny and gpt-small, batch 8
+    torchrun --nproc-per-node 4 bench/bench_cost_model.py --model gpt-small --batch 8,16
+    torchrun --nproc-per-node 4 bench/bench_cost_model.py --cluster my-cluster.yaml
+
+For each configuration (model x global batch) one ``polyshard.planner.search.search`` call costs
+every dp x tp split of the ranks (dp=4/tp=1, dp=2/tp=2, dp=1/tp=4 on 4 ranks); the search is
+deterministic, so every rank runs it and gets the same figures. Then every mesh of every
+configuration is built for real (``ps.init`` + ``ps.parallelize``, same seed, same global
+batches, AdamW) and trained: after --warmup untimed steps, --rounds timed rounds, each running
+--steps steps of every mesh, the meshes taking turns in an order that rotates from round to
+round, so machine noise hits all of them alike. A mesh's measured step time is the median over
+rounds of (seconds between barriers) / steps.
+
+Rank 0 prints, per configuration, the predicted and measured step times and ranks; the Spearman
+rank correlation of predicted vs measured (per configuration, per model, and pooled over every
+point); whether the planner's pick is the measured fastest or within 10% of it; a breakdown
+of one profiled block per mesh (time the main thread waits for operator collectives and for the
+gradient all-reduce, against the planner's op_comm_s and dp_comm_s); and one JSON line.
+Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import polyshard as ps  # noqa: E402
+from polyshard import models  # noqa: E402
+from polyshard.cluster import Cluster  # noqa: E402
+from polyshard.planner.plan import Plan  # noqa: E402
+from polyshard.planner.search import search  # noqa: E402
+
+LR = 1e-3
+NUM_BATCHES = 4  # distinct global batches, cycled through by every mesh in the same order
+PICK_TOLERANCE = 0.10  # the pick passes if its measured time is within 10% of the fastest
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt-tiny,gpt-small",
+                   help="comma-separated model names (each gets its own meshes); known: " + ", ".join(models.CONFIGS))
+    p.add_argument("--batch", default="8", help="comma-separated global batches (sequences per step)")
+    p.add_argument("--extra", action="append", default=[], metavar="MODEL:BATCH",
+                   help="one more configuration, e.g. gpt-small:16 (repeatable)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per mesh and round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mesh before the rounds")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (meshes interleaved within each)")
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="steps per mesh in the profiled breakdown block (0: no breakdown)")
+    p.add_argument("--plan", choices=["search", "propagate"], default="search",
+                   help="run each split with the plan the search costs for it (default), or with the plan "
+                        "ps.parallelize propagates itself")
+    p.add_argument("--cluster", default=None,
+                   help="cluster the planner costs: a preset (default cpu-gloo:WORLD) or a YAML file")
+    return p.parse_args(argv)
+
+
+def load_cluster(spec: str) -> Cluster:
+    if spec.endswith((".yaml", ".yml")) or os.path.isfile(spec):
+        return Cluster.from_yaml(spec)
+    return Cluster.preset(spec)
+
+
+def configurations(args) -> list[tuple[str, int]]:
+    out = [(m.strip(), int(b)) for m in args.model.split(",") if m.strip() for b in args.batch.split(",") if b.strip()]
+    for e in args.extra:
+        name, _, batch = e.partition(":")
+        out.append((name.strip(), int(batch)))
+    for name, _ in out:
+        if name not in models.CONFIGS:
+            raise SystemExit(f"unknown model {name!r}; known: {', '.join(models.CONFIGS)}")
+    return list(dict.fromkeys(out))
+
+
+def mesh_text(mesh) -> str:
+    return " x ".join(f"{n}={s}" for n, s in mesh)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rho: Pearson's correlation of the ranks (nan when either side has no spread)."""
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return cov / var if var else float("nan")
+
+
+# ---------------------------------------------------------------- predictions
+
+
+def figures_of(c) -> dict:
+    return {"rows": c.rows, "step_s": c.step_s, "compute_s": c.compute_s, "op_comm_s": c.op_comm_s,
+            "dp_comm_s": c.dp_comm_s, "memory_bytes": float(c.memory.total_bytes)}
+
+
+def predict(configs, cluster: Cluster) -> dict:
+    """Per configuration: the search's pick, and per split (in the search's order) its predicted
+    figures, the figures of the search over that split alone, and that search's plan (as JSON)."""
+    out = {}
+    for model, batch in configs:
+        meta = models.build(model, device="meta")
+        row = meta.example_inputs(1)
+        plan, candidates = search(meta, row, cluster, batch)
+        meshes = {}
+        for c in candidates:
+            alone_plan, alone = search(meta, row, cluster, batch, meshes=[c.mesh])
+            meshes[c.mesh] = {**figures_of(c), "alone": figures_of(alone[0]), "plan": alone_plan.to_json()}
+        out[(model, batch)] = {"pick": tuple(plan.mesh), "meshes": meshes}
+    return out
+
+
+# ---------------------------------------------------------------- one mesh, trained for real
+
+
+def make_batches(cfg, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for s in range(NUM_BATCHES):
+        g = torch.Generator().manual_seed(1000 + s)
+        out.append((torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g),
+                    torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)))
+    return out
+
+
+class Run:
+    """One configuration on one mesh: ``step(i)`` trains on global batch ``i`` (this rank's rows)."""
+
+    def __init__(self, model: str, batch: int, mesh, batches, plan: Plan | None):
+        self.model, self.batch, self.mesh = model, batch, mesh
+        self.ps_mesh = ps.init(dict(mesh))
+        n, i = self.ps_mesh.num_data_shards, self.ps_mesh.data_index
+        example = tuple(t.chunk(n)[i] for t in batches[0])  # one rank's rows: the shapes for capture
+        self.pm = ps.parallelize(models.build(model, seed=0), example_inputs=example, plan=plan)
+        self.local = [self.pm.local_batch(x, y) for x, y in batches]  # cut once, before timing
+        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
+        self.times: list[float] = []  # seconds per step, one per round
+        self.dp_wait = 0.0  # seconds spent in the gradient sync's finish() (while enabled)
+        self._timing_sync = False
+        sync = self.pm.grad_sync
+        if sync is not None:
+            finish = sync.finish
+
+            def timed_finish():
+                t0 = time.perf_counter()
+                finish()
+                if self._timing_sync:
+                    self.dp_wait += time.perf_counter() - t0
+
+            sync.finish = timed_finish  # the backward callback looks it up on the instance
+
+    def activate(self) -> None:
+        ps.init(dict(self.mesh))  # the process group is reused; only the current mesh changes
+
+    def step(self, i: int) -> torch.Tensor:
+        x, y = self.local[i % len(self.local)]
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.pm(x, y)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The global-batch loss: data shards hold their rows' mean."""
+        if self.pm.grad_sync is not None:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.pm.grad_sync.group)
+            loss /= self.pm.grad_sync.world
+        return loss.item()
+
+    def timed(self, steps: int, start: int) -> float:
+        self.activate()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(start, start + steps):
+            self.step(i)
+        dist.barrier()
+        return (time.perf_counter() - t0) / steps
+
+    def breakdown(self, steps: int, start: int) -> dict:
+        """One profiled block: wall time per step, main-thread waits for operator collectives
+        (DTensor's wait_tensor) and for the gradient all-reduce (the sync's finish), per step."""
+        from torch.profiler import ProfilerActivity, profile
+
+        self.activate()
+        self.dp_wait, self._timing_sync = 0.0, True
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for i in range(start, start + steps):
+                self.step(i)
+            wall = time.perf_counter() - t0
+        self._timing_sync = False
+        dist.barrier()
+        waits = [e for e in prof.key_averages() if e.key.endswith("wait_tensor")]
+        # the functional-collective wait and the aten op it dispatches to nest: take the outermost
+        outer = max(waits, key=lambda e: e.cpu_time_total, default=None)
+        op_wait = outer.cpu_time_total / 1e6 if outer is not None else 0.0
+        waited = outer.count if outer is not None else 0
+        return {"wall_s": wall / steps, "op_wait_s": op_wait / steps, "dp_wait_s": self.dp_wait / steps,
+                "op_collectives": waited / steps}
+
+    def close(self) -> None:
+        del self.pm, self.opt, self.local
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ps.init({"dp": world})  # starts the gloo process group (1 thread per rank)
+    rank, lead = dist.get_rank(), dist.get_rank() == 0
+    if min(args.warmup, args.steps, args.rounds) < 1:
+        raise SystemExit("--warmup, --steps and --rounds must be at least 1")
+    cluster = load_cluster(args.cluster or f"cpu-gloo:{world}")
+    if cluster.num_devices != world:
+        raise SystemExit(f"cluster {args.cluster!r} has {cluster.num_devices} devices; the world has {world}")
+    configs = configurations(args)
+
+    # ---- predictions, on rank 0 and sent to the others (every rank then builds the same meshes in
+    # the same order): one search over every split per configuration (the pick and its figures),
+    # then one search per split alone, for the plan the planner costs on that split (run below)
+    payload = [None]
+    if lead:
+        t_search = time.perf_counter()
+        payload[0] = {"predicted": predict(configs, cluster), "search_s": time.perf_counter() - t_search}
+    dist.broadcast_object_list(payload, src=0)
+    predicted, t_search = payload[0]["predicted"], payload[0]["search_s"]
+    picks = {key: p["pick"] for key, p in predicted.items()}
+
+    # ---- every mesh of every configuration, built once
+    runs: list[Run] = []
+    first_loss: dict[tuple[str, int], dict[str, float]] = {}
+    for model, batch in configs:
+        batches = make_batches(models.CONFIGS[model], batch)
+        for mesh, figures in predicted[(model, batch)]["meshes"].items():
+            plan = Plan.from_json(figures["plan"]) if args.plan == "search" else None
+            run = Run(model, batch, mesh, batches, plan)
+            runs.append(run)
+            losses = [run.global_loss(run.step(i)) for i in range(args.warmup)]
+            first_loss.setdefault((model, batch), {})[mesh_text(mesh)] = losses[0]
+    if lead:
+        print(f"cluster: {cluster.device_name} x {cluster.num_devices} ({cluster.backend}); "
+              f"search: {t_search:.1f} s for {len(configs)} configurations; torch {torch.__version__}", flush=True)
+        for key, by_mesh in first_loss.items():
+            vals = list(by_mesh.values())
+            spread = (max(vals) - min(vals)) / abs(vals[0])
+            print(f"{key[0]} batch {key[1]}: first loss on every mesh " + ", ".join(
+                f"{m} {v:.6f}" for m, v in by_mesh.items()) + f" (rel spread {spread:.1e})", flush=True)
+
+    # ---- timed rounds: all meshes of all configurations take turns; the order rotates per round
+    start = args.warmup
+    for r in range(args.rounds):
+        order = runs[r % len(runs):] + runs[:r % len(runs)]
+        if r % 2:
+            order = order[::-1]
+        for run in order:
+            run.times.append(run.timed(args.steps, start))
+        start += args.steps
+
+    # ---- one profiled block per mesh: where the measured time goes
+    detail = {}
+    if args.profile_steps > 0:
+        for run in runs:
+            detail[(run.model, run.batch, run.mesh)] = run.breakdown(args.profile_steps, start)
+
+    if lead:
+        report(args, cluster, configs, runs, predicted, picks, detail, first_loss)
+
+    for run in runs:
+        run.close()
+    del runs
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(args, cluster, configs, runs, predicted, picks, detail, first_loss) -> None:
+    rows, per_config, per_model_pts, pooled, notes = [], {}, {}, [], []
+    print()
+    print("| model | batch | mesh | rows/dev | predicted ms | measured ms | predicted rank | measured rank |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for model, batch in configs:
+        these = [r for r in runs if (r.model, r.batch) == (model, batch)]
+        pred = [predicted[(model, batch)]["meshes"][r.mesh]["step_s"] for r in these]
+        meas = [statistics.median(r.times) for r in these]
+        pr, mr = ranks(pred), ranks(meas)
+        for r, p, m, a, b in zip(these, pred, meas, pr, mr):
+            c = predicted[(model, batch)]["meshes"][r.mesh]
+            if args.plan == "search" and abs(c["alone"]["step_s"] - c["step_s"]) > 1e-9 * c["step_s"]:
+                notes.append(f"{model} batch {batch} {mesh_text(r.mesh)}: the run uses the plan of a search over this "
+                             f"split alone, predicted {c['alone']['step_s'] * 1e3:.3f} ms (full search: "
+                             f"{c['step_s'] * 1e3:.3f} ms)")
+            print(f"| {model} | {batch} | {mesh_text(r.mesh)} | {c['rows']} | {p * 1e3:.3f} | {m * 1e3:.1f} "
+                  f"| {a:g} | {b:g} |")
+            rows.append({"model": model, "batch": batch, "mesh": mesh_text(r.mesh), "rows": c["rows"],
+                         "predicted_ms": round(p * 1e3, 3), "measured_ms": round(m * 1e3, 2),
+                         "predicted_rank": a, "measured_rank": b,
+                         "compute_ms": round(c["compute_s"] * 1e3, 3), "op_comm_ms": round(c["op_comm_s"] * 1e3, 3),
+                         "dp_comm_ms": round(c["dp_comm_s"] * 1e3, 3), "memory_bytes": int(c["memory_bytes"]),
+                         "alone_predicted_ms": round(c["alone"]["step_s"] * 1e3, 3),
+                         "rounds_ms": [round(t * 1e3, 2) for t in r.times]})
+        pick = picks[(model, batch)]
+        fastest = min(zip(meas, these), key=lambda x: x[0])
+        pick_meas = next(m for m, r in zip(meas, these) if r.mesh == pick)
+        per_config[(model, batch)] = {
+            "spearman": spearman(pred, meas), "pick": mesh_text(pick), "fastest": mesh_text(fastest[1].mesh),
+            "pick_over_fastest": pick_meas / fastest[0] - 1,
+        }
+        per_model_pts.setdefault(model, []).extend(zip(pred, meas))
+        pooled.extend(zip(pred, meas))
+
+    for note in notes:
+        print("note: " + note)
+    print()
+    print("| model | batch | Spearman | planner's pick | measured fastest | pick vs fastest | pick within 10% |")
+    print("|---|---:|---:|---|---|---:|---|")
+    for (model, batch), s in per_config.items():
+        ok = s["pick_over_fastest"] <= PICK_TOLERANCE
+        print(f"| {model} | {batch} | {s['spearman']:+.2f} | {s['pick']} | {s['fastest']} "
+              f"| {s['pick_over_fastest'] * 100:+.1f}% | {'yes' if ok else 'NO'} |")
+
+    def rho(points):
+        return spearman([p for p, _ in points], [m for _, m in points])
+
+    by_model = {m: rho(pts) for m, pts in per_model_pts.items()}
+    pooled_rho = rho(pooled)
+    # within-configuration pooling: each configuration's times divided by its own mean, so the
+    # pooled figure ranks meshes, not model sizes
+    normed = []
+    for model, batch in configs:
+        pts = [(r["predicted_ms"], r["measured_ms"]) for r in rows if (r["model"], r["batch"]) == (model, batch)]
+        mp, mm = statistics.fmean(p for p, _ in pts), statistics.fmean(m for _, m in pts)
+        normed.extend((p / mp, m / mm) for p, m in pts)
+    normed_rho = rho(normed)
+    print()
+    print("Spearman per model: " + ", ".join(f"{m} {v:+.2f} ({len(per_model_pts[m])} points)" for m, v in by_model.items()))
+    print(f"Spearman pooled over all {len(pooled)} points: {pooled_rho:+.2f} (raw ms; "
+          f"{normed_rho:+.2f} with each configuration's times divided by its mean)")
+    picks_ok = all(s["pick_over_fastest"] <= PICK_TOLERANCE for s in per_config.values())
+    picks_best = sum(s["pick"] == s["fastest"] for s in per_config.values())
+    print(f"planner's pick measured fastest in {picks_best}/{len(per_config)} configurations; "
+          f"within 10% in all: {'yes' if picks_ok else 'no'}")
+
+    if detail:
+        print()
+        print("Breakdown (one profiled block of %d steps per mesh, rank 0; ms per step):" % args.profile_steps)
+        print("| model | batch | mesh | pred compute | pred op comm | pred dp comm | measured wall (profiled) "
+              "| op collective waits | op-collective wait | grad all-reduce wait | rest (compute, optimizer, overhead) |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            run = next(x for x in runs if (x.model, x.batch, mesh_text(x.mesh)) == (r["model"], r["batch"], r["mesh"]))
+            d = detail[(run.model, run.batch, run.mesh)]
+            rest = d["wall_s"] - d["op_wait_s"] - d["dp_wait_s"]
+            r.update({"profiled_wall_ms": round(d["wall_s"] * 1e3, 2), "op_wait_ms": round(d["op_wait_s"] * 1e3, 2),
+                      "dp_wait_ms": round(d["dp_wait_s"] * 1e3, 2), "rest_ms": round(rest * 1e3, 2),
+                      "op_collectives_per_step": d["op_collectives"]})
+            print(f"| {r['model']} | {r['batch']} | {r['mesh']} | {r['compute_ms']:.2f} | {r['op_comm_ms']:.2f} "
+                  f"| {r['dp_comm_ms']:.2f} | {r['profiled_wall_ms']:.1f} | {r['op_collectives_per_step']:g} | {r['op_wait_ms']:.1f} "
+                  f"| {r['dp_wait_ms']:.1f} | {r['rest_ms']:.1f} |")
+
+    print(json.dumps({
+        "bench": "cost_model", "ranks": cluster.num_devices, "cluster": cluster.device_name, "plan": args.plan,
+        "backend": cluster.backend, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+        "rows": rows,
+        "per_config": [{"model": m, "batch": b, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}}
+                       for (m, b), s in per_config.items()],
+        "spearman_per_model": {m: round(v, 4) for m, v in by_model.items()},
+        "spearman_pooled": round(pooled_rho, 4), "spearman_pooled_normalised": round(normed_rho, 4),
+        "picks_within_10pct": picks_ok, "picks_fastest": picks_best,
+        "first_loss": {f"{m}:{b}": v for (m, b), v in first_loss.items()},
+        "torch": torch.__version__,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
