@@ -10,6 +10,7 @@ from typing import Callable
 
 from torch import fx
 
+from polyshard.errors import PolyshardError
 from polyshard.layout import Axes, Layout
 from polyshard.planner.plan import Plan
 from polyshard.planner.rules import RuleContext, decide
@@ -21,12 +22,20 @@ def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None]) ->
     ctx = RuleContext(op_axes, modules, {}, {}, warn)
     plan = Plan(op_axes=op_axes)
     param_names = {id(p): name for name, p in reversed(list(gm.named_parameters()))}
+    owner: dict[int, str] = {}
     for node in gm.graph.nodes:
         decision = decide(node, ctx)
         ctx.layouts[node.name] = decision.output
         for pname, layout in decision.params.items():
             param = getattr(modules[node.target], pname)
-            ctx.param_layouts.setdefault(id(param), layout)
+            fixed = ctx.param_layouts.setdefault(id(param), layout)
+            owner.setdefault(id(param), node.target)
+            if fixed != layout:
+                raise PolyshardError(
+                    f"conflicting pins: `{owner[id(param)]}` lays out the shared parameter "
+                    f"`{param_names[id(param)]}` as {fixed.describe() or 'R'} but `{node.target}` needs "
+                    f"{layout.describe() or 'R'}; pin both alike or unpin one"
+                )
             plan.params.setdefault(param_names[id(param)], ctx.param_layouts[id(param)])
         plan.nodes[node.name] = decision
     for name, p in gm.named_parameters():

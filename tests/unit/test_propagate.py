@@ -96,3 +96,11 @@ def test_parallelize_needs_shapes_for_foreign_models():
         ps.init()
     with pytest.raises(PolyshardError, match="example_inputs"):
         ps.parallelize(torch.nn.Linear(2, 2))
+
+
+def test_conflicting_pins_on_a_shared_weight_name_both_modules():
+    model = models.build("gpt-tiny")
+    ps.shard(model.wte, in_strategy=((1, 1), (2, 1)))      # vocabulary split
+    ps.shard(model.lm_head, in_strategy=((1, 1, 2), (1, 2)))  # hidden split: the same weight, another way
+    with pytest.raises(PolyshardError, match="conflicting pins: `wte` .* but `lm_head` needs"):
+        _plan(model, (("tp", 2),))
