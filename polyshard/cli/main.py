@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.errors import PolyshardError
 
 
@@ -73,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the models polyshard ships", description="List the named model configs.")
     m.set_defaults(handler=_models)
+    add_calibrate(sub)
     return p
 
 

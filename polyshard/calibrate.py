@@ -1,0 +1,285 @@
+"""Measure this machine's matmul rate and collective latency/bandwidth, so the planner costs real figures.
+
+Run on every rank under torchrun; :func:`calibrate` writes the cluster YAML that ``polyshard plan
+--cluster`` reads. Links are fitted to the planner's own model: time = latency + wire bytes / bandwidth.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from polyshard.cluster import Cluster, Link, format_bytes
+from polyshard.errors import PolyshardError
+from polyshard.transitions import wire_bytes
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+MIN_BYTES = 4 * 2**10
+# Small messages are timed in batches of calls moving this many bytes, so the mean outlasts timer and barrier skew.
+_BATCH_BYTES = 256 * 2**10
+# Large enough to run at full rate, small enough to take well under a second per product.
+_MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
+
+
+class Sweep(NamedTuple):
+    """One collective timed at every message size over a group; ``seconds`` is None where the backend lacks it."""
+
+    kind: str
+    group_size: int
+    seconds: list[float] | None
+    note: str
+
+
+def message_sizes(max_bytes: int) -> list[int]:
+    """4 KiB, 16 KiB, 64 KiB, ... up to ``max_bytes``: at least two, so a line can be fitted."""
+    sizes = []
+    while (size := MIN_BYTES * 4 ** len(sizes)) <= max_bytes:
+        sizes.append(size)
+    if len(sizes) < 2:
+        raise PolyshardError(
+            f"max message size {format_bytes(max_bytes)} leaves fewer than two sizes "
+            f"({format_bytes(MIN_BYTES)}, {format_bytes(4 * MIN_BYTES)}, ...) to fit latency and bandwidth; "
+            f"use at least {format_bytes(4 * MIN_BYTES)}"
+        )
+    return sizes
+
+
+def measure_matmul(dtype: torch.dtype, size: int, repeats: int) -> float:
+    """FLOP/s of one (size x size) @ (size x size) product on this rank's device: median after a warm-up."""
+    _check_repeats(repeats)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    return 2 * size**3 / statistics.median(_times(lambda: torch.matmul(a, b), repeats, device))
+
+
+def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None, repeats: int) -> float:
+    """Seconds of one ``kind`` on ``nbytes`` of float32 per rank: median over repeats of the slowest rank's
+    mean over a batch of calls.
+
+    Raises NotImplementedError where the backend lacks the collective (every rank does, alike)."""
+    _check_kind(kind)
+    _check_repeats(repeats)
+    n = dist.get_world_size(group)
+    if nbytes < 4 * n or nbytes % (4 * n):
+        raise PolyshardError(f"message of {nbytes} bytes does not split into float32 chunks for {n} ranks; "
+                             f"use a multiple of {4 * n}")
+    device = _comm_device(group)
+    op = _collective(kind, torch.ones(nbytes // 4, device=device), group)
+    try:
+        times = _times(op, repeats, device, lambda: dist.barrier(group=group), max(1, _BATCH_BYTES // nbytes))
+    except RuntimeError as e:
+        if kind != "all_to_all":
+            raise
+        reason = str(e).splitlines()[0]
+        raise NotImplementedError(f"{dist.get_backend(group)} has no all_to_all_single: {reason}") from e
+    return statistics.median(_all_reduce(times, dist.ReduceOp.MAX, group))
+
+
+def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float], kind: str, group_size: int) -> Link:
+    """Least squares of time = latency + wire bytes / bandwidth, in relative error so the small messages
+    that carry the latency count as much as the large ones; latency is kept at or above 0."""
+    _check_kind(kind)
+    if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
+        raise PolyshardError(f"fitting {kind} needs one time per size and at least two distinct sizes; "
+                             f"got sizes {list(sizes_bytes)} and {len(seconds)} times")
+    if group_size < 2 or min(seconds) <= 0:
+        raise PolyshardError(f"fitting {kind} needs a group of at least 2 ranks and positive times; "
+                             f"got {group_size} ranks and times {list(seconds)}")
+    t = np.asarray(seconds, dtype=float)
+    u = np.array([_wire(kind, s, group_size) for s in sizes_bytes]) / t
+    (latency, per_byte), *_ = np.linalg.lstsq(np.stack([1 / t, u], axis=1), np.ones_like(t), rcond=None)
+    if latency < 0:
+        latency, per_byte = 0.0, u.sum() / (u**2).sum()
+    if per_byte <= 0:
+        shown = ", ".join(_si(s, "s") for s in seconds)
+        raise PolyshardError(f"{kind} times ({shown}) do not grow with message size, so no bandwidth fits; "
+                             "time larger messages, more repeats, or on a quieter machine")
+    return Link(bandwidth_bytes_per_s=float(1 / per_byte), latency_s=float(latency))
+
+
+def calibrate(out_path: str | Path, sizes: Sequence[int], repeats: int) -> Cluster:
+    """Measure on every rank (all must call it); rank 0 prints the figures and writes ``out_path``."""
+    base = Cluster.from_env()
+    world = dist.get_world_size()
+    if world < 2 or base.num_devices != world:
+        raise PolyshardError(f"calibration needs torchrun with at least 2 ranks to time collectives; "
+                             f"the world has {world} (WORLD_SIZE={base.num_devices})")
+    _check_repeats(repeats)
+    sizes = sorted({s - s % (4 * world) for s in sizes if s >= 4 * world})
+    if len(sizes) < 2:
+        raise PolyshardError(f"calibration needs at least two message sizes of {4 * world} bytes or more; "
+                             f"got {len(sizes)}")
+    flops, notes = _flops(base.device_type, repeats)
+    # Several nodes: time every collective inside one node, and all_reduce across all of them too.
+    split = base.num_nodes > 1 and base.devices_per_node > 1
+    local = dist.new_subgroups(base.devices_per_node)[0] if split else None
+    sweeps = {kind: _sweep(kind, sizes, local, repeats) for kind in KINDS}
+    if split:
+        sweeps["all_reduce, all nodes"] = _sweep("all_reduce", sizes, None, repeats)
+    fits = _fits(sweeps, sizes)
+    link = fits["all_reduce"]
+    if base.num_nodes == 1:
+        notes.append("one node: inter_node is a copy of intra_node (no link between nodes to time)")
+    if base.devices_per_node == 1:
+        notes.append("one device per node: intra_node is a copy of inter_node (no link inside a node to time)")
+    cuda = base.device_type == "cuda"
+    cluster = replace(
+        base,
+        device_name=torch.cuda.get_device_name() if cuda else "cpu",
+        memory_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // base.devices_per_node,
+        intra_node=link,
+        inter_node=fits.get("all_reduce, all nodes", link),
+        flops_per_s=flops,
+    )
+    if dist.get_rank() == 0:
+        print(_report(flops, sweeps, sizes, fits, notes))
+        cluster.to_yaml(out_path)
+        print(f"cluster: {out_path}")
+    return cluster
+
+
+def _flops(device_type: str, repeats: int) -> tuple[dict[str, float], list[str]]:
+    """Matmul FLOP/s per dtype, of the slowest rank (all ranks compute at once, as in training)."""
+    flops, notes = {}, []
+    for name in ("float32", "bfloat16", "float16"):
+        try:
+            rate = measure_matmul(getattr(torch, name), _MATMUL_SIZE[device_type], repeats)
+        except RuntimeError as e:
+            notes.append(f"{name}: skipped, this device cannot multiply it ({str(e).splitlines()[0]})")
+            continue
+        flops[name] = _all_reduce([rate], dist.ReduceOp.MIN, None)[0]
+    return flops, notes
+
+
+def _sweep(kind: str, sizes: list[int], group: dist.ProcessGroup | None, repeats: int) -> Sweep:
+    """Every size once per round, medians over rounds: load that drifts during the sweep falls on all sizes alike."""
+    n = dist.get_world_size(group)
+    try:
+        rounds = [[measure_collective(kind, s, group, 1) for s in sizes] for _ in range(repeats)]
+    except NotImplementedError as e:
+        return Sweep(kind, n, None, str(e))
+    return Sweep(kind, n, [statistics.median(times) for times in zip(*rounds)], "")
+
+
+def _fits(sweeps: dict[str, Sweep], sizes: list[int]) -> dict[str, Link | str]:
+    """A Link per measured sweep; the reason instead where none fits (all_reduce must fit: it is the link)."""
+    fits: dict[str, Link | str] = {}
+    for label, sweep in sweeps.items():
+        if sweep.seconds is None:
+            fits[label] = f"unsupported: {sweep.note}"
+            continue
+        try:
+            fits[label] = fit_alpha_beta(sizes, sweep.seconds, sweep.kind, sweep.group_size)
+        except PolyshardError as e:
+            if sweep.kind == "all_reduce":
+                raise
+            fits[label] = f"no fit: {e}"
+    return fits
+
+
+def _report(flops: dict[str, float], sweeps: dict[str, Sweep], sizes: list[int], fits: dict[str, Link | str],
+            notes: list[str]) -> str:
+    lines = [f"{'matmul':<24} {'FLOP/s':>12}"]
+    lines += [f"{name:<24} {_si(rate, 'FLOP/s'):>12}" for name, rate in flops.items()]
+    lines += ["", f"{'collective':<24} {'ranks':>5} {'message':>10} {'seconds':>10} {'bus bandwidth':>14}"]
+    for label, s in sweeps.items():
+        for i, size in enumerate(sizes):
+            timing = ("unsupported", "") if s.seconds is None else (
+                _si(s.seconds[i], "s"), _si(_wire(s.kind, size, s.group_size) / s.seconds[i], "B/s"))
+            lines.append(f"{label:<24} {s.group_size:>5} {format_bytes(size):>10} {timing[0]:>10} {timing[1]:>14}")
+    lines += ["", "fit: time = latency + bytes each rank sends / bandwidth"]
+    for label, fit in fits.items():
+        shown = f"latency {_si(fit.latency_s, 's')}, bandwidth {_si(fit.bandwidth_bytes_per_s, 'B/s')}" \
+            if isinstance(fit, Link) else fit
+        lines.append(f"{label:<24} {shown}")
+    return "\n".join(lines + [""] + [f"note: {n}" for n in notes])
+
+
+def _collective(kind: str, x: torch.Tensor, group: dist.ProcessGroup | None) -> Callable[[], object]:
+    """One call of ``kind`` on ``x`` with its output buffer allocated once, outside the timing."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x, group=group)
+    if kind == "all_gather":
+        gathered = x.new_empty(n * x.numel())
+        return lambda: dist.all_gather_single(gathered, x, group=group)
+    if kind == "reduce_scatter":
+        chunk = x.new_empty(x.numel() // n)
+        return lambda: dist.reduce_scatter_single(chunk, x, group=group)
+    out = torch.empty_like(x)
+    if kind == "all_to_all":
+        return lambda: dist.all_to_all_single(out, x, group=group)
+    peer = rank ^ 1  # pairs 0<->1, 2<->3, ...; the last rank of an odd group sits out
+    if peer >= n:
+        return lambda: None
+    return lambda: [w.wait() for w in (dist.isend(x, group=group, group_dst=peer),
+                                       dist.irecv(out, group=group, group_src=peer))]
+
+
+def _times(op: Callable[[], object], repeats: int, device: torch.device,
+           barrier: Callable[[], object] = lambda: None, calls: int = 1) -> list[float]:
+    """Mean seconds per call of ``op`` in each of ``repeats`` batches of ``calls``, after a warm-up call;
+    each batch starts after ``barrier``."""
+    op()
+    times = []
+    for _ in range(repeats):
+        barrier()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            op()
+        _sync(device)
+        times.append((time.perf_counter() - start) / calls)
+    return times
+
+
+def _all_reduce(values: list[float], op: dist.ReduceOp, group: dist.ProcessGroup | None) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device(group))
+    dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
+
+
+def _wire(kind: str, nbytes: int, group_size: int) -> float:
+    """Bytes one rank sends: the message for send_recv, else the ring formula of the collective that ran."""
+    if kind == "send_recv":
+        return float(nbytes)
+    # a real all_to_all_single ran, so not the all_gather that stands in for it under gloo's DTensor
+    return wire_bytes(kind, nbytes, group_size, backend="nccl")
+
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise PolyshardError(f"collective {kind!r} is unknown; use one of {', '.join(KINDS)}")
+
+
+def _check_repeats(repeats: int) -> None:
+    if repeats < 1:
+        raise PolyshardError(f"repeats must be at least 1, got {repeats}")
+
+
+def _si(value: float, unit: str) -> str:
+    """``value`` with an SI prefix, e.g. 41.2 us or 3.1 GB/s."""
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1.0), ("m", 1e-3), ("u", 1e-6)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value * 1e9:.3g} n{unit}"

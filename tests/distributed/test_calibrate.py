@@ -1,0 +1,39 @@
+"""``polyshard calibrate`` end to end: two ranks time compute and links, and the planner reads the file."""
+
+import subprocess
+import sys
+
+import pytest
+
+from polyshard.cli.main import main
+from polyshard.cluster import Cluster
+
+
+def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
+    out = tmp_path / "cluster.yaml"
+    run = subprocess.run([sys.executable, "-m", "polyshard.cli.main", "calibrate", "--nproc", "2", "--out", str(out),
+                          "--max-bytes", "4MiB", "--repeats", "2"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for needle in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "bus bandwidth",
+                   "inter_node is a copy of intra_node"):
+        assert needle in run.stdout
+    cluster = Cluster.from_yaml(out)
+    assert (cluster.num_nodes, cluster.devices_per_node, cluster.device_type) == (1, 2, "cpu")
+    assert cluster.flops_per_s["float32"] > 0
+    assert cluster.intra_node.bandwidth_bytes_per_s > 0 and cluster.intra_node.latency_s >= 0
+    assert cluster.inter_node == cluster.intra_node
+    planned = subprocess.run([sys.executable, "-m", "polyshard.cli.main", "plan", "--model", "gpt-tiny",
+                              "--cluster", str(out)], capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--nproc", "1"], "--nproc must be at least 2"),
+    (["--max-bytes", "8KiB"], "use at least 16 KiB"),
+    (["--max-bytes", "lots"], "size 'lots' is not understood"),
+    (["--out", "no/such/folder/cluster.yaml"], "folder that does not exist"),
+])
+def test_bad_calibrate_flags_exit_nonzero_with_a_message(flags, needle, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["calibrate", *flags]) == 2
+    assert needle in capsys.readouterr().err

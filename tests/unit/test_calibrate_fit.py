@@ -1,0 +1,45 @@
+"""The alpha-beta fit recovers known links, and refuses data no link explains."""
+
+import pytest
+
+from polyshard.calibrate import fit_alpha_beta, message_sizes
+from polyshard.errors import PolyshardError
+from polyshard.transitions import wire_bytes
+
+SIZES = message_sizes(16 * 2**20)
+
+
+@pytest.mark.parametrize("kind,n", [("all_reduce", 2), ("all_reduce", 8), ("all_gather", 4),
+                                    ("reduce_scatter", 4), ("all_to_all", 8), ("send_recv", 2)])
+def test_fit_recovers_latency_and_bandwidth_within_1_percent(kind, n):
+    latency, bandwidth = 35e-6, 3.2e9
+    sent = [s if kind == "send_recv" else wire_bytes(kind, s, n, "nccl") for s in SIZES]
+    noise = [1 + 0.002 * (-1) ** i for i in range(len(SIZES))]  # +-0.2%, alternating
+    link = fit_alpha_beta(SIZES, [(latency + b / bandwidth) * e for b, e in zip(sent, noise)], kind, n)
+    assert link.latency_s == pytest.approx(latency, rel=0.01)
+    assert link.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=0.01)
+
+
+def test_latency_is_clamped_at_zero():
+    link = fit_alpha_beta([4096, 16384, 65536], [1e-6, 7e-6, 31e-6], "send_recv", 2)
+    assert link.latency_s == 0.0 and link.bandwidth_bytes_per_s > 0
+
+
+@pytest.mark.parametrize("sizes,seconds,kind,n,needle", [
+    ([4096, 16384], [2e-3, 1e-3], "all_reduce", 2, "do not grow with message size"),
+    ([4096, 4096], [1e-3, 2e-3], "all_reduce", 2, "at least two distinct sizes"),
+    ([4096, 16384], [1e-3], "all_reduce", 2, "one time per size"),
+    ([4096, 16384], [1e-3, 2e-3], "all_reduce", 1, "at least 2 ranks"),
+    ([4096, 16384], [0.0, 2e-3], "all_reduce", 2, "positive times"),
+    ([4096, 16384], [1e-3, 2e-3], "broadcast", 2, "'broadcast' is unknown"),
+])
+def test_bad_fit_input_is_named(sizes, seconds, kind, n, needle):
+    with pytest.raises(PolyshardError, match=needle):
+        fit_alpha_beta(sizes, seconds, kind, n)
+
+
+def test_message_sizes_are_powers_of_4_from_4_kib():
+    assert message_sizes(256 * 2**10) == [4096, 16384, 65536, 262144]
+    assert len(SIZES) == 7 and SIZES[-1] == 16 * 2**20
+    with pytest.raises(PolyshardError, match="at least 16 KiB"):
+        message_sizes(8192)
