@@ -29,6 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import polyshard as ps  # noqa: E402
+from training import train_step  # noqa: E402
 from polyshard import models  # noqa: E402
 
 LR = 1e-3
@@ -89,12 +90,7 @@ class Polyshard(System):
         self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
 
     def step(self, i: int) -> torch.Tensor:
-        x, y = self.local[i % len(self.local)]
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.pm(x, y)
-        loss.backward()
-        self.opt.step()
-        return loss.detach()
+        return train_step(self.pm, self.opt, *self.local[i % len(self.local)])
 
     def close(self) -> None:
         del self.pm, self.opt
@@ -111,12 +107,7 @@ class TorchDDP(System):
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
 
     def step(self, i: int) -> torch.Tensor:
-        x, y = self.local[i % len(self.local)]
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.model(x, y)
-        loss.backward()
-        self.opt.step()
-        return loss.detach()
+        return train_step(self.model, self.opt, *self.local[i % len(self.local)])
 
     def close(self) -> None:
         del self.model, self.opt
@@ -154,13 +145,7 @@ class TorchTP(System):
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
 
     def step(self, i: int) -> torch.Tensor:
-        x, y = self.batches[i % len(self.batches)]
-        self.opt.zero_grad(set_to_none=True)
-        with self.loss_parallel():
-            loss = self.model(x, y)
-            loss.backward()
-        self.opt.step()
-        return loss.detach().full_tensor()
+        return train_step(self.model, self.opt, *self.batches[i % len(self.batches)], self.loss_parallel).full_tensor()
 
     def close(self) -> None:
         del self.model, self.opt

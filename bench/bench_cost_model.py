@@ -38,6 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import polyshard as ps  # noqa: E402
+from training import train_step  # noqa: E402
 from polyshard import models  # noqa: E402
 from polyshard.cluster import Cluster  # noqa: E402
 from polyshard.planner.plan import Plan  # noqa: E402
@@ -182,12 +183,7 @@ class Run:
         ps.init(dict(self.mesh))  # the process group is reused; only the current mesh changes
 
     def step(self, i: int) -> torch.Tensor:
-        x, y = self.local[i % len(self.local)]
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.pm(x, y)
-        loss.backward()
-        self.opt.step()
-        return loss.detach()
+        return train_step(self.pm, self.opt, *self.local[i % len(self.local)])
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The global-batch loss: data shards hold their rows' mean."""

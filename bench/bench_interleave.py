@@ -29,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import polyshard as ps  # noqa: E402
+from training import train_step  # noqa: E402
 from polyshard import models  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.planner.cost.overlap import choose_copies  # noqa: E402
@@ -56,12 +57,7 @@ class Trainer:
         self.batches = batches
 
     def step(self, i: int) -> torch.Tensor:
-        x, y = self.batches[i % len(self.batches)]
-        loss = self.pm(x, y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return train_step(self.pm, self.opt, *self.batches[i % len(self.batches)])
 
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
