@@ -25,7 +25,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import shape_of
 from polyshard.layout import Axes, Layout
 from polyshard.planner.cost.comm import comm_seconds, partial_sum_bytes
-from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops
+from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops, op_overhead
 from polyshard.planner.cost.memory import VIEW_OPS, local_numel
 from polyshard.planner.plan import NodePlan, Plan
 from polyshard.planner.rules import RuleContext, decide_all
@@ -85,7 +85,7 @@ def candidates(gm: fx.GraphModule, op_axes: Axes) -> tuple[dict[str, list[NodePl
 
 
 def _same(a: list, b: list) -> bool:
-    return a == b
+    return a is b or a == b  # a copied node shares its twin's list: most checks end at `is`
 
 
 def _twins(nodes: list[fx.Node]) -> dict[str, fx.Node]:
@@ -249,7 +249,8 @@ def _op_seconds(node, d: NodePlan, modules, axes, cluster, rows, rate) -> float:
     flops = TRAIN_FLOPS_PER_FORWARD * forward_flops(node, plan, modules) * rows
     sent = {a: b * rows for a, b in partial_sum_bytes(node, d, modules, 4, cluster.backend).items()}
     transfer, latency = comm_seconds(sent, axes, cluster)
-    return flops / rate + 2 * (transfer + latency)
+    overhead = op_overhead(d, cluster) if node.op.startswith("call_") else 0.0
+    return flops / rate + 2 * (transfer + latency) + overhead
 
 
 def _op_memory(node, d: NodePlan, modules, rows, seen_params: set[int]) -> float:
