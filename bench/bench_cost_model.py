@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import polyshard as ps  # noqa: E402
 from training import train_step  # noqa: E402
 from polyshard import models  # noqa: E402
+from polyshard.calibrate import calibrate, message_sizes  # noqa: E402
 from polyshard.cluster import Cluster  # noqa: E402
 from polyshard.planner.plan import Plan  # noqa: E402
 from polyshard.planner.search import search  # noqa: E402
@@ -64,12 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plan", choices=["search", "propagate"], default="search",
                    help="run each split with the plan the search costs for it (default), or with the plan "
                         "ps.parallelize propagates itself")
-    p.add_argument("--cluster", default=None,
-                   help="cluster the planner costs: a preset (default cpu-gloo:WORLD) or a YAML file")
+    p.add_argument("--cluster", default="calibrate",
+                   help="cluster the planner costs: 'calibrate' (default: measure this machine first, as "
+                        "`polyshard calibrate` does), a preset such as cpu-gloo:4, or a YAML file")
     return p.parse_args(argv)
 
 
 def load_cluster(spec: str) -> Cluster:
+    if spec == "calibrate":  # every rank measures; messages of 4 KiB to 1 MiB span what these models send
+        return calibrate(None, message_sizes(2**20), repeats=3)
     if spec.endswith((".yaml", ".yml")) or os.path.isfile(spec):
         return Cluster.from_yaml(spec)
     return Cluster.preset(spec)
@@ -239,7 +243,7 @@ def main(argv=None) -> None:
     rank, lead = dist.get_rank(), dist.get_rank() == 0
     if min(args.warmup, args.steps, args.rounds) < 1:
         raise SystemExit("--warmup, --steps and --rounds must be at least 1")
-    cluster = load_cluster(args.cluster or f"cpu-gloo:{world}")
+    cluster = load_cluster(args.cluster)
     if cluster.num_devices != world:
         raise SystemExit(f"cluster {args.cluster!r} has {cluster.num_devices} devices; the world has {world}")
     configs = configurations(args)

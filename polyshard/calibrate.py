@@ -16,6 +16,8 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from polyshard.cluster import Cluster, Link, format_bytes
 from polyshard.errors import PolyshardError
@@ -58,6 +60,30 @@ def measure_matmul(dtype: torch.dtype, size: int, repeats: int) -> float:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     return 2 * size**3 / statistics.median(_times(lambda: torch.matmul(a, b), repeats, device))
+
+
+def measure_op_overheads(repeats: int, ops: int = 100) -> tuple[float, float]:
+    """Fixed seconds per op of forward plus backward on tiny tensors: plain, and the extra an op run on
+    DTensors pays (split over every rank, no communication). Every rank must call it."""
+    _check_repeats(repeats)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mesh = DeviceMesh(device.type, list(range(dist.get_world_size())))
+
+    def per_op(op: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        x = torch.ones(8, 8, device=device, requires_grad=True)
+
+        def chain():
+            y = x
+            for _ in range(ops):
+                y = op(y)
+            y.sum().backward()
+
+        return statistics.median(_times(chain, repeats, device)) / ops
+
+    plain = per_op(lambda y: y * 1.0)
+    split = per_op(lambda y: DTensor.from_local(y, mesh, [Shard(0)], run_check=False).mul(1.0).to_local())
+    plain, split = _all_reduce([plain, split], dist.ReduceOp.MAX, None)
+    return plain, max(split - plain, 0.0)
 
 
 def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None, repeats: int) -> float:
@@ -105,8 +131,8 @@ def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float], kind: s
     return Link(bandwidth_bytes_per_s=float(1 / per_byte), latency_s=float(latency))
 
 
-def calibrate(out_path: str | Path, sizes: Sequence[int], repeats: int) -> Cluster:
-    """Measure on every rank (all must call it); rank 0 prints the figures and writes ``out_path``."""
+def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -> Cluster:
+    """Measure on every rank (all must call it); rank 0 prints the figures and writes ``out_path`` (if given)."""
     base = Cluster.from_env()
     world = dist.get_world_size()
     if world < 2 or base.num_devices != world:
@@ -118,6 +144,7 @@ def calibrate(out_path: str | Path, sizes: Sequence[int], repeats: int) -> Clust
         raise PolyshardError(f"calibration needs at least two message sizes of {4 * world} bytes or more; "
                              f"got {len(sizes)}")
     flops, notes = _flops(base.device_type, repeats)
+    op_overhead, split_overhead = measure_op_overheads(repeats)
     # Several nodes: time every collective inside one node, and all_reduce across all of them too.
     split = base.num_nodes > 1 and base.devices_per_node > 1
     local = dist.new_subgroups(base.devices_per_node)[0] if split else None
@@ -139,11 +166,14 @@ def calibrate(out_path: str | Path, sizes: Sequence[int], repeats: int) -> Clust
         intra_node=link,
         inter_node=fits.get("all_reduce, all nodes", link),
         flops_per_s=flops,
+        op_overhead_s=op_overhead,
+        split_op_overhead_s=split_overhead,
     )
     if dist.get_rank() == 0:
-        print(_report(flops, sweeps, sizes, fits, notes))
-        cluster.to_yaml(out_path)
-        print(f"cluster: {out_path}")
+        print(_report(cluster, sweeps, sizes, fits, notes))
+        if out_path is not None:
+            cluster.to_yaml(out_path)
+            print(f"cluster: {out_path}")
     return cluster
 
 
@@ -186,10 +216,13 @@ def _fits(sweeps: dict[str, Sweep], sizes: list[int]) -> dict[str, Link | str]:
     return fits
 
 
-def _report(flops: dict[str, float], sweeps: dict[str, Sweep], sizes: list[int], fits: dict[str, Link | str],
+def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: dict[str, Link | str],
             notes: list[str]) -> str:
     lines = [f"{'matmul':<24} {'FLOP/s':>12}"]
-    lines += [f"{name:<24} {_si(rate, 'FLOP/s'):>12}" for name, rate in flops.items()]
+    lines += [f"{name:<24} {_si(rate, 'FLOP/s'):>12}" for name, rate in cluster.flops_per_s.items()]
+    lines += ["", "fixed cost per op (forward + backward)",
+              f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}",
+              f"{'split (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}"]
     lines += ["", f"{'collective':<24} {'ranks':>5} {'message':>10} {'seconds':>10} {'bus bandwidth':>14}"]
     for label, s in sweeps.items():
         for i, size in enumerate(sizes):

@@ -33,6 +33,7 @@ class _Device:
     flops_per_s: dict[str, float]  # peak dense FLOP/s per dtype name
     intra_node: Link  # between devices of one node
     inter_node: Link  # between nodes
+    overheads: tuple[float, float]  # (op_overhead_s, split_op_overhead_s) of Cluster
 
 
 def _flops(fp32: float, half: float) -> dict[str, float]:
@@ -46,22 +47,29 @@ _LOOPBACK = Link(bandwidth_bytes_per_s=5e9, latency_s=20e-6)
 # 10 Gb Ethernet between CPU machines (IEEE 802.3ae line rate).
 _ETHERNET_10G = Link(bandwidth_bytes_per_s=1.25e9, latency_s=50e-6)
 
+# Fixed cost per op and training step (forward and backward), as `polyshard calibrate` measures it:
+# on GPUs about three kernel launches of 5 us, plus DTensor's Python dispatch for a split op;
+# on CPU, eager dispatch of tiny ops, typical of a desktop core.
+_GPU_OVERHEADS = (15e-6, 150e-6)
+_CPU_OVERHEADS = (40e-6, 400e-6)
+
 # Device types by preset name. NVLink latency (2 us) is a typical NCCL small-message figure; datasheets omit it.
 # The cpu row's memory is a placeholder: `_device` reads the machine's RAM.
 _DEVICES: dict[str, _Device] = {
     # NVIDIA A100 datasheet: 40 GB HBM2, 19.5 TFLOP/s fp32, 312 bf16/fp16, NVLink 600 GB/s total.
-    "A100-40G": _Device("cuda", 40 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G),
+    "A100-40G": _Device("cuda", 40 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G, _GPU_OVERHEADS),
     # NVIDIA A100 datasheet: 80 GB HBM2e, same compute and NVLink as the 40 GB part.
-    "A100-80G": _Device("cuda", 80 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G),
+    "A100-80G": _Device("cuda", 80 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G, _GPU_OVERHEADS),
     # NVIDIA H100 SXM datasheet: 80 GB HBM3, 67 TFLOP/s fp32, 989 bf16/fp16 dense, NVLink 900 GB/s total.
-    "H100-80G": _Device("cuda", 80 * GiB, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G),
+    "H100-80G": _Device("cuda", 80 * GiB, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G, _GPU_OVERHEADS),
     # NVIDIA H200 SXM datasheet: 141 GB HBM3e, H100 compute, NVLink 900 GB/s total.
-    "H200-141G": _Device("cuda", 141 * 10**9, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G),
+    "H200-141G": _Device("cuda", 141 * 10**9, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G, _GPU_OVERHEADS),
     # A modest multi-core CPU; half precision is not faster than fp32 there.
-    "cpu": _Device("cpu", 0, _flops(5e10, 5e10), _LOOPBACK, _ETHERNET_10G),
+    "cpu": _Device("cpu", 0, _flops(5e10, 5e10), _LOOPBACK, _ETHERNET_10G, _CPU_OVERHEADS),
 }
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+_OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s")
 
 _SPEC = re.compile(r"(?:(\d+)x)?(\d+)x(.+?)(?:-nvlink|-ib)*", re.IGNORECASE)
 _CPU_GLOO = re.compile(r"cpu-gloo(?::(\d+))?", re.IGNORECASE)
@@ -80,6 +88,10 @@ class Cluster:
     inter_node: Link  # between nodes
     # Peak dense FLOP/s per dtype name ("float32", "bfloat16", "float16"); left out of the hash.
     flops_per_s: dict[str, float] = field(default_factory=dict, hash=False)
+    # Fixed seconds per op and training step, however small the op: dispatch and kernel launches.
+    op_overhead_s: float = 0.0
+    # What an op run on split tensors (DTensor) pays on top of op_overhead_s.
+    split_op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.devices_per_node < 1:
@@ -138,6 +150,9 @@ class Cluster:
             data = yaml.safe_load(Path(path).read_text())
         except (OSError, yaml.YAMLError) as e:
             raise PolyshardError(f"cannot read cluster file {str(path)!r}: {e}") from e
+        if isinstance(data, dict):  # files written before the overhead figures existed: their device type's
+            overheads = _CPU_OVERHEADS if data.get("device_type") == "cpu" else _GPU_OVERHEADS
+            data = {**dict(zip(_OVERHEAD_KEYS, overheads)), **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         links = {
             key: _check_keys(data[key], {f.name for f in fields(Link)}, f"{path}: {key}")
@@ -153,6 +168,7 @@ class Cluster:
                 intra_node=Link(**{k: float(v) for k, v in links["intra_node"].items()}),
                 inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
                 flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
+                **{key: float(data[key]) for key in _OVERHEAD_KEYS},
             )
         except PolyshardError:
             raise
@@ -211,6 +227,7 @@ def _cluster(nodes: int, per_node: int, name: str, device: _Device) -> Cluster:
         intra_node=device.intra_node,
         inter_node=device.inter_node,
         flops_per_s=dict(device.flops_per_s),
+        **dict(zip(_OVERHEAD_KEYS, device.overheads)),
     )
 
 

@@ -20,7 +20,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.planner.cost.comm import axis_link
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
-from polyshard.planner.cost.overlap import OP_OVERHEAD_S, op_costs
+from polyshard.planner.cost.overlap import op_costs
 from polyshard.planner.intra_op import solve
 from polyshard.planner.plan import Plan
 from polyshard.planner.propagate import propagate
@@ -91,8 +91,7 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
             continue
         plan.mesh, plan.data_axes = mesh, ("dp",)
         costs = op_costs(gm, plan, cluster)
-        overhead = OP_OVERHEAD_S[cluster.device_type] * len(costs)
-        compute = rows * sum(c.compute_s for c in costs) + overhead
+        compute = sum(rows * c.compute_s + c.overhead_s for c in costs)
         op_comm = sum(rows * c.comm_s + c.latency_s for c in costs)
         one_row = estimate_memory(gm, plan, data_parallel=dp > 1)
         memory = MemoryEstimate(one_row.params_bytes, one_row.grads_bytes, one_row.optimizer_bytes,

@@ -1,4 +1,7 @@
+import dataclasses
+
 import pytest
+import yaml
 
 from polyshard.cluster import Cluster, Link, format_bytes, parse_bytes
 from polyshard.errors import PolyshardError
@@ -101,3 +104,12 @@ def test_format_bytes():
     assert format_bytes(3 * 2**29) == "1.5 GiB"
     assert format_bytes(512) == "512 B"
     assert format_bytes(80 * 2**30) == "80 GiB"
+
+
+def test_yaml_written_before_overheads_takes_its_device_types(tmp_path):
+    path = tmp_path / "old.yaml"
+    c = Cluster.preset("cpu-gloo:2")
+    data = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(c)))
+    del data["op_overhead_s"], data["split_op_overhead_s"]
+    path.write_text(yaml.safe_dump(data))
+    assert Cluster.from_yaml(path) == c

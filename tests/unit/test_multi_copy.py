@@ -45,8 +45,8 @@ def test_merge_weights_losses_by_rows_and_concatenates_batches():
 
 def test_step_time_hides_communication_behind_the_other_copy():
     costs = [OpCost(compute_s=1.0, comm_s=1.0, latency_s=0.0)] * 4
-    assert step_seconds(costs, 1, 0.0) == pytest.approx(8.0)  # compute, then wait, four times
-    assert step_seconds(costs, 2, 0.0) == pytest.approx(4.5)  # all but the last half-collective hidden
+    assert step_seconds(costs, 1) == pytest.approx(8.0)  # compute, then wait, four times
+    assert step_seconds(costs, 2) == pytest.approx(4.5)  # all but the last half-collective hidden
 
 
 def _plan_for(cfg, rows):

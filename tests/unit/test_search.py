@@ -1,5 +1,7 @@
 """Mesh search and the memory model on meta models, in one process."""
 
+import dataclasses
+
 import pytest
 
 from polyshard import models
@@ -72,3 +74,17 @@ def test_pins_survive_the_search_and_rule_out_splits_that_cannot_hold_them():
     plan, candidates = search(model, model.example_inputs(1), Cluster.preset("cpu-gloo:2"), 4)
     assert [c.describe() for c in candidates] == ["dp=1 x tp=2"]  # dp=2 x tp=1 has no axis to split on
     assert plan.params["blocks.3.mlp.fc.weight"].dims == ((), ("tp",))
+
+
+def test_fixed_cost_of_split_ops_decides_between_splitting_and_replicating():
+    """Where a DTensor op's fixed cost dwarfs its compute (tiny models on CPU), the cheapest plan
+    keeps ops whole; with no such cost, splitting the large matmuls wins."""
+    model = models.build("gpt-small", "meta")
+    base = Cluster.preset("cpu-gloo:4")
+
+    def split_ops(cluster):
+        plan, _ = search(model, model.example_inputs(1), cluster, 8, meshes=[(("dp", 1), ("tp", 4))])
+        return sum(n.impl != "local" for n in plan.nodes.values())
+
+    assert split_ops(dataclasses.replace(base, split_op_overhead_s=1.0)) == 0
+    assert split_ops(dataclasses.replace(base, op_overhead_s=0.0, split_op_overhead_s=0.0)) > 10

@@ -14,7 +14,8 @@ from torch import fx, nn
 
 from polyshard.graph.capture import shape_of
 from polyshard.layout import Layout
-from polyshard.planner.plan import Plan
+from polyshard.cluster import Cluster
+from polyshard.planner.plan import NodePlan, Plan
 
 TRAIN_FLOPS_PER_FORWARD = 3
 
@@ -37,3 +38,8 @@ def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> f
         q, k = (shape_of(n) for n in node.args[:2])
         return 4 * local / q[-1] * k[-2] * q[-1]
     return local
+
+
+def op_overhead(entry: NodePlan, cluster: Cluster) -> float:
+    """Fixed cost of one op per training step, however small: more when it runs on split tensors (DTensor)."""
+    return cluster.op_overhead_s + (cluster.split_op_overhead_s if entry.impl != "local" else 0.0)

@@ -1,7 +1,7 @@
 """Multi-copy overlap: predicted step time for k interleaved copies, and the best k.
 
-Each op of each copy is a compute task (its share of the FLOPs, plus a fixed per-op cost for
-launching it) followed, if it communicates, by a communication task (its share of the bytes,
+Each op of each copy is a compute task (its share of the FLOPs, plus its fixed cost of dispatch
+and launch, which every copy pays again) followed, if it communicates, by a communication task (its share of the bytes,
 plus the link latency per collective). Tasks run in the interleaved order (op-major, copy-minor)
 on one compute stream and one communication stream, and a copy's next op waits for its own
 previous communication: list scheduling of that order gives the step time, so the other
@@ -19,21 +19,19 @@ from torch import fx
 
 from polyshard.cluster import Cluster
 from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes
-from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops
+from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops, op_overhead
 from polyshard.planner.plan import Plan
-
-# Fixed cost of issuing one op: Python dispatch on CPU, a kernel launch on GPU (order of magnitude).
-OP_OVERHEAD_S = {"cpu": 2e-5, "cuda": 5e-6}
-
 
 @dataclass(frozen=True)
 class OpCost:
     """One op for the whole batch: compute_s (FLOPs at the device rate), comm_s (bytes over
-    bandwidth), latency_s (the links' latency for its collectives, paid again by every copy)."""
+    bandwidth); latency_s (the links' latency for its collectives) and overhead_s (dispatch and
+    launch) are fixed costs that every copy pays again."""
 
     compute_s: float
     comm_s: float
     latency_s: float
+    overhead_s: float = 0.0
 
 
 def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "float32", itemsize: int = 4) -> list[OpCost]:
@@ -48,11 +46,11 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
         sent = node_comm_bytes(node, plan, modules, itemsize, cluster.backend)
         transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
-        out.append(OpCost(flops / rate, 2 * transfer, 2 * latency))
+        out.append(OpCost(flops / rate, 2 * transfer, 2 * latency, op_overhead(plan.nodes[node.name], cluster)))
     return out
 
 
-def step_seconds(costs: list[OpCost], copies: int, op_overhead_s: float, overlap: bool = True) -> float:
+def step_seconds(costs: list[OpCost], copies: int, overlap: bool = True) -> float:
     """List-scheduled time of the interleaved order on one compute and one communication stream
     (``overlap=False``: communication occupies the compute stream too)."""
     compute_free = comm_free = 0.0
@@ -60,7 +58,7 @@ def step_seconds(costs: list[OpCost], copies: int, op_overhead_s: float, overlap
     for cost in costs:
         for c in range(copies):
             start = max(compute_free, ready[c])
-            compute_free = start + cost.compute_s / copies + op_overhead_s
+            compute_free = start + cost.compute_s / copies + cost.overhead_s
             if cost.comm_s or cost.latency_s:
                 comm_start = max(comm_free, compute_free)
                 comm_free = comm_start + cost.comm_s / copies + cost.latency_s
@@ -76,7 +74,6 @@ def choose_copies(gm: fx.GraphModule, plan: Plan, cluster: Cluster, batch_rows: 
                   candidates: tuple[int, ...] = (1, 2, 4)) -> tuple[int, dict[int, float]]:
     """The copy count with the lowest predicted step time, and the prediction for each candidate."""
     costs = op_costs(gm, plan, cluster)
-    overhead = OP_OVERHEAD_S[cluster.device_type]
     overlap = cluster.device_type == "cuda"
-    predicted = {k: step_seconds(costs, k, overhead, overlap) for k in candidates if k <= batch_rows}
+    predicted = {k: step_seconds(costs, k, overlap) for k in candidates if k <= batch_rows}
     return min(predicted, key=predicted.get), predicted
