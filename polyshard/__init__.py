@@ -7,5 +7,6 @@ from polyshard.mesh import Mesh, current_mesh, init
 from polyshard.planner.plan import Plan
 from polyshard.runtime import comm
 from polyshard.runtime.parallel import ParallelModule, micro_batch_interleaved, parallelize
+from polyshard.runtime.recompute import recompute
 
-__all__ = ["comm", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "micro_batch_interleaved", "parallelize", "shard"]
+__all__ = ["comm", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "micro_batch_interleaved", "parallelize", "recompute", "shard"]

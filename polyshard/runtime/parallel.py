@@ -18,10 +18,12 @@ from polyshard.graph.capture import capture
 from polyshard.mesh import Mesh, current_mesh
 from polyshard.planner.cost.overlap import choose_copies
 from polyshard.planner.intra_op import solve
-from polyshard.planner.plan import Plan
+from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
 from polyshard.planner.propagate import propagate
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
 from polyshard.runtime.interleave import interleave
+from polyshard.graph.regions import marked_modules
+from polyshard.runtime.recompute import apply_recompute
 
 COPIES_ATTR = "_polyshard_copies"
 
@@ -29,19 +31,27 @@ COPIES_ATTR = "_polyshard_copies"
 class ParallelModule(nn.Module):
     """This rank's share of a model. Call it with this rank's batch (see :meth:`local_batch`)."""
 
-    def __init__(self, program: fx.GraphModule, plan: Plan, mesh: Mesh, bucket_bytes: int):
+    def __init__(self, program: fx.GraphModule, plan: Plan, mesh: Mesh, bucket_bytes: int,
+                 recompute_paths: dict[str, str] | None = None):
         super().__init__()
         object.__setattr__(self, "_single_copy", program)  # not a submodule: the same parameters
-        self.program = interleave(program, plan.copies)
+        self.recompute_paths = recompute_paths or {}
         self.plan = plan
+        self.program = self._runnable(plan.copies)
         self.mesh = mesh
         group = mesh.data_group()
         self.grad_sync = GradientSync(list(program.parameters()), group, bucket_bytes) if group is not None else None
 
     def set_copies(self, copies: int) -> None:
         """Run each batch as ``copies`` interleaved slices (1: as one)."""
-        self.program = interleave(self._single_copy, copies)
+        self.program = self._runnable(copies)
         self.plan.copies = copies
+
+    def _runnable(self, copies: int) -> fx.GraphModule:
+        """The program with the plan's recomputed regions outlined, interleaved into ``copies``."""
+        recomputed = apply_recompute(self._single_copy, self.plan.recompute, self.plan.recompute_comm,
+                                     self.recompute_paths)
+        return interleave(recomputed, copies)
 
     def forward(self, *args):
         return self.program(*args)
@@ -76,7 +86,8 @@ class ParallelModule(nn.Module):
 def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None = None, mesh: Mesh | None = None,
                 plan: Plan | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 copies: int | str | None = None, search: bool = False,
-                memory_limit_bytes: float | None = None) -> ParallelModule:
+                memory_limit_bytes: float | None = None, recompute: str | None = None,
+                recompute_comm: str | None = None) -> ParallelModule:
     """Split ``model`` over the mesh: pinned ops keep their strategies, the others follow the op rules.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values) default to the model's own
@@ -85,7 +96,13 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
     by default the plan's, or what :func:`micro_batch_interleaved` set on the model.
     ``search``: choose every op's strategy by the cost model's integer program (pins kept) instead
     of the rules' defaults, under ``memory_limit_bytes`` per device (default: the device's memory).
+    ``recompute`` ("none", "selective", "full") and ``recompute_comm`` ("keep", "recompute"): see
+    :class:`Plan`; by default the plan's. Modules marked by :func:`polyshard.recompute` are recomputed too.
     """
+    if recompute is not None:
+        check_choice("recompute", recompute, RECOMPUTE_MODES)
+    if recompute_comm is not None:
+        check_choice("recompute_comm", recompute_comm, RECOMPUTE_COMMS)
     mesh = mesh or current_mesh()
     if example_inputs is None:
         if not hasattr(model, "example_inputs"):
@@ -118,9 +135,11 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
         if not isinstance(copies, int) or copies < 1:
             raise PolyshardError(f"copies must be a positive integer or 'auto', got {copies!r}")
         plan.copies = copies
+    plan.recompute = recompute or plan.recompute
+    plan.recompute_comm = recompute_comm or plan.recompute_comm
     if dist.is_initialized() and dist.get_world_size() != mesh.world_size:
         raise PolyshardError(f"mesh {mesh} does not match the world of {dist.get_world_size()} processes")
-    return ParallelModule(lower(gm, plan, mesh), plan, mesh, bucket_bytes)
+    return ParallelModule(lower(gm, plan, mesh), plan, mesh, bucket_bytes, marked_modules(model))
 
 
 def micro_batch_interleaved(model: nn.Module, copies: int = 2) -> nn.Module:

@@ -1,0 +1,129 @@
+"""Which nodes of a graph a recompute mode runs again in backward.
+
+One definition for both sides: the planner's memory model counts what these regions free, and the
+runtime outlines the same regions into checkpointed calls.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Mapping
+
+import torch.nn.functional as F
+from torch import fx, nn
+
+from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, check_choice
+
+RECOMPUTE_ATTR = "_polyshard_recompute"
+_VIEWS = {"view", "transpose", "reshape", "permute", "contiguous"}
+
+
+@dataclass(frozen=True)
+class Region:
+    """Consecutive nodes recomputed together; ``comm``: "keep" or "recompute" their collectives."""
+
+    nodes: list[fx.Node]
+    comm: str
+    label: str
+
+
+def marked_modules(model: nn.Module) -> dict[str, str]:
+    """Each module of ``model`` marked by ``polyshard.recompute``: its path -> its ``comm``."""
+    return {name: getattr(m, RECOMPUTE_ATTR) for name, m in model.named_modules() if hasattr(m, RECOMPUTE_ATTR)}
+
+
+def recompute_regions(gm: fx.GraphModule, mode: str, comm: str,
+                      marked_paths: Mapping[str, str] | None = None) -> list[Region]:
+    """The regions of ``gm`` to recompute.
+
+    ``mode``: "full" recomputes every block (each child of a repeated ModuleList), "selective" every
+    attention core (scaled_dot_product_attention and the views feeding it), "none" nothing; each
+    module path in ``marked_paths`` is recomputed too, with its own ``comm``.
+    """
+    check_choice("recompute", mode, RECOMPUTE_MODES)
+    check_choice("recompute_comm", comm, RECOMPUTE_COMMS)
+    marked = dict(marked_paths or {})
+    paths = {path for node in gm.graph.nodes for path, _ in node.meta.get("nn_module_stack", {}).values()}
+    # blocks: children of a ModuleList (or Sequential), whose last name is their index
+    blocks = {path for path in paths if path.rpartition(".")[2].isdigit()} if mode == "full" else set()
+    comms = dict.fromkeys(blocks, comm) | marked
+    runs = _module_runs(gm.graph, comms)
+    regions = [Region(nodes, comms[path], path) for path, nodes in runs]
+    cores = _attention_cores(gm.graph, {n for _, nodes in runs for n in nodes}) if mode == "selective" else []
+    regions += [Region(nodes, comm, nodes[-1].name) for nodes in cores]
+    for path in sorted(set(marked) - paths):
+        warnings.warn(f"polyshard: recompute() marks `{path or type(gm).__name__}`, which runs no op of "
+                      "its own in the captured graph; mark one of its submodules", stacklevel=3)
+    if mode != "none" and not (blocks or cores):
+        what = "blocks (children of a ModuleList)" if mode == "full" else "scaled_dot_product_attention call"
+        warnings.warn(f"polyshard: recompute={mode!r} finds no {what} to recompute in {type(gm).__name__}",
+                      stacklevel=3)
+    return regions
+
+
+def _module_runs(graph: fx.Graph, paths: Mapping[str, str]) -> list[tuple[str, list[fx.Node]]]:
+    """Maximal runs of consecutive nodes inside one of ``paths`` (the outermost, if nested).
+
+    Nodes without a module stack (added by lowering: redistributions, local sizes) join the run
+    they lie inside."""
+    runs: list[tuple[str, list[fx.Node]]] = []
+    current, pending = None, []
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            pending.append(node)
+            continue
+        path = next((p for p, _ in stack.values() if p in paths), None)
+        if path is not None and path == current:
+            runs[-1][1].extend(pending + [node])
+        elif path is not None:
+            runs.append((path, [node]))
+        current, pending = path, []
+    return runs
+
+
+def _attention_cores(graph: fx.Graph, taken: set[fx.Node]) -> list[list[fx.Node]]:
+    """Each scaled_dot_product_attention call with the views that feed it from the q/k/v projections."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    cores = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not F.scaled_dot_product_attention or node in taken:
+            continue
+        core, todo = {node}, list(node.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if (n.op == "call_method" and n.target in _VIEWS and n not in taken and n not in core
+                    and all(u in core for u in n.users)):
+                core.add(n)
+                todo.extend(n.all_input_nodes)
+        cores.append(sorted(core, key=order.__getitem__))
+    return cores
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """What a recompute mode does to a graph, by node name: ``rerun`` (forward again in backward),
+    ``freed`` (outputs not kept for backward), and per region in graph order the outputs it frees,
+    which are alive again while that region's backward runs."""
+
+    rerun: frozenset[str] = frozenset()
+    freed: frozenset[str] = frozenset()
+    regions: tuple[frozenset[str], ...] = ()
+    comm: str = "keep"
+
+    @cached_property
+    def held(self) -> frozenset[str]:
+        """The largest region's freed outputs: what is alive again at the worst moment of backward."""
+        return max(self.regions, key=len, default=frozenset())
+
+
+def recomputed(gm: fx.GraphModule, mode: str, comm: str = "keep") -> Recomputed:
+    """The nodes ``mode`` (and modules marked in ``gm``) recompute; quiet where a mode finds nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        regions = recompute_regions(gm, mode, comm, marked_modules(gm))
+    inner = tuple(frozenset(n.name for n in r.nodes if all(u in set(r.nodes) for u in n.users)) for r in regions)
+    rerun = frozenset(n.name for r in regions for n in r.nodes)
+    return Recomputed(rerun, frozenset().union(*inner), inner, comm)

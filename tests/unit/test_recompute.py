@@ -1,0 +1,143 @@
+"""Recompute in one process: the same training as the eager model, less memory kept for backward."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import polyshard as ps
+from polyshard import models
+from polyshard.errors import PolyshardError
+from polyshard.graph.capture import capture
+from polyshard.planner.plan import Plan
+from polyshard.runtime.recompute import apply_recompute
+
+
+def _batch(seed: int, rows: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (rows, 16), generator=g), torch.randint(0, 256, (rows, 16), generator=g)
+
+
+@pytest.mark.parametrize("mode, marked, num_regions", [
+    ("none", None, 0), ("selective", None, 2), ("full", None, 2),
+    ("none", "blocks.1.mlp", 1), ("selective", "blocks.0", 2),  # block 0 holds its own attention core
+])
+def test_training_matches_the_eager_model(mode, marked, num_regions):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ps.init()
+    ref, model = models.build("gpt-tiny"), models.build("gpt-tiny")
+    if marked:
+        ps.recompute(model.get_submodule(marked))
+    pm = ps.parallelize(model, _batch(0), recompute=mode)
+    regions = [n for n, _ in pm.program.named_children() if n.startswith("recompute_")]
+    assert len(regions) == num_regions, regions
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for step in range(5):
+        x, y = _batch(step)
+        ref_loss, loss = ref(x, y), pm(x, y)
+        ref_loss.backward(), loss.backward()
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+        assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=0), step
+    full = pm.full_state_dict()
+    for name, p in ref.named_parameters():
+        assert (full[name] - p).abs().max() <= 1e-5 * p.abs().max(), name
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Weak references to the storage of every op's output. saved_tensors_hooks would miss what
+    checkpoint keeps by other means (its inputs), so what stays alive after forward is counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: list[tuple[StorageWeakRef, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.refs.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        return out
+
+
+def _activation_bytes(mode: str) -> int:
+    """Bytes of distinct storages made in one forward and still held for backward (not parameters or inputs)."""
+    model = models.build("gpt-tiny")
+    x, y = _batch(0)
+    program = apply_recompute(capture(model, (x, y)), mode, "keep")
+    owned = {StorageWeakRef(t.untyped_storage()).cdata for t in (*model.parameters(), x, y)}
+    with _LiveStorages() as live:
+        loss = program(x, y)
+    alive = {ref.cdata: nbytes for ref, nbytes in live.refs if not ref.expired() and ref.cdata not in owned}
+    loss.backward()
+    return sum(alive.values())
+
+
+def test_recompute_keeps_less_for_backward():
+    none, selective, full = (_activation_bytes(mode) for mode in ("none", "selective", "full"))
+    assert full <= 0.4 * none, (none, full)
+    assert selective < none, (none, selective)
+
+
+def test_a_recomputed_function_gives_the_same_values_and_gradients():
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def layer(x, w):
+        """Two matmuls."""
+        return torch.tanh(x @ w) @ w
+
+    ref = layer(x, w).square().sum()
+    (ref_grad,) = torch.autograd.grad(ref, w)
+    wrapped = ps.recompute(layer, comm="recompute")
+    out = wrapped(x, w).square().sum()
+    (grad,) = torch.autograd.grad(out, w)
+    assert wrapped.__name__ == "layer" and wrapped.__doc__ == "Two matmuls."
+    assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
+
+
+def test_recompute_marks_and_returns_a_module():
+    block = models.build("gpt-tiny").blocks[0]
+    assert ps.recompute(block) is block and block._polyshard_recompute == "keep"
+
+
+def test_bad_settings_are_clear_errors():
+    model = models.build("gpt-tiny")
+    with pytest.raises(PolyshardError, match="recompute must be one of 'none', 'selective', 'full'; got 'all'"):
+        ps.parallelize(model, _batch(0), recompute="all")
+    with pytest.raises(PolyshardError, match="recompute_comm must be one of 'keep', 'recompute'; got 'drop'"):
+        ps.parallelize(model, _batch(0), recompute_comm="drop")
+    with pytest.raises(PolyshardError, match="comm must be one of 'keep', 'recompute'; got True"):
+        ps.recompute(model.blocks[0], comm=True)
+    with pytest.raises(PolyshardError, match="takes a module or a function, got int"):
+        ps.recompute(3)
+    with pytest.raises(PolyshardError, match="recompute must be one of"):
+        Plan(op_axes=(), recompute="full-ish")
+    with pytest.raises(PolyshardError, match="recompute must be one of"):
+        apply_recompute(capture(model, _batch(0)), "everything", "keep")
+
+
+def test_nothing_to_recompute_warns():
+    mlp = models.MLPClassifier(in_features=16, hidden=8, num_classes=4)
+    gm = capture(mlp, mlp.example_inputs())
+    with pytest.warns(UserWarning, match="recompute='full' finds no blocks"):
+        assert apply_recompute(gm, "full", "keep") is gm
+    with pytest.warns(UserWarning, match="marks `MLPClassifier`, which runs no op of its own"):
+        apply_recompute(gm, "none", "keep", {"": "keep"})
+
+
+def test_plan_json_round_trips_recompute_and_old_plans_load():
+    plan = Plan(op_axes=(("tp", 2),), recompute="selective", recompute_comm="recompute")
+    again = Plan.from_json(plan.to_json())
+    assert (again.recompute, again.recompute_comm) == ("selective", "recompute")
+    old = json.loads(plan.to_json())
+    del old["recompute"], old["recompute_comm"]
+    loaded = Plan.from_json(json.dumps(old))
+    assert (loaded.recompute, loaded.recompute_comm) == ("none", "keep")
+    with pytest.raises(PolyshardError, match="recompute must be one of"):
+        Plan.from_json(json.dumps(old | {"recompute": "sometimes"}))
