@@ -25,8 +25,9 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import shape_of
 from polyshard.layout import Axes, Layout
 from polyshard.planner.cost.comm import comm_seconds, partial_sum_bytes
-from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops, op_overhead
-from polyshard.planner.cost.memory import VIEW_OPS, local_numel
+from polyshard.graph.regions import Recomputed, recomputed
+from polyshard.planner.cost.compute import forward_flops, op_overhead, passes
+from polyshard.planner.cost.memory import keeps_activation, local_numel
 from polyshard.planner.plan import NodePlan, Plan
 from polyshard.planner.rules import RuleContext, decide_all
 from polyshard.transitions import transition_bytes
@@ -130,8 +131,9 @@ class Program:
     conflicts: list[tuple[tuple[str, int], tuple[str, int]]]
 
 
-def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int) -> Program:
-    """Candidates, costs (seconds per step at ``rows`` rows) and memory of every choice."""
+def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int,
+                  rc: Recomputed = Recomputed()) -> Program:
+    """Candidates, costs (seconds per step at ``rows`` rows) and memory of every choice, under recompute ``rc``."""
     options, copied = candidates(gm, op_axes)
     modules = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)
@@ -149,8 +151,8 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
         if n.name in copied and not _shares_params(n, modules, seen_params):
             costs, mems = per_node[copied[n.name]]
         else:
-            costs = [_op_seconds(n, d, modules, op_axes, cluster, rows, rate) for d in options[n.name]]
-            mems = [_op_memory(n, d, modules, rows, seen_params) for d in options[n.name]]
+            costs = [_op_seconds(n, d, modules, op_axes, cluster, rows, rate, rc) for d in options[n.name]]
+            mems = [_op_memory(n, d, modules, rows, seen_params, rc) for d in options[n.name]]
         per_node[n.name] = (costs, mems)
         for i, (c, m) in enumerate(zip(costs, mems)):
             v = var_of[(rep[n.name], i)]
@@ -164,7 +166,8 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
         for u in n.all_input_nodes:
             costs = per_edge.get((copied.get(u.name), copied.get(n.name)))  # the twin edge, inside a block
             if costs is None:
-                costs = np.array([[_edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster, rows)
+                costs = np.array([[_edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster, rows,
+                                                 passes(n.name, rc)[1])
                                    for d in options[n.name]] for o in options[u.name]])
             per_edge[(u.name, n.name)] = costs
             key = (rep[u.name], rep[n.name])
@@ -185,13 +188,15 @@ def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
 
 
 def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory_limit_bytes: float,
-          cutoff_s: float | None = None, time_limit_s: float = 30.0) -> IntraOpResult:
-    """The cheapest strategy per op for ``rows`` batch rows per device (``gm`` captured at one row).
+          cutoff_s: float | None = None, time_limit_s: float = 30.0, recompute: str = "none",
+          recompute_comm: str = "keep") -> IntraOpResult:
+    """The cheapest strategy per op for ``rows`` batch rows per device (``gm`` captured at one row),
+    with activations under ``recompute`` (see :class:`Plan`).
 
     Pruned (no plan) when the LP bound shows nothing here costs less than ``cutoff_s``."""
     import highspy
 
-    program = build_program(gm, op_axes, cluster, rows)
+    program = build_program(gm, op_axes, cluster, rows, recomputed(gm, recompute, recompute_comm))
     options, rep, var_of = program.options, program.rep, program.var_of
     nodes = list(gm.graph.nodes)
     modules = dict(gm.named_modules())
@@ -230,7 +235,7 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     h.changeColsIntegrality(num_x, np.arange(num_x, dtype=np.int32), np.ones(num_x, dtype=np.uint8))
     h.run()
     x = np.array(h.getSolution().col_value[:num_x])
-    plan = Plan(op_axes=op_axes)
+    plan = Plan(op_axes=op_axes, recompute=recompute, recompute_comm=recompute_comm)
     for n in nodes:
         pick = max(range(len(options[n.name])), key=lambda i: x[var_of[(rep[n.name], i)]])
         plan.nodes[n.name] = options[n.name][pick]
@@ -244,32 +249,35 @@ def _shares_params(node: fx.Node, modules, seen: set[int]) -> bool:
     return node.op == "call_module" and any(id(p) in seen for p in modules[node.target].parameters(recurse=False))
 
 
-def _op_seconds(node, d: NodePlan, modules, axes, cluster, rows, rate) -> float:
+def _op_seconds(node, d: NodePlan, modules, axes, cluster, rows, rate, rc: Recomputed) -> float:
     plan = Plan(op_axes=axes, nodes={node.name: d})
-    flops = TRAIN_FLOPS_PER_FORWARD * forward_flops(node, plan, modules) * rows
+    compute_passes, comm_passes = passes(node.name, rc)
+    flops = compute_passes * forward_flops(node, plan, modules) * rows
     sent = {a: b * rows for a, b in partial_sum_bytes(node, d, modules, 4, cluster.backend).items()}
     transfer, latency = comm_seconds(sent, axes, cluster)
-    overhead = op_overhead(d, cluster) if node.op.startswith("call_") else 0.0
-    return flops / rate + 2 * (transfer + latency) + overhead
+    overhead = op_overhead(d, cluster, compute_passes) if node.op.startswith("call_") else 0.0
+    return flops / rate + comm_passes * (transfer + latency) + overhead
 
 
-def _op_memory(node, d: NodePlan, modules, rows, seen_params: set[int]) -> float:
+def _op_memory(node, d: NodePlan, modules, rows, seen_params: set[int], rc: Recomputed) -> float:
     total = 0.0
     for name, p in (modules[node.target].named_parameters(recurse=False) if node.op == "call_module" else []):
         if id(p) not in seen_params and name in d.params:
             total += local_numel(p.shape, d.params[name]) * BYTES_PER_PARAM
     shape = shape_of(node)
-    if isinstance(d.output, Layout) and shape is not None and node.op != "placeholder" and node.target not in VIEW_OPS:
+    if isinstance(d.output, Layout) and shape is not None and keeps_activation(node, rc):
         total += local_numel(shape, d.output) * 4 * rows
     return total
 
 
-def _edge_seconds(u: fx.Node, src, dst, axes, cluster, rows) -> float:
+def _edge_seconds(u: fx.Node, src, dst, axes, cluster, rows, comm_passes: int) -> float:
+    """Redistributing ``u``'s value: in forward, in backward (the gradient the reverse way), and
+    in recompute when the consumer's collectives run again."""
     if not isinstance(src, Layout) or dst is None or src == dst:
         return 0.0
     sent = {a: b * rows for a, b in transition_bytes(src, dst, shape_of(u), 4, cluster.backend).items()}
     transfer, latency = comm_seconds(sent, axes, cluster)
-    return 2 * (transfer + latency)  # backward moves the gradient the reverse way
+    return comm_passes * (transfer + latency)
 
 
 def _representatives(nodes: list[fx.Node], options, copied: dict[str, str]) -> dict[str, str]:

@@ -12,6 +12,20 @@ from typing import Any
 from polyshard.errors import PolyshardError
 from polyshard.layout import Axes, Layout
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_COMMS = ("keep", "recompute")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+ZERO_LEVELS = (0, 1, 2, 3)
+OPTIMIZERS = ("adamw", "sgd", "lamb")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOADS = ("none", "host", "disk")
+
+
+def check_choice(what: str, value: Any, allowed: tuple) -> None:
+    """Raise a PolyshardError naming ``what`` unless ``value`` is one of ``allowed``."""
+    if type(value) is not type(allowed[0]) or value not in allowed:
+        raise PolyshardError(f"{what} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
 
 @dataclass
 class NodePlan:
@@ -38,6 +52,17 @@ class Plan:
     """op_axes: the device matrix operators split over; params: layout per parameter name;
     nodes: per graph node, how it runs; mesh/data_axes: the whole mesh it was made for;
     copies: how many interleaved slices each batch runs as (multi-copy parallel);
+    recompute: activations run again in backward instead of stored ("none"; "selective": attention
+      cores, cheap to run and large to store; "full": every block, keeping only block inputs);
+    recompute_comm: in recomputed regions, "keep" the results of collectives or "recompute" them
+      (communicating again in backward, for less memory);
+    stage_boundaries: module paths where pipeline stages 2, 3, ... begin (the mesh's "pp" axis has
+      the stages); schedule: "gpipe", "1f1b" or "interleaved"; micro_batches per step;
+      virtual_stages: stages per rank under the interleaved schedule;
+    zero: optimizer parallel level over the data axes (1: optimizer state, 2: and gradients,
+      3: and parameters sharded); zero_threshold_bytes: smaller parameters stay whole;
+    optimizer: "adamw", "sgd" or "lamb"; precision: "fp32", "bf16" or "fp16" (fp32 master weights);
+    offload: optimizer state (and its step) kept on the "host" or on "disk" instead of the device;
     model/global_batch: what it was made for, when a search made it; report: the search's figures."""
 
     op_axes: Axes
@@ -46,13 +71,33 @@ class Plan:
     mesh: Axes = ()
     data_axes: tuple[str, ...] = ()
     copies: int = 1
+    recompute: str = "none"
+    recompute_comm: str = "keep"
+    stage_boundaries: tuple[str, ...] = ()
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    virtual_stages: int = 1
+    zero: int = 0
+    zero_threshold_bytes: int = 64 * 1024
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+    offload: str = "none"
     model: str = ""
     global_batch: int = 0
     report: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for name, allowed in _CHOICES.items():
+            check_choice(name, getattr(self, name), allowed)
+        for name in ("copies", "micro_batches", "virtual_stages"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise PolyshardError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
+        self.stage_boundaries = tuple(self.stage_boundaries)
+
     def to_json(self) -> str:
         return json.dumps({
-            "mesh": [list(a) for a in self.mesh], "data_axes": list(self.data_axes), "copies": self.copies,
+            "mesh": [list(a) for a in self.mesh], "data_axes": list(self.data_axes),
+            **{name: getattr(self, name) for name in _SETTINGS}, "stage_boundaries": list(self.stage_boundaries),
             "model": self.model, "global_batch": self.global_batch, "report": self.report,
             "op_axes": [list(a) for a in self.op_axes],
             "params": {k: _layout_out(v) for k, v in self.params.items()},
@@ -74,7 +119,8 @@ class Plan:
                                    {int(d): v for d, v in n["shape_divisors"].items()})
                        for k, n in raw["nodes"].items()},
                 mesh=_axes_in(raw.get("mesh", [])), data_axes=tuple(raw.get("data_axes", [])),
-                copies=int(raw.get("copies", 1)), model=raw.get("model", ""),
+                **{name: raw[name] for name in _SETTINGS if name in raw},
+                stage_boundaries=tuple(raw.get("stage_boundaries", ())), model=raw.get("model", ""),
                 global_batch=int(raw.get("global_batch", 0)), report=raw.get("report", {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -84,6 +130,12 @@ class Plan:
         """One line per parameter: name, layout (per axis), e.g. ``blocks.0.mlp.fc.weight  tp=2:S(0)``."""
         width = max((len(k) for k in self.params), default=0)
         return "\n".join(f"{k:<{width}}  {v.describe() or 'R'}" for k, v in self.params.items())
+
+
+_CHOICES = {"recompute": RECOMPUTE_MODES, "recompute_comm": RECOMPUTE_COMMS, "schedule": SCHEDULES,
+            "zero": ZERO_LEVELS, "optimizer": OPTIMIZERS, "precision": PRECISIONS, "offload": OFFLOADS}
+# Whole-model settings: plain JSON scalars, absent from older plan files (which then take the defaults).
+_SETTINGS = ("copies", "micro_batches", "virtual_stages", "zero_threshold_bytes", *_CHOICES)
 
 
 def _axes_in(raw) -> Axes:

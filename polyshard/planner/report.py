@@ -13,14 +13,15 @@ def render(plan: Plan, layouts: int = 40) -> str:
     if rep:
         lines.append(f"model {plan.model or '?'}, global batch {plan.global_batch}, "
                      f"memory limit {format_bytes(rep['limit_bytes'])} per device")
-        lines.append(f"  {'mesh':<16} {'step':>10} {'compute':>10} {'op comm':>10} {'dp comm':>10} {'memory':>11} {'gap':>6}")
+        width = max(16, *(len(c["mesh"]) for c in rep["candidates"]))
+        lines.append(f"  {'mesh':<{width}} {'step':>10} {'compute':>10} {'op comm':>10} {'dp comm':>10} {'memory':>11} {'gap':>6}")
         for c in rep["candidates"]:
             if c.get("pruned"):
                 bound = f">{c['step_s'] * 1e3:.1f}ms"
-                lines.append(f"  {c['mesh']:<16} {bound:>10}   (pruned: its LP bound already loses to the choice)")
+                lines.append(f"  {c['mesh']:<{width}} {bound:>10}   (pruned: its LP bound already loses to the choice)")
                 continue
             mark = "*" if c["mesh"] == rep["chosen"] else " " if c["fits"] else "x"
-            lines.append(f"{mark} {c['mesh']:<16} {_ms(c['step_s'])} {_ms(c['compute_s'])} {_ms(c['op_comm_s'])} "
+            lines.append(f"{mark} {c['mesh']:<{width}} {_ms(c['step_s'])} {_ms(c['compute_s'])} {_ms(c['op_comm_s'])} "
                          f"{_ms(c['dp_comm_s'])} {format_bytes(c['memory']['total']):>11} {c.get('gap', 0):>6.1%}")
         fitting = [c for c in rep["candidates"] if c["fits"]]
         chosen = next(c for c in rep["candidates"] if c["mesh"] == rep["chosen"])
@@ -28,16 +29,22 @@ def render(plan: Plan, layouts: int = 40) -> str:
         if runner:
             lines.append(f"chosen {chosen['mesh']}: {runner['mesh']} (runner-up) predicts "
                          f"{(runner['step_s'] / chosen['step_s'] - 1) * 100:.1f}% longer steps")
-        m = chosen["memory"]
-        lines.append("memory per device: " + ", ".join(f"{k} {format_bytes(m[k])}" for k in
-                     ("params", "grads", "optimizer", "activations", "buffers"))
-                     + f" = {format_bytes(m['total'])} of {format_bytes(rep['limit_bytes'])}")
+        lines.append(_memory_line("memory per device", chosen["memory"], rep["limit_bytes"]))
+        plain = next((c for c in rep["candidates"] if c.get("split") == chosen.get("split")
+                      and c.get("recompute") == "none" and not c.get("pruned")), None)
+        if plain is not None and plain is not chosen:
+            lines.append(_memory_line("  before recompute", plain["memory"], rep["limit_bytes"]))
     lines.append(f"mesh: {' x '.join(f'{n}={s}' for n, s in plan.mesh) or 'one device'}; parameter layouts:")
     summary = plan.summary().splitlines()
     lines.extend(summary[:layouts])
     if len(summary) > layouts:
         lines.append(f"... {len(summary) - layouts} more (the plan file has all)")
     return "\n".join(lines)
+
+
+def _memory_line(title: str, m: dict, limit: float) -> str:
+    parts = ", ".join(f"{k} {format_bytes(m[k])}" for k in ("params", "grads", "optimizer", "activations", "buffers"))
+    return f"{title}: {parts} = {format_bytes(m['total'])} of {format_bytes(limit)}"
 
 
 def _ms(seconds: float) -> str:

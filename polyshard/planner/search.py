@@ -1,7 +1,9 @@
-"""Full search: every dp x tp split of the devices, and within each the cheapest strategy per op.
+"""Full search: every dp x tp split of the devices, each whole-model choice (recompute mode), and
+within each the cheapest strategy per op.
 
 Within a split an integer program picks every op's strategy (polyshard.planner.intra_op) under
-the memory limit; the split with the lowest predicted step time wins. Costs use one capture of
+the memory limit, with the memory and time model of the whole-model choices; the combination
+with the lowest predicted step time wins. Recompute is tried only where memory is tight. Costs use one capture of
 the model at one row, scaled by the rows each split gives a device (compute, activations and
 their communication grow with rows; parameters do not).
 """
@@ -18,13 +20,17 @@ from torch import nn
 from polyshard.cluster import Cluster, format_bytes
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
+from polyshard.graph.regions import recomputed
 from polyshard.planner.cost.comm import axis_link
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
 from polyshard.planner.cost.overlap import op_costs
 from polyshard.planner.intra_op import solve
-from polyshard.planner.plan import Plan
+from polyshard.planner.plan import RECOMPUTE_MODES, Plan
 from polyshard.planner.propagate import propagate
 from polyshard.transitions import wire_bytes
+
+# A split whose plan fills at most this share of the memory limit is not tried with recompute.
+_ROOMY = 0.9
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class Candidate:
     dp_comm_s: float
     memory: MemoryEstimate
     gap: float = 0.0  # the intra-op program's distance from its LP lower bound
+    recompute: str = "none"  # activations recomputed in backward (see Plan)
     pruned: bool = False  # not solved: its LP bound already lost (figures are lower bounds)
 
     @property
@@ -46,7 +53,8 @@ class Candidate:
         return self.compute_s + self.op_comm_s + self.dp_comm_s
 
     def describe(self) -> str:
-        return " x ".join(f"{n}={s}" for n, s in self.mesh)
+        mesh = " x ".join(f"{n}={s}" for n, s in self.mesh)
+        return mesh if self.recompute == "none" else f"{mesh}, recompute {self.recompute}"
 
 
 def mesh_candidates(num_devices: int) -> list[tuple[tuple[str, int], ...]]:
@@ -68,40 +76,25 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     order = sorted(meshes or mesh_candidates(cluster.num_devices),
                    key=lambda m: abs(math.log(dict(m).get("tp", 1) / cluster.devices_per_node)))
     for mesh in order:
-        sizes = dict(mesh)
-        dp, tp = sizes.get("dp", 1), sizes.get("tp", 1)
+        dp = dict(mesh).get("dp", 1)
         if global_batch % dp:
             continue
-        rows = global_batch // dp
-        op_axes = (("tp", tp),) if tp > 1 else ()
-        all_params = 4 * sum(p.numel() for p in gm.parameters())
-        dp_floor = _dp_seconds(all_params / tp, mesh, cluster)  # as if every weight were split over tp
-        try:
-            solved = solve(gm, op_axes, cluster, rows, limit, cutoff_s=best_s - dp_floor)
-        except PolyshardError:
-            solved = None  # nothing fits on this split; costed below with propagation's plan
-        if solved is not None and solved.plan is None:
-            candidates.append(Candidate(mesh, rows, solved.lower_bound_s, 0.0, dp_floor,
-                                        MemoryEstimate(0, 0, 0, 0, 0), pruned=True))
-            continue
-        try:
-            plan = solved.plan if solved is not None else propagate(gm, op_axes, lambda msg: None)
-        except PolyshardError as exc:  # a pin that this split cannot hold
-            skipped.append(f"{' x '.join(f'{n}={s}' for n, s in mesh)}: {exc}")
-            continue
-        plan.mesh, plan.data_axes = mesh, ("dp",)
-        costs = op_costs(gm, plan, cluster)
-        compute = sum(rows * c.compute_s + c.overhead_s for c in costs)
-        op_comm = sum(rows * c.comm_s + c.latency_s for c in costs)
-        one_row = estimate_memory(gm, plan, data_parallel=dp > 1)
-        memory = MemoryEstimate(one_row.params_bytes, one_row.grads_bytes, one_row.optimizer_bytes,
-                                one_row.activations_bytes * rows, one_row.buffers_bytes)
-        dp_comm = _dp_seconds(memory.grads_bytes, mesh, cluster)
-        candidate = Candidate(mesh, rows, compute, op_comm, dp_comm, memory, solved.gap if solved else 0.0)
-        candidates.append(candidate)
-        plans[mesh] = plan
-        if solved is not None and memory.total_bytes <= limit:
-            best_s = min(best_s, candidate.step_s)
+        for recompute in RECOMPUTE_MODES:
+            try:
+                candidate, plan = _cost_split(gm, mesh, recompute, cluster, global_batch // dp, limit, best_s)
+            except PolyshardError as exc:  # a pin that this split cannot hold
+                skipped.append(f"{' x '.join(f'{n}={s}' for n, s in mesh)}: {exc}")
+                break
+            if candidate is None:
+                continue  # this recompute mode frees nothing in this model
+            candidates.append(candidate)
+            if plan is not None:
+                plans[(mesh, recompute)] = plan
+                if candidate.memory.total_bytes <= limit:
+                    best_s = min(best_s, candidate.step_s)
+            # recompute only buys memory, at the price of time: more only where memory is tight
+            if candidate.pruned or candidate.memory.total_bytes <= _ROOMY * limit:
+                break
     if not candidates:
         why = "; ".join(skipped) or f"none divides the batch of {global_batch}"
         raise PolyshardError(f"no dp x tp split of {cluster.num_devices} devices works: {why}")
@@ -115,9 +108,44 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         )
     best = min(fitting, key=lambda c: c.step_s)
     ranked = sorted(candidates, key=lambda c: c.step_s)
-    plan = plans[best.mesh]
+    plan = plans[(best.mesh, best.recompute)]
     plan.global_batch, plan.report = global_batch, search_report(ranked, best, limit)
     return plan, ranked
+
+
+def _cost_split(gm, mesh, recompute: str, cluster: Cluster, rows: int, limit: float,
+                best_s: float) -> tuple[Candidate | None, Plan | None]:
+    """One mesh split under one recompute mode: its candidate and plan (no plan when the LP bound
+    shows it cannot beat ``best_s``; None, None when the mode recomputes nothing here)."""
+    if recompute != "none" and not recomputed(gm, recompute).rerun:
+        return None, None
+    tp = dict(mesh).get("tp", 1)
+    op_axes = (("tp", tp),) if tp > 1 else ()
+    all_params = 4 * sum(p.numel() for p in gm.parameters())
+    dp_floor = _dp_seconds(all_params / tp, mesh, cluster)  # as if every weight were split over tp
+    try:
+        solved = solve(gm, op_axes, cluster, rows, limit, cutoff_s=best_s - dp_floor, recompute=recompute)
+    except PolyshardError:
+        solved = None  # nothing fits on this split; costed below with propagation's plan
+    if solved is not None and solved.plan is None:
+        return Candidate(mesh, rows, solved.lower_bound_s, 0.0, dp_floor, MemoryEstimate(0, 0, 0, 0, 0),
+                         recompute=recompute, pruned=True), None
+    if solved is not None:
+        plan = solved.plan
+    else:
+        plan = propagate(gm, op_axes, lambda msg: None)
+        plan.recompute = recompute
+    plan.mesh, plan.data_axes = mesh, ("dp",)
+    costs = op_costs(gm, plan, cluster)
+    compute = sum(rows * c.compute_s + c.overhead_s for c in costs)
+    op_comm = sum(rows * c.comm_s + c.latency_s for c in costs)
+    one_row = estimate_memory(gm, plan, data_parallel=dict(mesh).get("dp", 1) > 1)
+    memory = MemoryEstimate(one_row.params_bytes, one_row.grads_bytes, one_row.optimizer_bytes,
+                            one_row.activations_bytes * rows, one_row.buffers_bytes)
+    dp_comm = _dp_seconds(memory.grads_bytes, mesh, cluster)
+    candidate = Candidate(mesh, rows, compute, op_comm, dp_comm, memory, solved.gap if solved else 0.0,
+                          recompute=recompute)
+    return candidate, plan
 
 
 def _dp_seconds(grad_bytes: float, mesh, cluster: Cluster) -> float:
@@ -133,7 +161,8 @@ def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: f
     """JSON-able figures of every candidate split and the choice."""
     def row(c: Candidate) -> dict:
         m = c.memory
-        return {"mesh": c.describe(), "rows": c.rows, "step_s": c.step_s, "compute_s": c.compute_s,
+        return {"mesh": c.describe(), "split": " x ".join(f"{n}={s}" for n, s in c.mesh), "recompute": c.recompute,
+                "rows": c.rows, "step_s": c.step_s, "compute_s": c.compute_s,
                 "op_comm_s": c.op_comm_s, "dp_comm_s": c.dp_comm_s, "gap": c.gap,
                 "memory": {"params": m.params_bytes, "grads": m.grads_bytes, "optimizer": m.optimizer_bytes,
                            "activations": m.activations_bytes, "buffers": m.buffers_bytes, "total": m.total_bytes},

@@ -30,9 +30,26 @@ def test_every_split_is_costed_and_the_fastest_fitting_one_wins():
 def test_memory_limit_moves_the_choice_to_a_leaner_split():
     _, candidates = _search()
     by_mesh = {c.describe(): c.memory.total_bytes for c in candidates}
-    limit = (by_mesh["dp=2 x tp=2"] + by_mesh["dp=4 x tp=1"]) / 2  # dp=4 no longer fits
-    plan, _ = _search(limit)
-    assert dict(plan.mesh)["tp"] > 1
+    limit = (by_mesh["dp=2 x tp=2"] + by_mesh["dp=4 x tp=1"]) / 2  # dp=4 no longer fits as it was
+    plan, ranked = _search(limit)
+    chosen = next(c for c in ranked if c.describe() == plan.report["chosen"])
+    assert chosen.memory.total_bytes <= limit
+    assert dict(plan.mesh)["tp"] > 1 or plan.recompute != "none"
+
+
+def test_recompute_is_chosen_when_and_only_when_the_limit_needs_it():
+    dp4 = [(("dp", 4), ("tp", 1))]
+    model = models.build("gpt-small", "meta")
+    cluster = Cluster.preset("cpu-gloo:4")
+    plain, ranked = search(model, model.example_inputs(1), cluster, 32, meshes=dp4)
+    assert plain.recompute == "none" and [c.recompute for c in ranked] == ["none"]  # roomy: not even tried
+    need = ranked[0].memory
+    limit = need.total_bytes - 0.5 * need.activations_bytes
+    plan, ranked = search(model, model.example_inputs(1), cluster, 32, limit, meshes=dp4)
+    by_mode = {c.recompute: c for c in ranked}
+    assert plan.recompute != "none" and by_mode[plan.recompute].memory.total_bytes <= limit
+    assert by_mode["full"].memory.activations_bytes <= 0.4 * need.activations_bytes
+    assert by_mode["full"].compute_s > by_mode["none"].compute_s  # the forward runs twice
 
 
 def test_a_model_that_cannot_fit_is_told_by_how_much():

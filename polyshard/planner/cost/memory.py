@@ -1,7 +1,8 @@
 """Bytes one device holds for training: parameters, gradients, optimizer state, activations.
 
 Activations are the outputs autograd keeps for backward: every op's output except pure views
-and shape queries, at this rank's share of the shapes.
+and shape queries, at this rank's share of the shapes. Recompute frees the outputs inside its
+regions; the largest region holds its own again while its backward runs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from polyshard.graph.capture import shape_of
+from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.layout import Layout
 from polyshard.planner.plan import Plan
 
@@ -38,20 +40,47 @@ def local_numel(shape, layout: Layout) -> float:
     return math.prod(shape) / math.prod(layout.num_shards(d) for d in range(layout.ndim))
 
 
+def keeps_activation(node: fx.Node, rc: Recomputed) -> bool:
+    """Whether ``node``'s output counts in activation memory, in the linear bound the integer program
+    uses: every kept output, plus the largest recompute region's own."""
+    return _activation(node) and (node.name not in rc.freed or node.name in rc.held)
+
+
+def _activation(node: fx.Node) -> bool:
+    """Whether ``node``'s output is a tensor autograd may keep (not an input, a view or a shape query)."""
+    return not (node.op in ("placeholder", "output") or node.target in VIEW_OPS
+                or getattr(node.target, "__name__", "") == "getitem")
+
+
+def activation_peak(gm: fx.GraphModule, plan: Plan, rc: Recomputed, itemsize: int = 4) -> float:
+    """Most activation bytes alive at once: at the end of forward every kept output; then backward
+    walks the graph in reverse, freeing each output once its backward ran, and a recompute region
+    brings its own outputs back while its backward runs."""
+    size = {}
+    for node in gm.graph.nodes:
+        out, shape = plan.nodes.get(node.name), shape_of(node)
+        if out is not None and shape is not None and isinstance(out.output, Layout) and _activation(node):
+            size[node.name] = local_numel(shape, out.output) * itemsize
+    last_of = {}  # a region's last node -> the bytes its recompute brings back
+    for region in rc.regions:
+        names = [n.name for n in gm.graph.nodes if n.name in region]
+        if names:
+            last_of[names[-1]] = sum(size.get(n, 0.0) for n in names)
+    alive = sum(b for name, b in size.items() if name not in rc.freed)
+    peak = alive
+    for node in reversed(gm.graph.nodes):
+        alive += last_of.get(node.name, 0.0)  # backward enters a region at its last node: recompute it
+        peak = max(peak, alive)
+        alive -= size.get(node.name, 0.0)
+    return peak
+
+
 def estimate_memory(gm: fx.GraphModule, plan: Plan, itemsize: int = 4, optimizer_states: int = 2,
                     bucket_bytes: float = 25 * 2**20, data_parallel: bool = False) -> MemoryEstimate:
     """The per-device memory of training ``gm`` under ``plan`` (activations at the captured batch)."""
     params = dict(gm.named_parameters())
     param_numel = sum(local_numel(params[name].shape, layout) for name, layout in plan.params.items() if name in params)
-    activations = 0.0
-    for node in gm.graph.nodes:
-        out = plan.nodes.get(node.name)
-        shape = shape_of(node)
-        if out is None or shape is None or not isinstance(out.output, Layout) or node.op in ("placeholder", "output"):
-            continue
-        if node.target in VIEW_OPS or getattr(node.target, "__name__", "") == "getitem":
-            continue
-        activations += local_numel(shape, out.output) * itemsize
+    activations = activation_peak(gm, plan, recomputed(gm, plan.recompute, plan.recompute_comm), itemsize)
     param_bytes = param_numel * itemsize
     buffers = min(bucket_bytes, param_bytes) if data_parallel else 0.0
     return MemoryEstimate(param_bytes, param_bytes, optimizer_states * param_numel * 4, activations, buffers)

@@ -19,7 +19,8 @@ from torch import fx
 
 from polyshard.cluster import Cluster
 from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes
-from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops, op_overhead
+from polyshard.graph.regions import recomputed
+from polyshard.planner.cost.compute import forward_flops, op_overhead, passes
 from polyshard.planner.plan import Plan
 
 @dataclass(frozen=True)
@@ -35,18 +36,21 @@ class OpCost:
 
 
 def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "float32", itemsize: int = 4) -> list[OpCost]:
-    """Training cost of every op in program order (forward and backward folded together)."""
+    """Training cost of every op in program order (forward, backward and recompute folded together)."""
     modules = dict(gm.named_modules())
+    rc = recomputed(gm, plan.recompute, plan.recompute_comm)
     rate = cluster.flops_per_s[dtype]
     out = []
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr") or node.name not in plan.nodes:
             continue
-        flops = TRAIN_FLOPS_PER_FORWARD * forward_flops(node, plan, modules)
+        compute_passes, comm_passes = passes(node.name, rc)
+        flops = compute_passes * forward_flops(node, plan, modules)
         sent = node_comm_bytes(node, plan, modules, itemsize, cluster.backend)
         transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
-        out.append(OpCost(flops / rate, 2 * transfer, 2 * latency, op_overhead(plan.nodes[node.name], cluster)))
+        out.append(OpCost(flops / rate, comm_passes * transfer, comm_passes * latency,
+                          op_overhead(plan.nodes[node.name], cluster, compute_passes)))
     return out
 
 
