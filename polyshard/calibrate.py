@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -86,6 +87,28 @@ def measure_op_overheads(repeats: int, ops: int = 100) -> tuple[float, float]:
     return plain, max(split - plain, 0.0)
 
 
+def measure_offload_bandwidths(nbytes: int = 64 * 2**20) -> tuple[float, float]:
+    """Bytes per second of (device <-> host copies, host <-> disk round trips: write, fsync, read back)."""
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    src = torch.ones(nbytes // 4, device=device)
+    host = torch.empty(nbytes // 4, pin_memory=on_gpu)
+    copy = statistics.median(_times(lambda: host.copy_(src), 3, device))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "offload.bin"
+        data = host.numpy().tobytes()
+
+        def round_trip():
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            path.read_bytes()
+
+        disk = statistics.median(_times(round_trip, 3, torch.device("cpu")))
+    return nbytes / copy, 2 * nbytes / disk
+
+
 def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None, repeats: int) -> float:
     """Seconds of one ``kind`` on ``nbytes`` of float32 per rank: median over repeats of the slowest rank's
     mean over a batch of calls.
@@ -145,6 +168,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
                              f"got {len(sizes)}")
     flops, notes = _flops(base.device_type, repeats)
     op_overhead, split_overhead = measure_op_overheads(repeats)
+    host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
     # Several nodes: time every collective inside one node, and all_reduce across all of them too.
     split = base.num_nodes > 1 and base.devices_per_node > 1
     local = dist.new_subgroups(base.devices_per_node)[0] if split else None
@@ -168,6 +192,8 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         flops_per_s=flops,
         op_overhead_s=op_overhead,
         split_op_overhead_s=split_overhead,
+        host_bandwidth_bytes_per_s=host_bw,
+        disk_bandwidth_bytes_per_s=disk_bw,
     )
     if dist.get_rank() == 0:
         print(_report(cluster, sweeps, sizes, fits, notes))
@@ -222,7 +248,10 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
     lines += [f"{name:<24} {_si(rate, 'FLOP/s'):>12}" for name, rate in cluster.flops_per_s.items()]
     lines += ["", "fixed cost per op (forward + backward)",
               f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}",
-              f"{'split (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}"]
+              f"{'split (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}",
+              "", "offload copies",
+              f"{'device <-> host':<24} {_si(cluster.host_bandwidth_bytes_per_s, 'B/s'):>12}",
+              f"{'host <-> disk':<24} {_si(cluster.disk_bandwidth_bytes_per_s, 'B/s'):>12}"]
     lines += ["", f"{'collective':<24} {'ranks':>5} {'message':>10} {'seconds':>10} {'bus bandwidth':>14}"]
     for label, s in sweeps.items():
         for i, size in enumerate(sizes):

@@ -34,6 +34,7 @@ class _Device:
     intra_node: Link  # between devices of one node
     inter_node: Link  # between nodes
     overheads: tuple[float, float]  # (op_overhead_s, split_op_overhead_s) of Cluster
+    offload_bandwidths: tuple[float, float]  # (host_bandwidth_bytes_per_s, disk_bandwidth_bytes_per_s) of Cluster
 
 
 def _flops(fp32: float, half: float) -> dict[str, float]:
@@ -52,24 +53,33 @@ _ETHERNET_10G = Link(bandwidth_bytes_per_s=1.25e9, latency_s=50e-6)
 # on CPU, eager dispatch of tiny ops, typical of a desktop core.
 _GPU_OVERHEADS = (15e-6, 150e-6)
 _CPU_OVERHEADS = (40e-6, 400e-6)
+# Device <-> host copies and host <-> disk: PCIe 4.0 x16 (A100) or 5.0 x16 (H100, H200) at about 80% of
+# line rate, one NVMe SSD (typical sequential figure); on CPU, a memory copy and a SATA-class disk.
+_PCIE4, _PCIE5, _NVME = 25e9, 50e9, 3e9
+_CPU_OFFLOAD = (10e9, 0.5e9)
 
 # Device types by preset name. NVLink latency (2 us) is a typical NCCL small-message figure; datasheets omit it.
 # The cpu row's memory is a placeholder: `_device` reads the machine's RAM.
 _DEVICES: dict[str, _Device] = {
     # NVIDIA A100 datasheet: 40 GB HBM2, 19.5 TFLOP/s fp32, 312 bf16/fp16, NVLink 600 GB/s total.
-    "A100-40G": _Device("cuda", 40 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G, _GPU_OVERHEADS),
+    "A100-40G": _Device("cuda", 40 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G, _GPU_OVERHEADS,
+                        (_PCIE4, _NVME)),
     # NVIDIA A100 datasheet: 80 GB HBM2e, same compute and NVLink as the 40 GB part.
-    "A100-80G": _Device("cuda", 80 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G, _GPU_OVERHEADS),
+    "A100-80G": _Device("cuda", 80 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G, _GPU_OVERHEADS,
+                        (_PCIE4, _NVME)),
     # NVIDIA H100 SXM datasheet: 80 GB HBM3, 67 TFLOP/s fp32, 989 bf16/fp16 dense, NVLink 900 GB/s total.
-    "H100-80G": _Device("cuda", 80 * GiB, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G, _GPU_OVERHEADS),
+    "H100-80G": _Device("cuda", 80 * GiB, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G, _GPU_OVERHEADS,
+                        (_PCIE5, _NVME)),
     # NVIDIA H200 SXM datasheet: 141 GB HBM3e, H100 compute, NVLink 900 GB/s total.
-    "H200-141G": _Device("cuda", 141 * 10**9, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G, _GPU_OVERHEADS),
+    "H200-141G": _Device("cuda", 141 * 10**9, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G, _GPU_OVERHEADS,
+                         (_PCIE5, _NVME)),
     # A modest multi-core CPU; half precision is not faster than fp32 there.
-    "cpu": _Device("cpu", 0, _flops(5e10, 5e10), _LOOPBACK, _ETHERNET_10G, _CPU_OVERHEADS),
+    "cpu": _Device("cpu", 0, _flops(5e10, 5e10), _LOOPBACK, _ETHERNET_10G, _CPU_OVERHEADS, _CPU_OFFLOAD),
 }
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s")
+_OFFLOAD_KEYS = ("host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s")
 
 _SPEC = re.compile(r"(?:(\d+)x)?(\d+)x(.+?)(?:-nvlink|-ib)*", re.IGNORECASE)
 _CPU_GLOO = re.compile(r"cpu-gloo(?::(\d+))?", re.IGNORECASE)
@@ -92,6 +102,9 @@ class Cluster:
     op_overhead_s: float = 0.0
     # What an op run on split tensors (DTensor) pays on top of op_overhead_s.
     split_op_overhead_s: float = 0.0
+    # Copies between a device and its host's memory, and between host memory and local disk (offload).
+    host_bandwidth_bytes_per_s: float = 0.0
+    disk_bandwidth_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.devices_per_node < 1:
@@ -150,9 +163,10 @@ class Cluster:
             data = yaml.safe_load(Path(path).read_text())
         except (OSError, yaml.YAMLError) as e:
             raise PolyshardError(f"cannot read cluster file {str(path)!r}: {e}") from e
-        if isinstance(data, dict):  # files written before the overhead figures existed: their device type's
-            overheads = _CPU_OVERHEADS if data.get("device_type") == "cpu" else _GPU_OVERHEADS
-            data = {**dict(zip(_OVERHEAD_KEYS, overheads)), **data}
+        if isinstance(data, dict):  # files written before these figures existed: their device type's preset
+            like = _DEVICES["cpu" if data.get("device_type") == "cpu" else "A100-80G"]
+            data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload_bandwidths)),
+                    **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         links = {
             key: _check_keys(data[key], {f.name for f in fields(Link)}, f"{path}: {key}")
@@ -168,7 +182,7 @@ class Cluster:
                 intra_node=Link(**{k: float(v) for k, v in links["intra_node"].items()}),
                 inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
                 flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
-                **{key: float(data[key]) for key in _OVERHEAD_KEYS},
+                **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS},
             )
         except PolyshardError:
             raise
@@ -228,6 +242,7 @@ def _cluster(nodes: int, per_node: int, name: str, device: _Device) -> Cluster:
         inter_node=device.inter_node,
         flops_per_s=dict(device.flops_per_s),
         **dict(zip(_OVERHEAD_KEYS, device.overheads)),
+        **dict(zip(_OFFLOAD_KEYS, device.offload_bandwidths)),
     )
 
 

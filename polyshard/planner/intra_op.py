@@ -28,12 +28,12 @@ from polyshard.planner.cost.comm import comm_seconds, partial_sum_bytes
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import forward_flops, op_overhead, passes
 from polyshard.planner.cost.memory import keeps_activation, local_numel
+from polyshard.planner.cost.offload import device_bytes_per_param
 from polyshard.planner.plan import NodePlan, Plan
 from polyshard.planner.rules import RuleContext, decide_all
 from polyshard.transitions import transition_bytes
 
 MAX_COMBOS = 64  # input-layout combinations tried per op
-BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two moments
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,9 @@ class Program:
 
 
 def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int,
-                  rc: Recomputed = Recomputed()) -> Program:
-    """Candidates, costs (seconds per step at ``rows`` rows) and memory of every choice, under recompute ``rc``."""
+                  rc: Recomputed = Recomputed(), offload: str = "none") -> Program:
+    """Candidates, costs (seconds per step at ``rows`` rows) and memory of every choice, under recompute
+    ``rc`` and optimizer-state ``offload``."""
     options, copied = candidates(gm, op_axes)
     modules = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)
@@ -152,7 +153,7 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
             costs, mems = per_node[copied[n.name]]
         else:
             costs = [_op_seconds(n, d, modules, op_axes, cluster, rows, rate, rc) for d in options[n.name]]
-            mems = [_op_memory(n, d, modules, rows, seen_params, rc) for d in options[n.name]]
+            mems = [_op_memory(n, d, modules, rows, seen_params, rc, offload) for d in options[n.name]]
         per_node[n.name] = (costs, mems)
         for i, (c, m) in enumerate(zip(costs, mems)):
             v = var_of[(rep[n.name], i)]
@@ -189,14 +190,14 @@ def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
 
 def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory_limit_bytes: float,
           cutoff_s: float | None = None, time_limit_s: float = 30.0, recompute: str = "none",
-          recompute_comm: str = "keep") -> IntraOpResult:
+          recompute_comm: str = "keep", offload: str = "none") -> IntraOpResult:
     """The cheapest strategy per op for ``rows`` batch rows per device (``gm`` captured at one row),
-    with activations under ``recompute`` (see :class:`Plan`).
+    with activations under ``recompute`` and optimizer state under ``offload`` (see :class:`Plan`).
 
     Pruned (no plan) when the LP bound shows nothing here costs less than ``cutoff_s``."""
     import highspy
 
-    program = build_program(gm, op_axes, cluster, rows, recomputed(gm, recompute, recompute_comm))
+    program = build_program(gm, op_axes, cluster, rows, recomputed(gm, recompute, recompute_comm), offload)
     options, rep, var_of = program.options, program.rep, program.var_of
     nodes = list(gm.graph.nodes)
     modules = dict(gm.named_modules())
@@ -235,7 +236,7 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     h.changeColsIntegrality(num_x, np.arange(num_x, dtype=np.int32), np.ones(num_x, dtype=np.uint8))
     h.run()
     x = np.array(h.getSolution().col_value[:num_x])
-    plan = Plan(op_axes=op_axes, recompute=recompute, recompute_comm=recompute_comm)
+    plan = Plan(op_axes=op_axes, recompute=recompute, recompute_comm=recompute_comm, offload=offload)
     for n in nodes:
         pick = max(range(len(options[n.name])), key=lambda i: x[var_of[(rep[n.name], i)]])
         plan.nodes[n.name] = options[n.name][pick]
@@ -259,11 +260,11 @@ def _op_seconds(node, d: NodePlan, modules, axes, cluster, rows, rate, rc: Recom
     return flops / rate + comm_passes * (transfer + latency) + overhead
 
 
-def _op_memory(node, d: NodePlan, modules, rows, seen_params: set[int], rc: Recomputed) -> float:
+def _op_memory(node, d: NodePlan, modules, rows, seen_params: set[int], rc: Recomputed, offload: str) -> float:
     total = 0.0
     for name, p in (modules[node.target].named_parameters(recurse=False) if node.op == "call_module" else []):
         if id(p) not in seen_params and name in d.params:
-            total += local_numel(p.shape, d.params[name]) * BYTES_PER_PARAM
+            total += local_numel(p.shape, d.params[name]) * device_bytes_per_param(offload)
     shape = shape_of(node)
     if isinstance(d.output, Layout) and shape is not None and keeps_activation(node, rc):
         total += local_numel(shape, d.output) * 4 * rows

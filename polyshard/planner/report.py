@@ -31,9 +31,9 @@ def render(plan: Plan, layouts: int = 40) -> str:
                          f"{(runner['step_s'] / chosen['step_s'] - 1) * 100:.1f}% longer steps")
         lines.append(_memory_line("memory per device", chosen["memory"], rep["limit_bytes"]))
         plain = next((c for c in rep["candidates"] if c.get("split") == chosen.get("split")
-                      and c.get("recompute") == "none" and not c.get("pruned")), None)
+                      and c.get("recompute") == "none" and c.get("offload", "none") == "none" and not c.get("pruned")), None)
         if plain is not None and plain is not chosen:
-            lines.append(_memory_line("  before recompute", plain["memory"], rep["limit_bytes"]))
+            lines.append(_memory_line("  without recompute and offload", plain["memory"], rep["limit_bytes"]))
     lines.append(f"mesh: {' x '.join(f'{n}={s}' for n, s in plan.mesh) or 'one device'}; parameter layouts:")
     summary = plan.summary().splitlines()
     lines.extend(summary[:layouts])

@@ -10,6 +10,8 @@ their communication grow with rows; parameters do not).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -23,14 +25,18 @@ from polyshard.graph.capture import capture
 from polyshard.graph.regions import recomputed
 from polyshard.planner.cost.comm import axis_link
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
+from polyshard.planner.cost.memory import local_numel as local_numel_of
+from polyshard.planner.cost.offload import offload_seconds
 from polyshard.planner.cost.overlap import op_costs
 from polyshard.planner.intra_op import solve
-from polyshard.planner.plan import RECOMPUTE_MODES, Plan
+from polyshard.planner.plan import OFFLOADS, RECOMPUTE_MODES, Plan
 from polyshard.planner.propagate import propagate
 from polyshard.transitions import wire_bytes
 
-# A split whose plan fills at most this share of the memory limit is not tried with recompute.
+# A split whose plan fills at most this share of the memory limit is not tried with recompute or offload.
 _ROOMY = 0.9
+# Whole-model (recompute, offload) settings, in the order tried: the first costs no time.
+SETTINGS = tuple(itertools.product(RECOMPUTE_MODES, OFFLOADS))
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Candidate:
     memory: MemoryEstimate
     gap: float = 0.0  # the intra-op program's distance from its LP lower bound
     recompute: str = "none"  # activations recomputed in backward (see Plan)
+    offload: str = "none"  # where the optimizer state lives, if not on the device (see Plan)
     pruned: bool = False  # not solved: its LP bound already lost (figures are lower bounds)
 
     @property
@@ -53,8 +60,9 @@ class Candidate:
         return self.compute_s + self.op_comm_s + self.dp_comm_s
 
     def describe(self) -> str:
-        mesh = " x ".join(f"{n}={s}" for n, s in self.mesh)
-        return mesh if self.recompute == "none" else f"{mesh}, recompute {self.recompute}"
+        extras = [f"recompute {self.recompute}"] * (self.recompute != "none") + \
+            [f"offload {self.offload}"] * (self.offload != "none")
+        return ", ".join([_mesh_text(self.mesh), *extras])
 
 
 def mesh_candidates(num_devices: int) -> list[tuple[tuple[str, int], ...]]:
@@ -63,10 +71,12 @@ def mesh_candidates(num_devices: int) -> list[tuple[tuple[str, int], ...]]:
 
 
 def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Cluster, global_batch: int,
-           memory_limit_bytes: float | None = None, meshes=None) -> tuple[Plan, list[Candidate]]:
+           memory_limit_bytes: float | None = None, meshes=None,
+           data_axes: tuple[str, ...] = ("dp",)) -> tuple[Plan, list[Candidate]]:
     """The best plan over ``meshes`` (default: every dp x tp split) and every candidate's costs.
 
-    ``example_row``: inputs for one row (batch dim 1); ``global_batch``: rows per step in all.
+    ``example_row``: inputs for one row (batch dim 1); ``global_batch``: rows per step in all;
+    ``data_axes``: the mesh axes that split the batch (the others split operators).
     """
     limit = memory_limit_bytes or cluster.memory_bytes
     gm = capture(model, example_row)
@@ -74,30 +84,30 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     best_s = float("inf")
     # splits whose operator axes fill one node first: they are likely best, and bound the rest
     order = sorted(meshes or mesh_candidates(cluster.num_devices),
-                   key=lambda m: abs(math.log(dict(m).get("tp", 1) / cluster.devices_per_node)))
+                   key=lambda m: abs(math.log(_op_size(m, data_axes) / cluster.devices_per_node)))
     for mesh in order:
-        dp = dict(mesh).get("dp", 1)
+        dp = math.prod(s for n, s in mesh if n in data_axes)
         if global_batch % dp:
             continue
-        for recompute in RECOMPUTE_MODES:
+        for setting in SETTINGS:
             try:
-                candidate, plan = _cost_split(gm, mesh, recompute, cluster, global_batch // dp, limit, best_s)
+                candidate, plan = _cost_split(gm, mesh, data_axes, setting, cluster, global_batch // dp, limit, best_s)
             except PolyshardError as exc:  # a pin that this split cannot hold
-                skipped.append(f"{' x '.join(f'{n}={s}' for n, s in mesh)}: {exc}")
+                skipped.append(f"{_mesh_text(mesh)}: {exc}")
                 break
             if candidate is None:
                 continue  # this recompute mode frees nothing in this model
             candidates.append(candidate)
             if plan is not None:
-                plans[(mesh, recompute)] = plan
+                plans[(mesh, setting)] = plan
                 if candidate.memory.total_bytes <= limit:
                     best_s = min(best_s, candidate.step_s)
-            # recompute only buys memory, at the price of time: more only where memory is tight
+            # recompute and offload only buy memory, at the price of time: tried only where memory is tight
             if candidate.pruned or candidate.memory.total_bytes <= _ROOMY * limit:
                 break
     if not candidates:
         why = "; ".join(skipped) or f"none divides the batch of {global_batch}"
-        raise PolyshardError(f"no dp x tp split of {cluster.num_devices} devices works: {why}")
+        raise PolyshardError(f"no split of {cluster.num_devices} devices works: {why}")
     fitting = [c for c in candidates if c.memory.total_bytes <= limit and not c.pruned]
     if not fitting:
         least = min((c for c in candidates if not c.pruned), key=lambda c: c.memory.total_bytes)
@@ -108,52 +118,64 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         )
     best = min(fitting, key=lambda c: c.step_s)
     ranked = sorted(candidates, key=lambda c: c.step_s)
-    plan = plans[(best.mesh, best.recompute)]
+    plan = plans[(best.mesh, (best.recompute, best.offload))]
     plan.global_batch, plan.report = global_batch, search_report(ranked, best, limit)
     return plan, ranked
 
 
-def _cost_split(gm, mesh, recompute: str, cluster: Cluster, rows: int, limit: float,
+def _cost_split(gm, mesh, data_axes, setting: tuple[str, str], cluster: Cluster, rows: int, limit: float,
                 best_s: float) -> tuple[Candidate | None, Plan | None]:
-    """One mesh split under one recompute mode: its candidate and plan (no plan when the LP bound
-    shows it cannot beat ``best_s``; None, None when the mode recomputes nothing here)."""
+    """One mesh split under one (recompute, offload) setting: its candidate and plan (no plan when
+    the LP bound shows it cannot beat ``best_s``; None, None when the recompute mode frees nothing here)."""
+    recompute, offload = setting
     if recompute != "none" and not recomputed(gm, recompute).rerun:
         return None, None
-    tp = dict(mesh).get("tp", 1)
-    op_axes = (("tp", tp),) if tp > 1 else ()
-    all_params = 4 * sum(p.numel() for p in gm.parameters())
-    dp_floor = _dp_seconds(all_params / tp, mesh, cluster)  # as if every weight were split over tp
+    op_axes = tuple((n, s) for n, s in mesh if n not in data_axes and s > 1)
+    op_size = _op_size(mesh, data_axes)
+    param_numel = sum(p.numel() for p in gm.parameters())
+    # floors, as if every weight were split over the operator axes
+    floor = _dp_seconds(4 * param_numel / op_size, mesh, data_axes, cluster) + \
+        offload_seconds(param_numel / op_size, offload, cluster)
     try:
-        solved = solve(gm, op_axes, cluster, rows, limit, cutoff_s=best_s - dp_floor, recompute=recompute)
+        solved = solve(gm, op_axes, cluster, rows, limit, cutoff_s=best_s - floor, recompute=recompute,
+                       offload=offload)
     except PolyshardError:
         solved = None  # nothing fits on this split; costed below with propagation's plan
     if solved is not None and solved.plan is None:
-        return Candidate(mesh, rows, solved.lower_bound_s, 0.0, dp_floor, MemoryEstimate(0, 0, 0, 0, 0),
-                         recompute=recompute, pruned=True), None
+        return Candidate(mesh, rows, solved.lower_bound_s, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
+                         recompute=recompute, offload=offload, pruned=True), None
     if solved is not None:
         plan = solved.plan
     else:
         plan = propagate(gm, op_axes, lambda msg: None)
-        plan.recompute = recompute
-    plan.mesh, plan.data_axes = mesh, ("dp",)
+        plan.recompute, plan.offload = recompute, offload
+    plan.mesh, plan.data_axes = mesh, data_axes
     costs = op_costs(gm, plan, cluster)
-    compute = sum(rows * c.compute_s + c.overhead_s for c in costs)
+    local_numel = sum(local_numel_of(p.shape, plan.params[n]) for n, p in gm.named_parameters() if n in plan.params)
+    compute = sum(rows * c.compute_s + c.overhead_s for c in costs) + offload_seconds(local_numel, offload, cluster)
     op_comm = sum(rows * c.comm_s + c.latency_s for c in costs)
-    one_row = estimate_memory(gm, plan, data_parallel=dict(mesh).get("dp", 1) > 1)
-    memory = MemoryEstimate(one_row.params_bytes, one_row.grads_bytes, one_row.optimizer_bytes,
-                            one_row.activations_bytes * rows, one_row.buffers_bytes)
-    dp_comm = _dp_seconds(memory.grads_bytes, mesh, cluster)
+    one_row = estimate_memory(gm, plan, data_parallel=math.prod(s for _, s in mesh) > op_size)
+    memory = dataclasses.replace(one_row, activations_bytes=one_row.activations_bytes * rows)
+    dp_comm = _dp_seconds(memory.grads_bytes, mesh, data_axes, cluster)
     candidate = Candidate(mesh, rows, compute, op_comm, dp_comm, memory, solved.gap if solved else 0.0,
-                          recompute=recompute)
+                          recompute=recompute, offload=offload)
     return candidate, plan
 
 
-def _dp_seconds(grad_bytes: float, mesh, cluster: Cluster) -> float:
-    """Gradient all-reduce over dp (alpha-beta on the dp axis's link)."""
-    dp = dict(mesh).get("dp", 1)
+def _op_size(mesh, data_axes) -> int:
+    return math.prod(s for n, s in mesh if n not in data_axes)
+
+
+def _mesh_text(mesh) -> str:
+    return " x ".join(f"{n}={s}" for n, s in mesh)
+
+
+def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster) -> float:
+    """Gradient all-reduce over the data axes (alpha-beta on the outermost data axis's link)."""
+    dp = math.prod(s for n, s in mesh if n in data_axes)
     if dp == 1:
         return 0.0
-    link = axis_link(mesh, "dp", cluster)
+    link = axis_link(mesh, next(n for n, s in mesh if n in data_axes), cluster)
     return wire_bytes("all_reduce", grad_bytes, dp) / link.bandwidth_bytes_per_s + link.latency_s
 
 
@@ -161,7 +183,7 @@ def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: f
     """JSON-able figures of every candidate split and the choice."""
     def row(c: Candidate) -> dict:
         m = c.memory
-        return {"mesh": c.describe(), "split": " x ".join(f"{n}={s}" for n, s in c.mesh), "recompute": c.recompute,
+        return {"mesh": c.describe(), "split": _mesh_text(c.mesh), "recompute": c.recompute, "offload": c.offload,
                 "rows": c.rows, "step_s": c.step_s, "compute_s": c.compute_s,
                 "op_comm_s": c.op_comm_s, "dp_comm_s": c.dp_comm_s, "gap": c.gap,
                 "memory": {"params": m.params_bytes, "grads": m.grads_bytes, "optimizer": m.optimizer_bytes,

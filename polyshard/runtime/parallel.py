@@ -17,9 +17,9 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.mesh import Mesh, current_mesh
 from polyshard.planner.cost.overlap import choose_copies
-from polyshard.planner.intra_op import solve
 from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
 from polyshard.planner.propagate import propagate
+from polyshard.planner.search import search as search_plan
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
 from polyshard.runtime.interleave import interleave
 from polyshard.graph.regions import marked_modules
@@ -95,7 +95,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
     ``copies``: interleaved batch slices (multi-copy parallel); "auto" lets the cost model choose;
     by default the plan's, or what :func:`micro_batch_interleaved` set on the model.
     ``search``: choose every op's strategy by the cost model's integer program (pins kept) instead
-    of the rules' defaults, under ``memory_limit_bytes`` per device (default: the device's memory).
+    of the rules' defaults, and recompute and offload where memory needs them, under
+    ``memory_limit_bytes`` per device (default: the device's memory).
     ``recompute`` ("none", "selective", "full") and ``recompute_comm`` ("keep", "recompute"): see
     :class:`Plan`; by default the plan's. Modules marked by :func:`polyshard.recompute` are recomputed too.
     """
@@ -122,8 +123,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
 
         if search:
             cluster = mesh.cluster or Cluster.from_env()
-            limit = memory_limit_bytes or cluster.memory_bytes
-            plan = solve(gm, mesh.op_axes, cluster, example_inputs[0].size(0), limit).plan
+            row = [t[:1] if isinstance(t, torch.Tensor) else t for t in example_inputs]
+            plan, _ = search_plan(model, row, cluster, example_inputs[0].size(0) * mesh.num_data_shards,
+                                  memory_limit_bytes, meshes=[mesh.axes], data_axes=mesh.data_axes)
         else:
             plan = propagate(gm, mesh.op_axes, warn)
     plan.mesh, plan.data_axes = mesh.axes, mesh.data_axes

@@ -15,7 +15,7 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
                           "--max-bytes", "4MiB", "--repeats", "2"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     for needle in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "bus bandwidth",
-                   "inter_node is a copy of intra_node", "fixed cost per op"):
+                   "inter_node is a copy of intra_node", "fixed cost per op", "host <-> disk"):
         assert needle in run.stdout
     cluster = Cluster.from_yaml(out)
     assert (cluster.num_nodes, cluster.devices_per_node, cluster.device_type) == (1, 2, "cpu")
@@ -24,6 +24,7 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert cluster.inter_node == cluster.intra_node
     # eager dispatch costs microseconds per op; a DTensor op costs more than a plain one
     assert 1e-7 < cluster.op_overhead_s < 1e-2 and 0 < cluster.split_op_overhead_s < 1e-1
+    assert cluster.host_bandwidth_bytes_per_s > 1e7 and cluster.disk_bandwidth_bytes_per_s > 1e6
     planned = subprocess.run([sys.executable, "-m", "polyshard.cli.main", "plan", "--model", "gpt-tiny",
                               "--cluster", str(out)], capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr[-3000:]

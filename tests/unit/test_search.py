@@ -34,7 +34,7 @@ def test_memory_limit_moves_the_choice_to_a_leaner_split():
     plan, ranked = _search(limit)
     chosen = next(c for c in ranked if c.describe() == plan.report["chosen"])
     assert chosen.memory.total_bytes <= limit
-    assert dict(plan.mesh)["tp"] > 1 or plan.recompute != "none"
+    assert dict(plan.mesh)["tp"] > 1 or plan.recompute != "none" or plan.offload != "none"
 
 
 def test_recompute_is_chosen_when_and_only_when_the_limit_needs_it():
@@ -46,10 +46,14 @@ def test_recompute_is_chosen_when_and_only_when_the_limit_needs_it():
     need = ranked[0].memory
     limit = need.total_bytes - 0.5 * need.activations_bytes
     plan, ranked = search(model, model.example_inputs(1), cluster, 32, limit, meshes=dp4)
-    by_mode = {c.recompute: c for c in ranked}
-    assert plan.recompute != "none" and by_mode[plan.recompute].memory.total_bytes <= limit
-    assert by_mode["full"].memory.activations_bytes <= 0.4 * need.activations_bytes
-    assert by_mode["full"].compute_s > by_mode["none"].compute_s  # the forward runs twice
+    by_setting = {(c.recompute, c.offload): c for c in ranked}
+    assert plan.recompute != "none" and by_setting[(plan.recompute, plan.offload)].memory.total_bytes <= limit
+    full, plain = by_setting[("full", "none")], by_setting[("none", "none")]
+    assert full.memory.activations_bytes <= 0.4 * need.activations_bytes
+    assert full.compute_s > plain.compute_s  # the forward runs twice
+    host = by_setting[("none", "host")]  # offload moves the optimizer state off the device, for copy time
+    assert host.memory.optimizer_bytes == 0 and host.memory.offloaded_bytes == plain.memory.optimizer_bytes
+    assert host.compute_s > plain.compute_s
 
 
 def test_a_model_that_cannot_fit_is_told_by_how_much():

@@ -23,13 +23,15 @@ VIEW_OPS = {"view", "reshape", "transpose", "permute", "contiguous", "size", "ex
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Per-device bytes: params_bytes, grads_bytes, optimizer_bytes (AdamW: two fp32 moments),
-    activations_bytes (kept for backward), buffers_bytes (gradient buckets)."""
+    activations_bytes (kept for backward), buffers_bytes (gradient buckets); offloaded_bytes
+    (optimizer state kept on the host or disk instead: not in the total)."""
 
     params_bytes: float
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float
     buffers_bytes: float
+    offloaded_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -83,4 +85,6 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, itemsize: int = 4, optimizer
     activations = activation_peak(gm, plan, recomputed(gm, plan.recompute, plan.recompute_comm), itemsize)
     param_bytes = param_numel * itemsize
     buffers = min(bucket_bytes, param_bytes) if data_parallel else 0.0
-    return MemoryEstimate(param_bytes, param_bytes, optimizer_states * param_numel * 4, activations, buffers)
+    state = optimizer_states * param_numel * 4
+    on_device = state if plan.offload == "none" else 0.0
+    return MemoryEstimate(param_bytes, param_bytes, on_device, activations, buffers, state - on_device)
