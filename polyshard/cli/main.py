@@ -11,6 +11,10 @@ from pathlib import Path
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.errors import PolyshardError
+from polyshard.planner.plan import OFFLOADS, RECOMPUTE_COMMS, RECOMPUTE_MODES
+
+# `train` flags that set a plan field of the same name (and win over a plan file's)
+PLAN_FLAGS = ("recompute", "recompute_comm", "offload")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +50,16 @@ def _parser() -> argparse.ArgumentParser:
                    "overlap compute; 'auto' lets the cost model choose (default 1)")
     t.add_argument("--plan", default="", help="run this plan file (from `polyshard plan`, or edited by hand)")
     t.add_argument("--auto", action="store_true", help="search the best plan for the processes at hand, then train")
+    t.add_argument("--memory-limit", default="", help="bytes per device, e.g. 2GiB: the planner keeps the run under "
+                   "it, choosing layouts, recompute and offload (for the --mesh given, or every mesh with --auto)")
+    t.add_argument("--recompute", choices=RECOMPUTE_MODES, help="recompute activations in backward instead of "
+                   "storing them: the attention cores (selective) or every block (full)")
+    t.add_argument("--recompute-comm", choices=RECOMPUTE_COMMS, help="in recomputed regions, keep the results of "
+                   "collectives (default) or issue them again (less memory, more communication)")
+    t.add_argument("--offload", choices=OFFLOADS, help="keep the optimizer state and its step on the host, or on "
+                   "disk (streamed back each step; crash-safe files under --offload-dir)")
+    t.add_argument("--offload-dir", default="", help="empty folder for disk offload's files (default: a temporary "
+                   "one, removed after the run)")
     t.set_defaults(handler=_train)
 
     pl = sub.add_parser("plan", help="choose how to split a model over a cluster (prints it, can write it)",
@@ -81,9 +95,11 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args) -> int:
     from polyshard.runtime.trainer import TrainConfig, check_config, train
 
+    settings = tuple((name, getattr(args, name)) for name in PLAN_FLAGS if getattr(args, name) is not None)
     cfg = TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
                       lr=args.lr, seed=args.seed, strategies=args.strategies, metrics=args.metrics,
-                      log_every=args.log_every, copies=args.copies, plan=args.plan, auto=args.auto)
+                      log_every=args.log_every, copies=args.copies, plan=args.plan, auto=args.auto,
+                      memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir)
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1)
     if args.nproc is not None and args.nproc < 1:

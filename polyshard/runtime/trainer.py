@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import gc
 import json
 import math
 import os
+import resource
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +20,13 @@ import torch.distributed as dist
 
 import polyshard as ps
 from polyshard import models
-from polyshard.cluster import Cluster
+from polyshard.cluster import Cluster, parse_bytes
 from polyshard.planner.plan import Plan
 from polyshard.planner.report import render
 from polyshard.planner.search import search
 from polyshard.data.corpus import TokenBatches, load_corpus
 from polyshard.errors import PolyshardError
+from polyshard.runtime.offload import OffloadedOptimizer
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,11 @@ class TrainConfig:
     batch_size: global rows per step; accum: micro-steps per step; lr: AdamW rate; seed: init and
     data; strategies: YAML of per-module pins; metrics: JSON-lines path; log_every: steps per line;
     copies: interleaved slices per micro-batch ("auto": the cost model chooses);
-    plan: a plan file to run (mesh and layouts from it); auto: search a plan for the processes at hand."""
+    plan: a plan file to run (mesh and layouts from it); auto: search a plan for the processes at hand;
+    memory_limit: bytes per device (e.g. "2GiB"): the planner fits the run under it, choosing
+    layouts, recompute and offload; settings: plan fields set from flags (recompute, offload, ...),
+    which win over the plan's; offload_dir: where disk offload keeps its files (an empty folder;
+    default: a temporary one, removed after the run)."""
 
     model: str = "gpt-small"
     mesh: str = ""
@@ -46,6 +54,9 @@ class TrainConfig:
     copies: str = "1"
     plan: str = ""
     auto: bool = False
+    memory_limit: str = ""
+    settings: tuple[tuple[str, object], ...] = ()
+    offload_dir: str = ""
 
 
 def load_plan(path: str) -> Plan:
@@ -93,6 +104,11 @@ def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
         )
     if not cfg.lr > 0:
         raise PolyshardError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.memory_limit:
+        parse_bytes(cfg.memory_limit)
+        if cfg.plan:
+            raise PolyshardError("--plan is already planned for a memory limit: leave out --memory-limit")
+    Plan(op_axes=(), **dict(cfg.settings))  # each setting checked by the plan's own rules
     if cfg.strategies and not Path(cfg.strategies).is_file():
         raise PolyshardError(f"--strategies file {cfg.strategies!r} does not exist")
     return shape
@@ -133,10 +149,14 @@ def train(cfg: TrainConfig) -> list[dict]:
     shape = check_config(cfg, world)
     plan = load_plan(cfg.plan) if cfg.plan else None
     model_name = plan.model if plan is not None and plan.model else cfg.model
-    if cfg.auto:
+    if cfg.auto or cfg.memory_limit:  # --auto: every mesh; --memory-limit alone: the mesh given
         meta = models.build(model_name, device="meta")
-        plan, _ = search(meta, meta.example_inputs(1), Cluster.from_env(), cfg.batch_size // cfg.accum)
+        limit = parse_bytes(cfg.memory_limit) if cfg.memory_limit else None
+        plan, _ = search(meta, meta.example_inputs(1), Cluster.from_env(), cfg.batch_size // cfg.accum, limit,
+                         meshes=None if cfg.auto else [tuple(shape.items())])
         plan.model, shape = model_name, dict(plan.mesh)
+    if plan is not None and cfg.settings:
+        plan = dataclasses.replace(plan, **dict(cfg.settings))
     mesh = ps.init(shape)
     lead = dist.get_rank() == 0
     model = models.build(model_name, seed=cfg.seed)
@@ -145,17 +165,24 @@ def train(cfg: TrainConfig) -> list[dict]:
     if cfg.auto and cfg.batch_size % (mesh.num_data_shards * cfg.accum):
         raise PolyshardError(f"the searched mesh {mesh} does not split --batch-size {cfg.batch_size} x --accum {cfg.accum}")
     copies = "auto" if cfg.copies == "auto" else int(cfg.copies)
-    pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan)
+    settings = dict(cfg.settings)
+    pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan,
+                        recompute=settings.get("recompute"), recompute_comm=settings.get("recompute_comm"))
+    pm.plan = dataclasses.replace(pm.plan, **settings)
     if lead:
-        if cfg.auto:
+        if cfg.auto or cfg.memory_limit:
             print(render(pm.plan, layouts=0))
         print(f"mesh: {mesh}  ({world} processes, {torch.get_num_threads()} thread each)")
         if pm.plan.copies > 1 or copies == "auto":
             print(f"multi-copy: each micro-batch runs as {pm.plan.copies} interleaved copies")
+        if pm.plan.recompute != "none" or pm.plan.offload != "none":
+            print(f"memory: recompute {pm.plan.recompute} (collectives: {pm.plan.recompute_comm}), "
+                  f"optimizer state offload: {pm.plan.offload}")
         if pinned:
             print(f"pinned from {cfg.strategies}: {', '.join(pinned)}")
         print("parameter layouts:\n" + pm.plan.summary())
-    opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr)
+    scratch = tempfile.TemporaryDirectory(prefix="polyshard-offload-") if not cfg.offload_dir else None
+    opt = make_optimizer(pm, cfg.lr, cfg.offload_dir or scratch.name)
     batches = TokenBatches(load_corpus(), cfg.batch_size, model.cfg.seq_len, cfg.seed)
     tokens_per_step = cfg.batch_size * model.cfg.seq_len
     metrics_file = _open_metrics(cfg.metrics) if lead else None
@@ -180,7 +207,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             raise PolyshardError(f"loss became {loss_sum.item()} at step {step}; lower --lr (now {cfg.lr})")
         step_s = time.perf_counter() - t0
         record = {"step": step, "loss": round(loss_sum.item(), 6), "tokens_per_s": round(tokens_per_step / step_s, 1),
-                  "step_s": round(step_s, 4), "elapsed_s": round(time.perf_counter() - start, 3)}
+                  "step_s": round(step_s, 4), "elapsed_s": round(time.perf_counter() - start, 3),
+                  "peak_rss_bytes": peak_rss_bytes()}
         history.append(record)
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -190,13 +218,30 @@ def train(cfg: TrainConfig) -> list[dict]:
         if lead and (step % cfg.log_every == 0 or step == cfg.steps):
             bar.write(f"step {step:>5}  loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tokens/s")
     bar.close()
+    if lead and isinstance(opt, OffloadedOptimizer):
+        print(f"where training state lives (rank 0, {pm.plan.offload} offload):\n{opt.ledger()}")
     if metrics_file:
         metrics_file.close()
         print(f"metrics: {cfg.metrics}")
     del pm, opt, model
     gc.collect()
+    if scratch is not None:
+        scratch.cleanup()
     dist.barrier()
     return history
+
+
+def make_optimizer(pm: ps.ParallelModule, lr: float, offload_dir: str) -> torch.optim.Optimizer:
+    """AdamW over this rank's parameters, its state on the device or offloaded as the plan says."""
+    if pm.plan.offload == "none":
+        return torch.optim.AdamW(pm.parameters(), lr=lr)
+    path = Path(offload_dir) / f"rank{dist.get_rank()}" if pm.plan.offload == "disk" else None
+    return OffloadedOptimizer(pm.parameters(), torch.optim.AdamW, mode=pm.plan.offload, path=path, lr=lr)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _open_metrics(path: str):

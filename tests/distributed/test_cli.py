@@ -29,6 +29,8 @@ def test_models_lists_every_named_config():
     (["--strategies", "missing.yaml"], "does not exist"),
     (["--copies", "two"], "--copies must be a positive integer or 'auto'"),
     (["--nproc", "2", "--batch-size", "4", "--copies", "4"], "--copies 4 needs at least as many rows"),
+    (["--memory-limit", "lots"], "size 'lots' is not understood"),
+    (["--recompute", "most"], "invalid choice: 'most'"),
 ])
 def test_bad_train_flags_exit_nonzero_with_a_message(flags, needle):
     out = polyshard("train", *flags)
@@ -47,6 +49,33 @@ def test_train_runs_on_two_ranks_with_pins_and_writes_metrics(tmp_path):
     assert "pinned from" in out.stdout and "2 interleaved copies" in out.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["tokens_per_s"] > 0 for r in records)
+
+
+def _losses(metrics):
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def test_recompute_and_disk_offload_train_as_the_plain_run_does(tmp_path):
+    """The trainer end to end on 2 ranks: the same losses with activations recomputed and the optimizer
+    state streamed from disk, whose files the run leaves in the folder it was given."""
+    runs = {}
+    for name, flags in (("plain", []), ("lean", ["--recompute", "full", "--offload", "disk",
+                                                  "--offload-dir", str(tmp_path / "state")])):
+        metrics = tmp_path / f"{name}.jsonl"
+        out = polyshard("train", "--nproc", "2", "--model", "gpt-tiny", "--steps", "4", "--metrics", str(metrics),
+                        *flags, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = (_losses(metrics), out.stdout)
+    assert runs["lean"][0] == pytest.approx(runs["plain"][0], rel=1e-5)
+    assert "recompute full" in runs["lean"][1] and "disk   state" in runs["lean"][1]
+    assert (tmp_path / "state" / "rank1").is_dir()
+
+
+def test_a_memory_limit_makes_the_planner_fit_the_run(tmp_path):
+    out = polyshard("train", "--nproc", "2", "--model", "gpt-tiny", "--steps", "2", "--memory-limit", "900KiB",
+                    "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "memory limit 900 KiB" in out.stdout and "without recompute and offload" in out.stdout
 
 
 def test_run_launches_a_user_script(tmp_path):

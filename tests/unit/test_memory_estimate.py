@@ -1,0 +1,62 @@
+"""The planner's per-device memory estimate against memory measured in a real step, in one process."""
+
+import tempfile
+
+import pytest
+import torch
+
+import polyshard as ps
+from polyshard import models
+from polyshard.cluster import Cluster
+from polyshard.graph.capture import capture
+from polyshard.planner.cost.memory import estimate_memory
+from polyshard.planner.search import search
+from polyshard.runtime.memory_probe import step_peak_bytes
+from polyshard.runtime.trainer import make_optimizer
+
+ROWS = 8
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randint(0, 256, (ROWS, 16), generator=g) for _ in range(2))
+
+
+def _measure(plan=None, recompute="none", offload="none"):
+    """(measured peak by category, the plan the step ran) for gpt-tiny under these settings."""
+    ps.init()
+    torch.manual_seed(0)
+    pm = ps.parallelize(models.build("gpt-tiny"), _batch(), plan=plan, recompute=None if plan else recompute)
+    pm.plan.offload = plan.offload if plan else offload
+    with tempfile.TemporaryDirectory() as folder:
+        opt = make_optimizer(pm, 1e-3, folder)
+        return step_peak_bytes(pm, opt, _batch(), state_on_device=pm.plan.offload == "none"), pm.plan
+
+
+def _estimate(plan):
+    return estimate_memory(capture(models.build("gpt-tiny", "meta"), _batch()), plan)
+
+
+@pytest.mark.parametrize("recompute,offload", [("none", "none"), ("selective", "none"), ("full", "none"),
+                                               ("none", "host"), ("none", "disk"), ("full", "disk")])
+def test_estimate_is_within_15_percent_of_the_measured_peak(recompute, offload):
+    measured, plan = _measure(recompute=recompute, offload=offload)
+    estimate = _estimate(plan)
+    assert abs(estimate.total_bytes / measured["total"] - 1) <= 0.15, (estimate, measured)
+    assert (measured["optstate"] == 0) == (offload != "none") == (estimate.optimizer_bytes == 0)
+
+
+def test_full_recompute_keeps_at_most_40_percent_of_the_activations():
+    plain, _ = _measure()
+    full, _ = _measure(recompute="full")
+    assert full["activation"] <= 0.4 * plain["activation"]
+
+
+def test_under_a_limit_below_its_need_the_planner_makes_it_fit_and_it_does():
+    plain, _ = _measure()
+    limit = 0.75 * plain["total"]
+    meta = models.build("gpt-tiny", "meta")
+    plan, _ = search(meta, meta.example_inputs(1), Cluster.preset("cpu-gloo:1"), ROWS, limit, meshes=[(("dp", 1),)])
+    assert (plan.recompute, plan.offload) != ("none", "none")
+    measured, _ = _measure(plan=plan)
+    assert measured["total"] <= limit, (plan.recompute, plan.offload, measured, limit)
