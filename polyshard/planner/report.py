@@ -44,7 +44,8 @@ def render(plan: Plan, layouts: int = 40) -> str:
 
 def _memory_line(title: str, m: dict, limit: float) -> str:
     parts = ", ".join(f"{k} {format_bytes(m[k])}" for k in ("params", "grads", "optimizer", "activations", "buffers"))
-    return f"{title}: {parts} = {format_bytes(m['total'])} of {format_bytes(limit)}"
+    apart = f", less {format_bytes(m['apart'])} of grads and activations never alive together" if m.get("apart") else ""
+    return f"{title}: {parts}{apart} = {format_bytes(m['total'])} of {format_bytes(limit)}"
 
 
 def _ms(seconds: float) -> str:

@@ -10,7 +10,6 @@ their communication grow with rows; parameters do not).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -154,8 +153,7 @@ def _cost_split(gm, mesh, data_axes, setting: tuple[str, str], cluster: Cluster,
     local_numel = sum(local_numel_of(p.shape, plan.params[n]) for n, p in gm.named_parameters() if n in plan.params)
     compute = sum(rows * c.compute_s + c.overhead_s for c in costs) + offload_seconds(local_numel, offload, cluster)
     op_comm = sum(rows * c.comm_s + c.latency_s for c in costs)
-    one_row = estimate_memory(gm, plan, data_parallel=math.prod(s for _, s in mesh) > op_size)
-    memory = dataclasses.replace(one_row, activations_bytes=one_row.activations_bytes * rows)
+    memory = estimate_memory(gm, plan, data_parallel=math.prod(s for _, s in mesh) > op_size, rows=rows)
     dp_comm = _dp_seconds(memory.grads_bytes, mesh, data_axes, cluster)
     candidate = Candidate(mesh, rows, compute, op_comm, dp_comm, memory, solved.gap if solved else 0.0,
                           recompute=recompute, offload=offload)
@@ -187,7 +185,8 @@ def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: f
                 "rows": c.rows, "step_s": c.step_s, "compute_s": c.compute_s,
                 "op_comm_s": c.op_comm_s, "dp_comm_s": c.dp_comm_s, "gap": c.gap,
                 "memory": {"params": m.params_bytes, "grads": m.grads_bytes, "optimizer": m.optimizer_bytes,
-                           "activations": m.activations_bytes, "buffers": m.buffers_bytes, "total": m.total_bytes},
+                           "activations": m.activations_bytes, "buffers": m.buffers_bytes, "apart": m.apart_bytes,
+                           "total": m.total_bytes},
                 "fits": m.total_bytes <= limit_bytes and not c.pruned, "pruned": c.pruned}
     return {"chosen": chosen.describe(), "limit_bytes": limit_bytes, "candidates": [row(c) for c in candidates]}
 

@@ -32,10 +32,14 @@ class MemoryEstimate:
     activations_bytes: float
     buffers_bytes: float
     offloaded_bytes: float = 0.0
+    # grads + activations less their peak together: backward frees activations as it makes grads
+    # (negative when the gradients flowing through backward add more than that frees)
+    apart_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.buffers_bytes
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.buffers_bytes - self.apart_bytes)
 
 
 def local_numel(shape, layout: Layout) -> float:
@@ -54,37 +58,52 @@ def _activation(node: fx.Node) -> bool:
                 or getattr(node.target, "__name__", "") == "getitem")
 
 
-def activation_peak(gm: fx.GraphModule, plan: Plan, rc: Recomputed, itemsize: int = 4) -> float:
-    """Most activation bytes alive at once: at the end of forward every kept output; then backward
-    walks the graph in reverse, freeing each output once its backward ran, and a recompute region
-    brings its own outputs back while its backward runs."""
-    size = {}
-    for node in gm.graph.nodes:
+def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1,
+                   itemsize: int = 4) -> tuple[float, float]:
+    """(most activation bytes alive at once, most activation plus gradient bytes alive at once).
+
+    At the end of forward every kept output is alive and no gradient yet (they are set to None
+    between steps). Backward walks the graph in reverse: each output is freed once its backward
+    ran, each parameter's gradient appears there, and a recompute region brings its own outputs
+    back while its backward runs. While an op's backward runs, the gradients of its output and of
+    its input are alive too: about twice its output."""
+    size, grads, seen = {}, {}, set()
+    modules = dict(gm.named_modules())
+    for node in reversed(gm.graph.nodes):
         out, shape = plan.nodes.get(node.name), shape_of(node)
         if out is not None and shape is not None and isinstance(out.output, Layout) and _activation(node):
-            size[node.name] = local_numel(shape, out.output) * itemsize
+            size[node.name] = local_numel(shape, out.output) * itemsize * rows
+        if node.op == "call_module":
+            for name, p in modules[node.target].named_parameters(prefix=node.target, recurse=False):
+                if id(p) not in seen and name in plan.params:
+                    seen.add(id(p))
+                    grads[node.name] = grads.get(node.name, 0.0) + local_numel(p.shape, plan.params[name]) * itemsize
     last_of = {}  # a region's last node -> the bytes its recompute brings back
     for region in rc.regions:
         names = [n.name for n in gm.graph.nodes if n.name in region]
         if names:
             last_of[names[-1]] = sum(size.get(n, 0.0) for n in names)
     alive = sum(b for name, b in size.items() if name not in rc.freed)
-    peak = alive
+    made = 0.0
+    act_peak = joint_peak = alive
     for node in reversed(gm.graph.nodes):
         alive += last_of.get(node.name, 0.0)  # backward enters a region at its last node: recompute it
-        peak = max(peak, alive)
+        act_peak, joint_peak = max(act_peak, alive), max(joint_peak, alive + made + 2 * size.get(node.name, 0.0))
         alive -= size.get(node.name, 0.0)
-    return peak
+        made += grads.get(node.name, 0.0)
+    return act_peak, max(joint_peak, made)
 
 
 def estimate_memory(gm: fx.GraphModule, plan: Plan, itemsize: int = 4, optimizer_states: int = 2,
-                    bucket_bytes: float = 25 * 2**20, data_parallel: bool = False) -> MemoryEstimate:
-    """The per-device memory of training ``gm`` under ``plan`` (activations at the captured batch)."""
+                    bucket_bytes: float = 25 * 2**20, data_parallel: bool = False, rows: int = 1) -> MemoryEstimate:
+    """The per-device memory of training ``gm`` under ``plan`` (captured at one row) on ``rows`` rows."""
     params = dict(gm.named_parameters())
     param_numel = sum(local_numel(params[name].shape, layout) for name, layout in plan.params.items() if name in params)
-    activations = activation_peak(gm, plan, recomputed(gm, plan.recompute, plan.recompute_comm), itemsize)
+    rc = recomputed(gm, plan.recompute, plan.recompute_comm)
+    activations, together = backward_peaks(gm, plan, rc, rows, itemsize)
     param_bytes = param_numel * itemsize
     buffers = min(bucket_bytes, param_bytes) if data_parallel else 0.0
     state = optimizer_states * param_numel * 4
     on_device = state if plan.offload == "none" else 0.0
-    return MemoryEstimate(param_bytes, param_bytes, on_device, activations, buffers, state - on_device)
+    return MemoryEstimate(param_bytes, param_bytes, on_device, activations, buffers, state - on_device,
+                          activations + param_bytes - together)
