@@ -68,6 +68,9 @@ def _build(model: str, dtype, tied: bool):
     torch.manual_seed(7)
     if model == "mlp":
         return models.MLPClassifier(in_features=16, hidden=32, num_classes=8).to(dtype)
+    if model == "foreign":
+        from tests.foreign import TinyLM
+        return TinyLM().to(dtype)
     cfg = models.CONFIGS[model]
     import dataclasses
     return models.GPT(dataclasses.replace(cfg, tied=tied)).to(dtype)
@@ -78,6 +81,8 @@ def _batch(model, batch: int, seed: int):
     if isinstance(model, models.MLPClassifier):
         dtype = next(model.parameters()).dtype
         return torch.randn(batch, 4, 4, generator=g).to(dtype), torch.randint(0, 8, (batch,), generator=g)
+    if not hasattr(model, "cfg"):
+        return model.batch(batch, seed)
     t = model.cfg.seq_len
     return (torch.randint(0, model.cfg.vocab_size, (batch, t), generator=g),
             torch.randint(0, model.cfg.vocab_size, (batch, t), generator=g))

@@ -92,3 +92,12 @@ def test_plan_json_and_hand_edited_plan_run(pools, edit):
 def test_searched_plan_matches_one_device(pools, mesh):
     results = pools(4).run(cases.train_parity, mesh, "gpt-small", 5, torch.float64, True, 1, "adamw", 8, 1, True)
     _check(results)
+
+
+@pytest.mark.parametrize("mesh,search", [("tp=2", False), ("dp=2,tp=2", True)])
+def test_a_transformer_written_elsewhere_matches_one_device(pools, mesh, search):
+    world = 2 if mesh == "tp=2" else 4
+    r = pools(world).run(cases.train_parity, mesh, "foreign", 5, torch.float64, True, 1, "adamw", 8, 1, search)
+    assert r[0]["loss_err"] < 1e-5 and r[0]["param_err"] < 1e-5, r[0]
+    if not search:  # the rules' defaults: Megatron's split, found in a model polyshard did not write
+        assert r[0]["layouts"]["layers.1.up.weight"] == "S(0)" and r[0]["layouts"]["layers.1.down.weight"] == "S(1)"

@@ -109,3 +109,16 @@ def test_fixed_cost_of_split_ops_decides_between_splitting_and_replicating():
 
     assert split_ops(dataclasses.replace(base, split_op_overhead_s=1.0)) == 0
     assert split_ops(dataclasses.replace(base, op_overhead_s=0.0, split_op_overhead_s=0.0)) > 10
+
+
+def test_a_transformer_written_elsewhere_is_planned_like_polyshards_own():
+    """Its own module names, a hand-written attention: on GPUs where splitting pays, the search
+    splits its MLP column- then row-parallel and its attention by heads, as for the GPT."""
+    from tests.foreign import TinyLM
+
+    model = TinyLM(vocab=4096, width=2048, heads=16, depth=4, seq=512).to("meta")
+    plan, _ = search(model, model.batch(1), Cluster.preset("8xA100-80G"), 8, meshes=[(("dp", 1), ("tp", 8))])
+    layouts = {name: layout.describe() for name, layout in plan.params.items()}
+    for layer in range(4):
+        assert layouts[f"layers.{layer}.up.weight"] == layouts[f"layers.{layer}.mix.query.weight"] == "tp=8:S(0)"
+        assert layouts[f"layers.{layer}.down.weight"] == layouts[f"layers.{layer}.mix.out.weight"] == "tp=8:S(1)"

@@ -77,6 +77,8 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
         return _pinned_function(node, target, pin, ctx)
     if target in NON_TENSOR or (target is getattr and node.args[1] in ("shape", "device", "dtype", "ndim")):
         return Decision("local", {}, None)
+    if shape_of(node) is None and not _tensor_inputs(node, ctx):  # arithmetic on sizes: plain Python values
+        return Decision("local", {}, None)
     if target is operator.getitem:
         return _getitem(node, ctx)
     if target in CREATION and not _tensor_inputs(node, ctx):
@@ -333,7 +335,10 @@ def _matmul(node: fx.Node, ctx: RuleContext) -> Decision:
     la, lb = ctx.layout(a), ctx.layout(b)
     spec = matmul_spec(la.ndim, lb.ndim)
     a_need = _without(la, [la.ndim - 1])
-    b_need = _without(lb, list(range(lb.ndim)))
+    if la.ndim == lb.ndim > 2:  # batched (attention scores, attention @ values): b's batch dims follow a's
+        b_need = a_need.with_dims([*a_need.dims[:-2], (), ()])
+    else:
+        b_need = _without(lb, list(range(lb.ndim)))
     out = output_layout(spec, [a_need, b_need], node.name)
     return Decision("local", {a.name: a_need, b.name: b_need}, out)
 
