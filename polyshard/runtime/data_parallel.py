@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyshard.runtime.fusion import CommStats, plan_buckets
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-FIRST_BUCKET_BYTES = 2**20  # a small first bucket starts communication early in backward (as DDP does)
 
 
 class _Bucket:
@@ -25,27 +26,30 @@ class _Bucket:
 
 
 class GradientSync:
-    """Averages ``params``' gradients over ``group`` after every backward (unless in :meth:`no_sync`)."""
+    """Averages ``params``' gradients over ``group`` after every backward (unless in :meth:`no_sync`).
 
-    def __init__(self, params: list[nn.Parameter], group, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    ``fusion``: id(parameter) -> comm_fusion group; a bucket holds one group only. ``comm`` counts the
+    collectives issued (see :class:`polyshard.runtime.fusion.CommStats`).
+    """
+
+    def __init__(self, params: list[nn.Parameter], group, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 fusion: dict[int, int] | None = None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.enabled = True
+        self.comm = CommStats()
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._callback_queued = False
-        current, size = [], 0
-        for p in reversed([p for p in params if p.requires_grad]):  # backward meets the last layers first
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= (min(FIRST_BUCKET_BYTES, bucket_bytes) if not self.buckets else bucket_bytes):
-                self._add(current)
-                current, size = [], 0
-        if current:
-            self._add(current)
-        for p in params:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+        trainable = [p for p in params if p.requires_grad]
+        for members in plan_buckets(trainable, bucket_bytes, lambda p: (fusion or {}).get(id(p))):
+            self._add(members)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+
+    def remove(self) -> None:
+        """Take the gradient hooks off the parameters (another synchronizer takes over)."""
+        for h in self._hooks:
+            h.remove()
 
     def _add(self, params: list[nn.Parameter]) -> None:
         bucket = _Bucket(params)
@@ -77,6 +81,7 @@ class GradientSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world)
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        self.comm.record("all_reduce", bucket.flat.numel() * bucket.flat.element_size())
 
     def finish(self) -> None:
         """Wait for every bucket (launching any whose parameters got no gradient) and write back."""

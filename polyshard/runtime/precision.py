@@ -1,0 +1,76 @@
+"""Mixed precision: forward, backward and gradient communication in bf16 or fp16, the step in fp32.
+
+The model's parameters are cast to the low precision; the optimizer keeps fp32 master copies (and fp32
+state), receives the communicated gradients cast up, steps, and the masters are copied down (all done by
+:class:`polyshard.runtime.zero.ZeroOptimizer`). fp16's narrow range needs dynamic loss scaling
+(:class:`LossScaler`); bf16 has fp32's range and needs none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.errors import PolyshardError
+
+COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype forward and backward run in (None: the parameters' own)."""
+    if precision not in COMPUTE_DTYPES:
+        raise PolyshardError(f"precision {precision!r} is unknown; choose one of {', '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[precision]
+
+
+def cast_inputs(module: nn.Module, dtype: torch.dtype):
+    """Cast floating-point inputs of ``module`` to ``dtype`` before its forward (integer ids stay as they are);
+    returns the hook's handle."""
+    def hook(_, args):
+        return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    return module.register_forward_pre_hook(hook)
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scaling (as torch.amp.GradScaler): the loss is multiplied by ``scale`` so small fp16
+    gradients do not flush to zero; a step whose gradients hold inf/nan is skipped and the scale halved;
+    after ``growth_interval`` good steps in a row the scale doubles. The first scale is the largest power of
+    two fp16 holds (max 65504): a loss computed in fp16 passes the scale itself as its first gradient."""
+
+    scale: float = 2.0**15
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    good_steps: int = 0
+
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        """Divide ``grads`` by the scale in place; True when every rank's are finite (all ranks agree,
+        since each holds different pieces)."""
+        bad = torch.zeros(())
+        for g in grads:
+            g.mul_(1.0 / self.scale)
+            bad = torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bad.item()
+
+    def update(self, finite: bool) -> None:
+        """Halve the scale after an overflow; grow it after ``growth_interval`` finite steps."""
+        if not finite:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

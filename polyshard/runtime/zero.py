@@ -1,0 +1,436 @@
+"""Optimizer parallel (ZeRO) over the data group: each of its N ranks updates 1/N of the parameters.
+
+Parameters are replicated over the data group (a tensor-parallel piece is the same on its data-parallel
+peers), so the optimizer's work and state can be split over it, as MindSpore's optimizer parallel does:
+
+    level 0  plain data parallel: gradients all-reduced, every rank steps everything
+    level 1  gradients all-reduced; each rank keeps optimizer state for, and steps, only its shard of each
+             bucket; the updated shards are all-gathered into the parameters
+    level 2  gradients reduce-scattered: a rank receives only its shard's averaged gradient
+    level 3  parameters kept as shards too: a module's are gathered before its forward and freed after,
+             gathered again before its backward; the next module's gather starts one module ahead
+
+Parameters go into flat buckets (fusion groups respected, see polyshard.runtime.fusion) padded to a multiple
+of N; each bucket's gradient collective starts from backward's hooks as soon as its gradients exist, and
+is waited for at the end of backward. Parameters under ``threshold_bytes`` stay whole (all-reduced, stepped
+by every rank): sharding them saves little memory and adds latency. Mixed precision lives here too: the
+buckets hold bf16/fp16 parameters and gradients, the optimizer fp32 masters (polyshard.runtime.precision).
+Level 3 is our own hooks rather than FSDP2: FSDP2 shards whole modules and cannot keep small parameters
+whole, fuse by comm_fusion group, or run on the pieces of a lowered tensor-parallel program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from polyshard.errors import PolyshardError
+from polyshard.optim import Lamb, NormSpec, build_optimizer
+from polyshard.planner.cost.zero_memory import padded
+from polyshard.planner.plan import ZERO_LEVELS
+from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
+from polyshard.runtime.fusion import CommStats, fusion_groups, plan_buckets
+from polyshard.runtime.precision import LossScaler, cast_inputs, compute_dtype
+
+
+class Bucket:
+    """Parameters communicated as one flat tensor, which is also their storage (they are views of it).
+
+    ``sharded``: each rank steps ``master``, its 1/world slice; otherwise ``master`` is the whole bucket.
+    ``resident``: the flat tensor always exists (False at level 3: only while its module runs).
+    """
+
+    def __init__(self, params: list[nn.Parameter], sharded: bool, world: int, rank: int, dtype: torch.dtype,
+                 resident: bool):
+        self.params, self.sharded, self.resident = params, sharded, resident
+        self.shapes = [p.shape for p in params]  # level 3 empties the parameters between uses
+        self.numel = sum(p.numel() for p in params)
+        self.shard_numel = padded(self.numel, world) // world if sharded else self.numel
+        self.lo = rank * self.shard_numel if sharded else 0
+        self.flat = torch.zeros(self.shard_numel * (world if sharded else 1), dtype=dtype)
+        master_dtype = params[0].dtype
+        with torch.no_grad():
+            torch._foreach_copy_(self.views(self.flat), [p.detach() for p in params])
+        for p, view in zip(params, self.views(self.flat)):
+            p.data = view
+        shard = self.flat[self.lo:self.lo + self.shard_numel]
+        alias = resident and master_dtype == dtype  # step in place on the parameters' own storage
+        self.master = nn.Parameter(shard if alias else shard.detach().to(master_dtype, copy=True))
+        self.pending = len(params)
+        self.grad: torch.Tensor | None = None  # gradient collective's result while in flight
+        self.work = self.sent = None
+        self.gather_work = self.gather_src = None
+        self.gathered = resident
+        if not resident:
+            self.release()
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of a flat tensor, shaped like the parameter."""
+        out, offset = [], 0
+        for shape in self.shapes:
+            out.append(flat[offset:offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        return out
+
+    def release(self) -> None:
+        """Free the gathered parameters (level 3); the parameters point at an empty tensor meanwhile, so a
+        stray use fails on its shape instead of reading freed memory."""
+        self.wait_gather()
+        self.flat.untyped_storage().resize_(0)
+        empty = self.flat.new_empty(0)
+        for p in self.params:
+            p.data = empty
+        self.gathered = False
+
+    def wait_gather(self) -> None:
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = self.gather_src = None
+
+
+class ZeroOptimizer:
+    """Optimizer parallel at ``level`` over ``group`` for ``module``'s parameters; step it like a torch optimizer.
+
+    ``optimizer``: "adamw", "sgd", "lamb" (keyword arguments go to it) or ``factory(params) -> Optimizer``.
+    ``precision``: "fp32" (the parameters' dtype), "bf16" or "fp16" (fp32 masters; fp16 with loss scaling:
+    call ``scale_loss(loss).backward()``). ``shard_accumulated_grads`` (level 2+): every micro-step of
+    gradient accumulation reduce-scatters, so no rank ever holds a full gradient (more communication).
+    ``split_groups``: id(parameter) -> the process groups its other tensor-parallel pieces live on (LAMB's norms).
+    State dicts hold this rank's shard only.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: str | Callable = "adamw", level: int = 1, group=None,
+                 threshold_bytes: int = 64 * 1024, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 precision: str = "fp32", shard_accumulated_grads: bool = False,
+                 split_groups: Mapping[int, tuple] | None = None, **optimizer_kwargs):
+        if level not in ZERO_LEVELS:
+            raise PolyshardError(f"ZeRO level must be one of {ZERO_LEVELS}, got {level!r}")
+        if threshold_bytes < 0:
+            raise PolyshardError(f"threshold_bytes must be non-negative, got {threshold_bytes}")
+        params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
+        if not params:
+            raise PolyshardError(f"{type(module).__name__} has no trainable parameters to optimize")
+        self.level, self.group = level, group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        if level > 0 and self.world == 1:
+            warnings.warn(f"polyshard: ZeRO level {level} has no data-parallel peers to shard over; "
+                          "every rank keeps everything (as level 0)", stacklevel=2)
+        self.shard_accumulated_grads = shard_accumulated_grads
+        self.dtype = compute_dtype(precision) or params[0].dtype
+        self.scaler = LossScaler() if precision == "fp16" else None
+        self.comm = CommStats()
+        self.skipped = False
+        self._sync, self._callback_queued = True, False
+        fusion = fusion_groups(module)
+
+        def sharded(p: nn.Parameter) -> bool:
+            return level > 0 and self.world > 1 and p.numel() * p.element_size() >= threshold_bytes
+
+        units, uses = _level3_units(module, params, fusion, sharded) if level == 3 else ([], {})
+        in_units = {id(p) for unit in units for p in unit}
+        self.buckets = [Bucket(unit, True, self.world, self.rank, self.dtype, resident=False) for unit in units]
+        self._uses = {m: [self.buckets[i] for i in idx] for m, idx in uses.items()}
+        rest = [p for p in params if id(p) not in in_units]
+        self.buckets += [Bucket(b, sharded(b[0]), self.world, self.rank, self.dtype, resident=True)
+                         for b in plan_buckets(rest, bucket_bytes, lambda p: (fusion.get(id(p)), sharded(p), p.dtype))]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        masters = [b.master for b in self.buckets]
+        self.optimizer = build_optimizer(optimizer, masters, **optimizer_kwargs) if isinstance(optimizer, str) \
+            else optimizer(masters)
+        if isinstance(self.optimizer, Lamb):
+            self.optimizer.norm_specs.update({b.master: self._norm_spec(b, split_groups or {}) for b in self.buckets})
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        if precision != "fp32":
+            self._hooks.append(cast_inputs(module, self.dtype))
+        if units:
+            self._hook_modules(module)
+
+    # ---- gradients: bucketed collectives launched from backward's hooks ----
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (gradient accumulation's inner steps); see ``shard_accumulated_grads``."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: multiplied by the loss scale under fp16, else unchanged."""
+        return loss.float() * self.scaler.scale if self.scaler else loss
+
+    def _active(self, b: Bucket) -> bool:
+        """Whether ``b`` communicates in this backward."""
+        return self._sync or (b.sharded and self.level >= 2 and self.shard_accumulated_grads)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+        b = self._bucket_of[id(p)]
+        b.pending -= 1
+        if b.pending == 0:
+            if self._active(b):
+                self._launch(b)
+            if not b.resident:
+                b.release()
+
+    def _launch(self, b: Bucket) -> None:
+        """Copy the bucket's gradients into one flat buffer and start its all-reduce or reduce-scatter."""
+        buf = b.flat.new_empty(b.flat.numel())
+        for p, view in zip(b.params, b.views(buf)):
+            view.copy_(p.grad) if p.grad is not None else view.zero_()
+        buf[b.numel:].zero_()
+        if self.world > 1:
+            buf.div_(self.world)
+        nbytes = buf.numel() * buf.element_size()
+        if b.sharded and self.level >= 2:
+            b.grad, b.sent = buf.new_empty(b.shard_numel), buf
+            b.work = dist.reduce_scatter_single(b.grad, buf, group=self.group, async_op=True)
+            self.comm.record("reduce_scatter", nbytes)
+            for p in b.params:
+                p.grad = None
+        else:
+            b.grad = buf
+            if self.world > 1:
+                b.work = dist.all_reduce(buf, group=self.group, async_op=True)
+                self.comm.record("all_reduce", nbytes)
+
+    def _finish(self) -> None:
+        """End of backward: wait for every collective (launching buckets whose parameters got no gradient)
+        and hand each shard's gradient to its master."""
+        self._callback_queued = False
+        active = [b for b in self.buckets if self._active(b)]
+        for b in active:
+            if b.grad is None:
+                self._launch(b)
+        for b in active:
+            if b.work is not None:
+                b.work.wait()
+            grad, b.grad, b.work, b.sent = b.grad, None, None, None
+            if b.sharded and self.level >= 2:
+                shard = grad.to(b.master.dtype)
+                b.master.grad = shard if b.master.grad is None else b.master.grad.add_(shard)
+            else:
+                for p, view in zip(b.params, b.views(grad)):
+                    p.grad = view
+                b.master.grad = grad[b.lo:b.lo + b.shard_numel].to(b.master.dtype)
+        for b in self.buckets:
+            b.pending = len(b.params)
+            if not b.resident and b.gathered:
+                b.release()
+
+    # ---- the step ----
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the masters (this rank's shards), then publish them into the parameters. Under fp16 a step
+        whose gradients overflowed on any rank is skipped by all (``skipped`` tells)."""
+        if self.scaler:
+            finite = self.scaler.unscale_and_check([b.master.grad for b in self.buckets if b.master.grad is not None])
+            self.scaler.update(finite)
+            self.skipped = not finite
+            if self.skipped:
+                self.zero_grad()
+                return
+        self.optimizer.step()
+        for b in self.buckets:
+            if b.resident and b.sharded:
+                b.gather_src = b.master.detach().to(b.flat.dtype)
+                b.gather_work = dist.all_gather_single(b.flat, b.gather_src, group=self.group, async_op=True)
+                self.comm.record("all_gather", b.flat.numel() * b.flat.element_size())
+            elif b.resident and b.master.data_ptr() != b.flat.data_ptr():
+                b.flat.copy_(b.master)
+        for b in self.buckets:
+            b.wait_gather()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the gradients of the parameters and of the masters."""
+        for t in [p for b in self.buckets for p in b.params] + [b.master for b in self.buckets]:
+            if set_to_none:
+                t.grad = None
+            elif t.grad is not None:
+                t.grad.zero_()
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (its shards), the loss scale, and what it was made for."""
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
+                "level": self.level, "world": self.world, "rank": self.rank}
+
+    def load_state_dict(self, state: dict) -> None:
+        made_for = (state["level"], state["world"], state["rank"])
+        if made_for != (self.level, self.world, self.rank):
+            raise PolyshardError(f"optimizer state of level {made_for[0]}, rank {made_for[2]} of {made_for[1]} "
+                                 f"cannot load into level {self.level}, rank {self.rank} of {self.world}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _norm_spec(self, b: Bucket, split_groups: Mapping[int, tuple]) -> NormSpec:
+        """Where each parameter lies in ``b``'s master, and the groups holding its other pieces."""
+        segments, groups, offset = [], [], 0
+        for p, shape in zip(b.params, b.shapes):
+            start, end = max(offset, b.lo), min(offset + shape.numel(), b.lo + b.shard_numel)
+            segments.append((start - b.lo, end - start) if end > start else (0, 0))
+            groups.append(((self.group,) if b.sharded else ()) + tuple(split_groups.get(id(p), ())))
+            offset += shape.numel()
+        return NormSpec(tuple(segments), tuple(groups))
+
+    # ---- level 3: gather around each module's forward and backward ----
+
+    def _hook_modules(self, root: nn.Module) -> None:
+        self._order: list[nn.Module] = []
+        self._last_order: list[nn.Module] = list(self._uses)  # call order, until a forward records its own
+        self._hooks.append(root.register_forward_pre_hook(self._begin_forward))
+        for m in self._uses:
+            self._hooks.append(m.register_forward_pre_hook(self._before_forward))
+            self._hooks.append(m.register_forward_hook(self._after_forward))
+
+    def _begin_forward(self, *_) -> None:
+        self._last_order, self._order = self._order or self._last_order, []
+
+    def _gather(self, buckets: Iterable[Bucket]) -> None:
+        """Start gathering ``buckets`` not already there (or on the way)."""
+        for b in buckets:
+            if b.gathered:
+                continue
+            b.flat.untyped_storage().resize_(b.flat.numel() * b.flat.element_size())
+            b.gather_src = b.master.detach().to(b.flat.dtype)
+            b.gather_work = dist.all_gather_single(b.flat, b.gather_src, group=self.group, async_op=True)
+            self.comm.record("all_gather", b.flat.numel() * b.flat.element_size())
+            for p, view in zip(b.params, b.views(b.flat)):
+                p.data = view
+            b.gathered = True
+
+    def _ready(self, m: nn.Module, prefetch: nn.Module | None) -> None:
+        """Gather ``m``'s parameters (waiting for them) and start gathering ``prefetch``'s."""
+        self._gather(self._uses[m])
+        if prefetch is not None:
+            self._gather(self._uses[prefetch])
+        for b in self._uses[m]:
+            b.wait_gather()
+
+    def _next(self) -> nn.Module | None:
+        """The module expected after the one running now (from the previous forward's order)."""
+        i = len(self._order)
+        return self._last_order[i] if i < len(self._last_order) else None
+
+    def _before_forward(self, m: nn.Module, _args) -> None:
+        self._order.append(m)
+        self._ready(m, self._next())
+
+    def _after_forward(self, m: nn.Module, _args, out) -> None:
+        nxt = self._next()
+        keep = self._uses[nxt] if nxt is not None else []
+        for b in self._uses[m]:
+            if b not in keep:  # the next module needs it too (one fusion group): keep it
+                b.release()
+        tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            i = len(self._order) - 1
+            prev = self._order[i - 1] if i > 0 else None
+            tensors[0].register_hook(lambda grad: self._ready(m, prev))
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every parameter whole while inside (level 3; e.g. to read or save them); a no-op below level 3."""
+        units = [b for b in self.buckets if not b.resident]
+        self._gather(units)
+        for b in units:
+            b.wait_gather()
+        try:
+            yield
+        finally:
+            for b in units:
+                b.release()
+
+    def remove(self) -> None:
+        """Take this optimizer's hooks off the parameters and modules."""
+        for h in self._hooks:
+            h.remove()
+
+
+def _level3_units(root: nn.Module, params: list[nn.Parameter], fusion: dict[int, int],
+                  sharded: Callable[[nn.Parameter], bool]) -> tuple[list[list[nn.Parameter]], dict[nn.Module, list[int]]]:
+    """Level 3's gather units: the sharded parameters of each called module (of each fusion group, when
+    marked), in call order; and for each module, the units it needs (a shared parameter's unit too)."""
+    wanted = {id(p) for p in params if sharded(p)}
+    units: list[list[nn.Parameter]] = []
+    unit_of_key: dict[tuple, int] = {}
+    owner: dict[int, int] = {}
+    uses: dict[nn.Module, list[int]] = {}
+    for m in _call_units(root):
+        for p in dict.fromkeys(m.parameters()):
+            if id(p) not in wanted:
+                continue
+            if id(p) not in owner:
+                key = ("fusion", fusion[id(p)]) if id(p) in fusion else ("module", id(m))
+                if key not in unit_of_key:
+                    unit_of_key[key] = len(units)
+                    units.append([])
+                owner[id(p)] = unit_of_key[key]
+                units[owner[id(p)]].append(p)
+            uses.setdefault(m, [])
+            if owner[id(p)] not in uses[m]:
+                uses[m].append(owner[id(p)])
+    return units, uses
+
+
+def _call_units(root: nn.Module) -> list[nn.Module]:
+    """Modules called as one piece that hold parameters, in call order: the modules a lowered (fx) program
+    calls (its Linear/Embedding/LayerNorm and their sharded wrappers), else those owning parameters."""
+    calls: dict[nn.Module, None] = {}
+    for gm in root.modules():
+        if isinstance(gm, fx.GraphModule):
+            for node in gm.graph.nodes:
+                if node.op == "call_module":
+                    m = gm.get_submodule(node.target)
+                    if not isinstance(m, fx.GraphModule) and next(m.parameters(), None) is not None:
+                        calls.setdefault(m)
+    return list(calls) or [m for m in root.modules() if next(m.parameters(recurse=False), None) is not None]
+
+
+def setup_zero(pm, level: int | None = None, optimizer: str | Callable | None = None, precision: str | None = None,
+               threshold_bytes: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+               shard_accumulated_grads: bool = False, **optimizer_kwargs) -> ZeroOptimizer:
+    """Optimizer parallel for a ParallelModule over its data group; returns the optimizer to step.
+
+    The returned optimizer replaces ``pm``'s GradientSync (it becomes ``pm.grad_sync``, so ``pm.no_sync()``
+    keeps working). Arguments left None come from ``pm.plan`` (zero, optimizer, precision,
+    zero_threshold_bytes), which records what runs.
+    """
+    plan = pm.plan
+    level = plan.zero if level is None else level
+    optimizer = plan.optimizer if optimizer is None else optimizer
+    precision = plan.precision if precision is None else precision
+    threshold_bytes = plan.zero_threshold_bytes if threshold_bytes is None else threshold_bytes
+    group = pm.mesh.data_group()
+    if pm.grad_sync is not None:
+        pm.grad_sync.remove()
+    opt = ZeroOptimizer(pm, optimizer, level, group, threshold_bytes, bucket_bytes, precision, shard_accumulated_grads,
+                        _split_groups(pm), **optimizer_kwargs)
+    pm.grad_sync = opt if group is not None else None
+    plan.zero, plan.precision, plan.zero_threshold_bytes = level, precision, threshold_bytes
+    if isinstance(optimizer, str):
+        plan.optimizer = optimizer
+    return opt
+
+
+def _split_groups(pm) -> dict[int, tuple]:
+    """id(parameter) -> the process group over the mesh axes that split it (its other pieces)."""
+    out = {}
+    for name, p in pm.local_parameters().items():
+        layout = pm.plan.params[name]
+        axes = tuple(a for dim in layout.dims for a in dim)
+        if axes:
+            sub = pm.mesh.device_mesh(layout.axes)[axes]
+            out[id(p)] = ((sub._flatten() if len(axes) > 1 else sub).get_group(),)
+    return out
