@@ -6,7 +6,10 @@ from polyshard.layout import Layout
 from polyshard.mesh import Mesh, current_mesh, init
 from polyshard.planner.plan import Plan
 from polyshard.runtime import comm
+from polyshard.runtime.fusion import comm_fusion
 from polyshard.runtime.parallel import ParallelModule, micro_batch_interleaved, parallelize
+from polyshard.runtime.pipeline import PipelineModule, pipeline_stage
 from polyshard.runtime.recompute import recompute
+from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
-__all__ = ["comm", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "micro_batch_interleaved", "parallelize", "recompute", "shard"]
+__all__ = ["comm", "comm_fusion", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "micro_batch_interleaved", "parallelize", "pipeline_stage", "PipelineModule", "recompute", "setup_zero", "shard", "ZeroOptimizer"]

@@ -1,7 +1,9 @@
 """Named device meshes: parse ``dp=2,tp=2``, start the process group, build DeviceMeshes.
 
 Axes listed later are inner (consecutive ranks, hence the same node): put the axis that
-talks most (tensor parallel) last so it lands on the fastest links.
+talks most (tensor parallel) last so it lands on the fastest links. An axis named ``pp`` holds
+pipeline stages: each stage is a mesh of its own (its collectives stay inside it), and stages
+talk only point to point, rank to rank along ``pp``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from polyshard.errors import PolyshardError
 from polyshard.layout import Axes
 
 DEFAULT_DATA_AXES = ("dp",)
+PIPELINE_AXIS = "pp"
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -46,10 +49,12 @@ def check_mesh(shape: dict[str, int], world_size: int) -> None:
 
 @dataclass
 class Mesh:
-    """Named axes over all ranks. Data axes split batches; the other axes (op axes) split operators.
+    """Named axes over all ranks. Data axes split batches; the pipeline axis holds stages; the
+    other axes (op axes) split operators.
 
     axes: (name, size), outermost first. data_axes: names of the data-parallel axes.
     cluster: the machines the ranks run on (nodes, links, memory), when known.
+    pipeline_axis: the axis of pipeline stages (``init`` makes ``pp`` one), or None.
     """
 
     axes: Axes
@@ -57,6 +62,7 @@ class Mesh:
     device_type: str
     rank: int
     cluster: Cluster | None = None
+    pipeline_axis: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -64,7 +70,28 @@ class Mesh:
 
     @property
     def op_axes(self) -> Axes:
-        return tuple((n, s) for n, s in self.axes if n not in self.data_axes and s > 1)
+        return tuple((n, s) for n, s in self.axes
+                     if n not in self.data_axes and n != self.pipeline_axis and s > 1)
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages: the pipeline axis's size (1 without one)."""
+        return dict(self.axes).get(self.pipeline_axis, 1)
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.coords().get(self.pipeline_axis, 0)
+
+    def stage_rank(self, stage: int) -> int:
+        """The rank holding ``stage`` with this rank's other coordinates: its peer for stage-to-stage sends."""
+        if not 0 <= stage < self.pp:
+            raise PolyshardError(f"stage {stage} is not in the {self.pp} pipeline stages of mesh {self}")
+        coords = self.coords() | ({self.pipeline_axis: stage} if self.pipeline_axis else {})
+        rank = 0
+        for name, size in self.axes:
+            rank = rank * size + coords[name]
+        return rank
 
     @property
     def num_data_shards(self) -> int:
@@ -110,15 +137,18 @@ class Mesh:
         return (sub._flatten() if len(self.data_axes) > 1 else sub).get_group()
 
     def _full_mesh(self, op_axes: Axes):
-        """One DeviceMesh per refinement of the op axes, data axes outermost; made once, reused."""
-        full = tuple((n, s) for n, s in self.axes if n in self.data_axes) + op_axes
-        key = (full, self.axes, self.data_axes)
+        """One DeviceMesh per refinement of the op axes, the pipeline axis and data axes outermost;
+        made once, reused. Slicing it by other axes keeps this rank's stage."""
+        outer = tuple(a for a in self.axes if a[0] == self.pipeline_axis) + tuple(
+            a for a in self.axes if a[0] in self.data_axes)
+        full = outer + op_axes
+        key = (full, self.axes, self.data_axes, self.pipeline_axis)
         if key not in _DEVICE_MESHES:
             import torch
             from torch.distributed.device_mesh import DeviceMesh
 
             names = [n for n, _ in self.axes]
-            order = [names.index(n) for n in self.data_axes] + [i for i, n in enumerate(names) if n not in self.data_axes]
+            order = [names.index(n) for n, _ in outer] + [i for i, n in enumerate(names) if n not in dict(outer)]
             ranks = torch.arange(self.world_size).reshape([s for _, s in self.axes]).permute(order)
             _DEVICE_MESHES[key] = DeviceMesh(
                 self.device_type, ranks.reshape([s for _, s in full]), mesh_dim_names=tuple(n for n, _ in full)
@@ -126,7 +156,8 @@ class Mesh:
         return _DEVICE_MESHES[key]
 
     def __str__(self) -> str:
-        roles = {n: ("data" if n in self.data_axes else "op") for n, _ in self.axes}
+        roles = {n: "data" if n in self.data_axes else "pipe" if n == self.pipeline_axis else "op"
+                 for n, _ in self.axes}
         return " x ".join(f"{n}={s}({roles[n]})" for n, s in self.axes)
 
 
@@ -145,7 +176,8 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
          threads_per_rank: int | None = 1, cluster: Cluster | str | None = None) -> Mesh:
     """Start the process group (from torchrun's environment, or a world of one) and set the mesh.
 
-    ``mesh=None`` gives a 1-D mesh of all ranks named ``world`` (an op axis).
+    ``mesh=None`` gives a 1-D mesh of all ranks named ``world`` (an op axis); an axis named ``pp``
+    holds pipeline stages.
     On CPU each rank uses ``threads_per_rank`` threads (1 by default: ranks share the cores).
     ``cluster`` (a preset such as ``8xA100-80G``, a YAML path, or a Cluster) defaults to torchrun's
     environment; operator axes that span nodes get a warning, since they talk the most.
@@ -161,13 +193,16 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
     unknown = [a for a in data_axes if a not in shape]
     if unknown and data_axes != DEFAULT_DATA_AXES:
         raise PolyshardError(f"data axes {unknown} are not in the mesh {shape}")
+    if PIPELINE_AXIS in data_axes:
+        raise PolyshardError(f"{PIPELINE_AXIS!r} is the pipeline axis; it cannot be a data axis too")
+    pipe = (PIPELINE_AXIS,) if PIPELINE_AXIS in shape else ()
     cluster = Cluster.load(cluster) if isinstance(cluster, str) else cluster or Cluster.from_env()
     if cluster.num_devices != world_size:
         raise PolyshardError(
             f"cluster of {cluster.num_devices} devices ({cluster.num_nodes} nodes x {cluster.devices_per_node}) "
             f"does not match the world of {world_size} processes"
         )
-    _warn_if_op_axes_span_nodes(shape, data_axes, cluster)
+    _warn_if_op_axes_span_nodes(shape, tuple(data_axes) + pipe, cluster)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cpu" and threads_per_rank:
         torch.set_num_threads(threads_per_rank)
@@ -180,15 +215,16 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     _current = Mesh(tuple(shape.items()), tuple(a for a in data_axes if a in shape), device_type, dist.get_rank(),
-                    cluster)
+                    cluster, pipe[0] if pipe else None)
     return _current
 
 
-def _warn_if_op_axes_span_nodes(shape: dict[str, int], data_axes: tuple[str, ...], cluster: Cluster) -> None:
-    """Inner axes are consecutive ranks; operator axes beyond one node's devices cross the slow links."""
+def _warn_if_op_axes_span_nodes(shape: dict[str, int], quiet_axes: tuple[str, ...], cluster: Cluster) -> None:
+    """Inner axes are consecutive ranks; operator axes beyond one node's devices cross the slow links
+    (data and pipeline axes, ``quiet_axes``, talk little)."""
     inner = 1
     for name, size in reversed(shape.items()):
-        if name in data_axes:
+        if name in quiet_axes:
             break
         inner *= size
     if inner > cluster.devices_per_node:

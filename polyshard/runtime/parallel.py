@@ -21,6 +21,7 @@ from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check
 from polyshard.planner.propagate import propagate
 from polyshard.planner.search import search as search_plan
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
+from polyshard.runtime.fusion import fusion_groups
 from polyshard.runtime.interleave import interleave
 from polyshard.graph.regions import marked_modules
 from polyshard.runtime.recompute import apply_recompute
@@ -40,7 +41,8 @@ class ParallelModule(nn.Module):
         self.program = self._runnable(plan.copies)
         self.mesh = mesh
         group = mesh.data_group()
-        self.grad_sync = GradientSync(list(program.parameters()), group, bucket_bytes) if group is not None else None
+        self.grad_sync = (GradientSync(list(program.parameters()), group, bucket_bytes, fusion_groups(program))
+                          if group is not None else None)
 
     def set_copies(self, copies: int) -> None:
         """Run each batch as ``copies`` interleaved slices (1: as one)."""
@@ -70,10 +72,14 @@ class ParallelModule(nn.Module):
         """Skip the gradient all-reduce (inner steps of gradient accumulation)."""
         return self.grad_sync.no_sync() if self.grad_sync is not None else contextlib.nullcontext()
 
+    def local_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's piece of each parameter, by its name in the plan (whatever wraps the program)."""
+        return dict(self._single_copy.named_parameters())
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, on every rank (gathers split ones)."""
         out = {}
-        for name, p in self._single_copy.named_parameters():
+        for name, p in self.local_parameters().items():
             layout = self.plan.params[name]
             if layout.is_replicated:
                 out[name] = p.detach().clone()
@@ -87,7 +93,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
                 plan: Plan | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 copies: int | str | None = None, search: bool = False,
                 memory_limit_bytes: float | None = None, recompute: str | None = None,
-                recompute_comm: str | None = None) -> ParallelModule:
+                recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
+                virtual_stages: int | None = None) -> ParallelModule:
     """Split ``model`` over the mesh: pinned ops keep their strategies, the others follow the op rules.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values) default to the model's own
@@ -99,6 +106,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
     ``memory_limit_bytes`` per device (default: the device's memory).
     ``recompute`` ("none", "selective", "full") and ``recompute_comm`` ("keep", "recompute"): see
     :class:`Plan`; by default the plan's. Modules marked by :func:`polyshard.recompute` are recomputed too.
+    A mesh with a ``pp`` axis gives a :class:`~polyshard.runtime.pipeline.PipelineModule`, run by the
+    plan's (or these) ``schedule``, ``micro_batches`` and ``virtual_stages``.
     """
     if recompute is not None:
         check_choice("recompute", recompute, RECOMPUTE_MODES)
@@ -139,8 +148,14 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
         plan.copies = copies
     plan.recompute = recompute or plan.recompute
     plan.recompute_comm = recompute_comm or plan.recompute_comm
+    plan.schedule, plan.micro_batches = schedule or plan.schedule, micro_batches or plan.micro_batches
+    plan.virtual_stages = virtual_stages or plan.virtual_stages
     if dist.is_initialized() and dist.get_world_size() != mesh.world_size:
         raise PolyshardError(f"mesh {mesh} does not match the world of {dist.get_world_size()} processes")
+    if mesh.pp > 1:
+        from polyshard.runtime.pipeline import parallelize_pipeline  # it builds on this module
+
+        return parallelize_pipeline(model, example_inputs, plan, mesh, bucket_bytes)
     return ParallelModule(lower(gm, plan, mesh), plan, mesh, bucket_bytes, marked_modules(model))
 
 

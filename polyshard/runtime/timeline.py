@@ -1,0 +1,56 @@
+"""Pipeline timelines: a schedule drawn as a PNG (a row per stage, a box per forward or backward of
+a micro-batch), predicted by simulation or measured, and its bubble fraction: the share of the
+stages' time spent idle, (p-1)/(m+p-1) for GPipe and 1F1B with p equal stages and m micro-batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from polyshard.errors import PolyshardError
+from polyshard.runtime.schedules import ActionTime
+
+COLORS = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#9bd3a8")}  # per kind: even, odd chunks
+
+
+def bubble_fraction(times: Sequence[ActionTime]) -> float:
+    """1 - busy time / (stages x span), the span running from the first start to the last end."""
+    if not times:
+        raise PolyshardError("no pipeline action times to measure a bubble in")
+    span = max(t.end_s for t in times) - min(t.start_s for t in times)
+    busy = sum(t.end_s - t.start_s for t in times)
+    return 1.0 - busy / (len({t.stage for t in times}) * span) if span > 0 else 0.0
+
+
+def draw_timeline(path: str | Path, predicted: Sequence[ActionTime] | None = None,
+                  measured: Sequence[ActionTime] | None = None, title: str = "") -> dict[str, float]:
+    """Draw the given timelines (a panel each) into the PNG ``path``; returns each one's bubble
+    fraction by name ("predicted", "measured")."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = {name: times for name, times in (("predicted", predicted), ("measured", measured)) if times}
+    if not panels:
+        raise PolyshardError("draw_timeline needs predicted or measured action times")
+    stages = max(t.stage for times in panels.values() for t in times) + 1
+    fig = Figure(figsize=(11, 0.6 + (0.5 * stages + 0.9) * len(panels)))
+    FigureCanvasAgg(fig)
+    bubbles = {}
+    for ax, (name, times) in zip(fig.subplots(len(panels), 1, squeeze=False)[:, 0], panels.items()):
+        bubbles[name] = bubble_fraction(times)
+        origin = min(t.start_s for t in times)
+        for t in times:
+            start, width = (t.start_s - origin) * 1e3, (t.end_s - t.start_s) * 1e3
+            ax.broken_barh([(start, width)], (t.stage - 0.4, 0.8), facecolors=COLORS[t.kind][t.chunk // stages % 2],
+                           edgecolor="black", linewidth=0.4)
+            ax.text(start + width / 2, t.stage, f"{t.kind}{t.micro}", ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
+        ax.set_ylim(stages - 0.5, -0.5)
+        ax.set_xlabel("ms")
+        ax.set_title(f"{name}: bubble {bubbles[name]:.1%}", fontsize=10)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return bubbles

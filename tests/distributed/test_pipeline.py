@@ -1,0 +1,115 @@
+"""Pipeline parallel parity: steps on a mesh with a ``pp`` axis (alone, and with dp and tp) equal the
+same steps on one device; 1F1B bounds the activations the first stage holds.
+
+As in test_parity: AdamW in float64 (Adam amplifies rounding noise on near-zero gradients),
+SGD in float32.
+"""
+
+import pytest
+import torch
+
+from tests.distributed import pipeline_cases as cases
+
+TOL = 1e-5
+SCHEDULES = ["gpipe", "1f1b"]
+
+
+def _check(results):
+    for r in results:
+        assert r["loss_err"] < TOL and r["param_err"] < TOL and r["tied_gap"] == 0.0, r
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2(pools, schedule):
+    results = pools(2).run(cases.gpt_parity, "pp=2", schedule)
+    _check(results)
+    assert results[0]["boundaries"] == ("blocks.2",)  # balanced: two blocks a stage
+    assert results[0]["tied"] == ["wte.weight"]  # embedding on stage 0, tied head on stage 1
+    assert "wte.weight" in results[0]["params"] and "wte.weight" in results[1]["params"]
+    assert "blocks.0.attn.q.weight" in results[0]["params"] and "blocks.0.attn.q.weight" not in results[1]["params"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_sgd_float32(pools, schedule):
+    _check(pools(2).run(cases.gpt_parity, "pp=2", schedule, torch.float32, "sgd"))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp4(pools, schedule):
+    results = pools(4).run(cases.gpt_parity, "pp=4", schedule)
+    _check(results)
+    assert results[0]["boundaries"] == ("blocks.1", "blocks.2", "blocks.3")
+
+
+@pytest.mark.parametrize("mesh", ["dp=2,pp=2", "pp=2,tp=2"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_with_dp_or_tp(pools, mesh, schedule):
+    _check(pools(4).run(cases.gpt_parity, mesh, schedule))
+
+
+def test_pp2_tp2_sgd_float32(pools):
+    _check(pools(4).run(cases.gpt_parity, "pp=2,tp=2", "1f1b", torch.float32, "sgd"))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_dp2_pp2_tp2(pools, schedule):
+    _check(pools(8).run(cases.gpt_parity, "dp=2,pp=2,tp=2", schedule))
+
+
+def test_interleaved_two_virtual_stages(pools):
+    results = pools(2).run(cases.gpt_parity, "pp=2", "interleaved", torch.float64, "adamw", True, 1, 4, 2)
+    _check(results)
+    assert results[0]["boundaries"] == ("blocks.1", "blocks.2", "blocks.3")
+    assert [(src, dst) for _, src, dst in results[0]["edges"]] == [(0, 1), (1, 2), (2, 3)]
+    assert "blocks.2.ln1.weight" in results[0]["params"] and "blocks.1.ln1.weight" in results[1]["params"]
+
+
+def test_untied_head(pools):
+    results = pools(2).run(cases.gpt_parity, "pp=2", "1f1b", torch.float64, "adamw", False)
+    _check(results)
+    assert results[0]["tied"] == [] and "wte.weight" not in results[1]["params"]
+
+
+def test_gradient_accumulation(pools):
+    _check(pools(2).run(cases.gpt_parity, "pp=2", "1f1b", torch.float64, "adamw", True, 2))
+
+
+def test_boundaries_marked_by_pipeline_stage(pools):
+    results = pools(2).run(cases.gpt_parity, "pp=2", "1f1b", torch.float64, "adamw", True, 1, 4, 1, 4, 5, 8,
+                           ("blocks.3",))
+    _check(results)
+    assert results[0]["boundaries"] == ("blocks.3",)
+
+
+def test_value_skipping_stages(pools):
+    results = pools(4).run(cases.skip_parity, "pp=4")
+    _check(results)
+    assert ("blocks_0_1", 0, 3) in results[0]["edges"]  # the first block's output goes straight to the last stage
+
+
+def test_value_between_chunks_of_one_stage(pools):
+    results = pools(2).run(cases.skip_parity, "pp=2", "interleaved", 1, 2)
+    _check(results)
+    assert ("blocks_1_1", 1, 3) in results[0]["edges"]  # chunks 1 and 3 both run on stage 1: passed in memory
+
+
+def test_1f1b_bounds_first_stage_activations(pools):
+    m = 8
+    first, last = pools(2).run(cases.saved_activation_peaks, m)
+    one = first["one_micro_batch"]
+    assert first["gpipe"] == m * one  # GPipe: every micro-batch's activations at once
+    assert first["1f1b"] == 2 * one  # 1F1B: pp=2 micro-batches at most
+    assert last["1f1b"] < last["gpipe"]
+
+
+def test_recorded_timings_follow_the_schedule(pools):
+    r = pools(2).run(cases.recorded_timings, "1f1b", 4)[0]
+    measured, predicted = r["measured"], r["predicted"]
+    assert sorted((t.stage, t.chunk, t.kind, t.micro) for t in measured) == \
+        sorted((t.stage, t.chunk, t.kind, t.micro) for t in predicted)
+    stage0 = [f"{t.chunk}{t.kind}{t.micro}" for t in measured if t.stage == 0]
+    assert stage0 == [str(a) for a in r["actions"]]
+    assert all(0 <= t.start_s <= t.end_s for t in measured)
+    for stage in (0, 1):  # one action at a time per stage (clocks of two processes are not compared)
+        own = [t for t in measured if t.stage == stage]
+        assert all(a.end_s <= b.start_s for a, b in zip(own, own[1:]))
