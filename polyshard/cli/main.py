@@ -11,10 +11,10 @@ from pathlib import Path
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.errors import PolyshardError
-from polyshard.planner.plan import OFFLOADS, RECOMPUTE_COMMS, RECOMPUTE_MODES
+from polyshard.planner.plan import OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, ZERO_LEVELS
 
 # `train` flags that set a plan field of the same name (and win over a plan file's)
-PLAN_FLAGS = ("recompute", "recompute_comm", "offload")
+PLAN_FLAGS = ("recompute", "recompute_comm", "offload", "zero", "optimizer", "precision")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
                    "collectives (default) or issue them again (less memory, more communication)")
     t.add_argument("--offload", choices=OFFLOADS, help="keep the optimizer state and its step on the host, or on "
                    "disk (streamed back each step; crash-safe files under --offload-dir)")
+    t.add_argument("--zero", type=int, choices=ZERO_LEVELS, help="optimizer parallel over the data axes: 1 shards "
+                   "optimizer state, 2 also gradients (reduce-scatter), 3 also parameters (gathered before use)")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default adamw); lamb's layer norms are of whole "
+                   "tensors however they are split")
+    t.add_argument("--precision", choices=PRECISIONS, help="compute and communicate in bf16 or fp16 (with dynamic "
+                   "loss scaling) over fp32 master weights and optimizer state (default fp32)")
     t.add_argument("--offload-dir", default="", help="empty folder for disk offload's files (default: a temporary "
                    "one, removed after the run)")
     t.set_defaults(handler=_train)

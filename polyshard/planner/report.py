@@ -31,9 +31,11 @@ def render(plan: Plan, layouts: int = 40) -> str:
                          f"{(runner['step_s'] / chosen['step_s'] - 1) * 100:.1f}% longer steps")
         lines.append(_memory_line("memory per device", chosen["memory"], rep["limit_bytes"]))
         plain = next((c for c in rep["candidates"] if c.get("split") == chosen.get("split")
-                      and c.get("recompute") == "none" and c.get("offload", "none") == "none" and not c.get("pruned")), None)
+                      and (c.get("recompute"), c.get("offload", "none"), c.get("zero", 0), c.get("precision", "fp32"))
+                      == ("none", "none", 0, "fp32") and not c.get("pruned")), None)
         if plain is not None and plain is not chosen:
-            lines.append(_memory_line("  without recompute and offload", plain["memory"], rep["limit_bytes"]))
+            lines.append(_memory_line("  plain (no recompute, offload, optimizer parallel, fp32)", plain["memory"],
+                                      rep["limit_bytes"]))
     lines.append(f"mesh: {' x '.join(f'{n}={s}' for n, s in plan.mesh) or 'one device'}; parameter layouts:")
     summary = plan.summary().splitlines()
     lines.extend(summary[:layouts])
@@ -44,7 +46,9 @@ def render(plan: Plan, layouts: int = 40) -> str:
 
 def _memory_line(title: str, m: dict, limit: float) -> str:
     parts = ", ".join(f"{k} {format_bytes(m[k])}" for k in ("params", "grads", "optimizer", "activations", "buffers"))
-    apart = f", less {format_bytes(m['apart'])} of grads and activations never alive together" if m.get("apart") else ""
+    apart = m.get("apart", 0)
+    apart = (f", less {format_bytes(apart)} of grads and activations never alive together" if apart > 0 else
+             f", plus {format_bytes(-apart)} of gradients in flight in backward" if apart < 0 else "")
     return f"{title}: {parts}{apart} = {format_bytes(m['total'])} of {format_bytes(limit)}"
 
 

@@ -10,6 +10,7 @@ their communication grow with rows; parameters do not).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from polyshard.planner.cost.memory import local_numel as local_numel_of
 from polyshard.planner.cost.offload import offload_seconds
 from polyshard.planner.cost.overlap import op_costs
 from polyshard.planner.intra_op import solve
-from polyshard.planner.plan import OFFLOADS, RECOMPUTE_MODES, Plan
+from polyshard.planner.plan import OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
 from polyshard.planner.propagate import propagate
 from polyshard.transitions import wire_bytes
 
@@ -52,15 +53,22 @@ class Candidate:
     gap: float = 0.0  # the intra-op program's distance from its LP lower bound
     recompute: str = "none"  # activations recomputed in backward (see Plan)
     offload: str = "none"  # where the optimizer state lives, if not on the device (see Plan)
+    zero: int = 0  # optimizer parallel level over the data axes (see Plan)
+    precision: str = "fp32"
     pruned: bool = False  # not solved: its LP bound already lost (figures are lower bounds)
 
     @property
     def step_s(self) -> float:
         return self.compute_s + self.op_comm_s + self.dp_comm_s
 
+    @property
+    def key(self) -> tuple:
+        return self.mesh, self.recompute, self.offload, self.zero, self.precision
+
     def describe(self) -> str:
         extras = [f"recompute {self.recompute}"] * (self.recompute != "none") + \
-            [f"offload {self.offload}"] * (self.offload != "none")
+            [f"offload {self.offload}"] * (self.offload != "none") + [f"zero {self.zero}"] * (self.zero > 0) + \
+            [self.precision] * (self.precision != "fp32")
         return ", ".join([_mesh_text(self.mesh), *extras])
 
 
@@ -90,19 +98,18 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
             continue
         for setting in SETTINGS:
             try:
-                candidate, plan = _cost_split(gm, mesh, data_axes, setting, cluster, global_batch // dp, limit, best_s)
+                found = _cost_split(gm, mesh, data_axes, setting, cluster, global_batch // dp, limit, best_s)
             except PolyshardError as exc:  # a pin that this split cannot hold
                 skipped.append(f"{_mesh_text(mesh)}: {exc}")
                 break
-            if candidate is None:
-                continue  # this recompute mode frees nothing in this model
-            candidates.append(candidate)
-            if plan is not None:
-                plans[(mesh, setting)] = plan
-                if candidate.memory.total_bytes <= limit:
-                    best_s = min(best_s, candidate.step_s)
+            for candidate, plan in found:
+                candidates.append(candidate)
+                if plan is not None:
+                    plans[candidate.key] = plan
+                    if candidate.memory.total_bytes <= limit:
+                        best_s = min(best_s, candidate.step_s)
             # recompute and offload only buy memory, at the price of time: tried only where memory is tight
-            if candidate.pruned or candidate.memory.total_bytes <= _ROOMY * limit:
+            if found and min(c.memory.total_bytes if not c.pruned else 0 for c, _ in found) <= _ROOMY * limit:
                 break
     if not candidates:
         why = "; ".join(skipped) or f"none divides the batch of {global_batch}"
@@ -117,18 +124,19 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         )
     best = min(fitting, key=lambda c: c.step_s)
     ranked = sorted(candidates, key=lambda c: c.step_s)
-    plan = plans[(best.mesh, (best.recompute, best.offload))]
+    plan = plans[best.key]
     plan.global_batch, plan.report = global_batch, search_report(ranked, best, limit)
     return plan, ranked
 
 
 def _cost_split(gm, mesh, data_axes, setting: tuple[str, str], cluster: Cluster, rows: int, limit: float,
-                best_s: float) -> tuple[Candidate | None, Plan | None]:
-    """One mesh split under one (recompute, offload) setting: its candidate and plan (no plan when
-    the LP bound shows it cannot beat ``best_s``; None, None when the recompute mode frees nothing here)."""
+                best_s: float) -> list[tuple[Candidate, Plan | None]]:
+    """One mesh split under one (recompute, offload) setting: the integer program's plan, costed at
+    every optimizer-parallel level and precision that applies (no plan when the LP bound shows it
+    cannot beat ``best_s``; nothing when the recompute mode frees nothing here)."""
     recompute, offload = setting
     if recompute != "none" and not recomputed(gm, recompute).rerun:
-        return None, None
+        return []
     op_axes = tuple((n, s) for n, s in mesh if n not in data_axes and s > 1)
     op_size = _op_size(mesh, data_axes)
     param_numel = sum(p.numel() for p in gm.parameters())
@@ -141,23 +149,37 @@ def _cost_split(gm, mesh, data_axes, setting: tuple[str, str], cluster: Cluster,
     except PolyshardError:
         solved = None  # nothing fits on this split; costed below with propagation's plan
     if solved is not None and solved.plan is None:
-        return Candidate(mesh, rows, solved.lower_bound_s, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
-                         recompute=recompute, offload=offload, pruned=True), None
+        return [(Candidate(mesh, rows, solved.lower_bound_s, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
+                           recompute=recompute, offload=offload, pruned=True), None)]
     if solved is not None:
-        plan = solved.plan
+        base = solved.plan
     else:
-        plan = propagate(gm, op_axes, lambda msg: None)
-        plan.recompute, plan.offload = recompute, offload
-    plan.mesh, plan.data_axes = mesh, data_axes
-    costs = op_costs(gm, plan, cluster)
-    local_numel = sum(local_numel_of(p.shape, plan.params[n]) for n, p in gm.named_parameters() if n in plan.params)
-    compute = sum(rows * c.compute_s + c.overhead_s for c in costs) + offload_seconds(local_numel, offload, cluster)
-    op_comm = sum(rows * c.comm_s + c.latency_s for c in costs)
-    memory = estimate_memory(gm, plan, data_parallel=math.prod(s for _, s in mesh) > op_size, rows=rows)
-    dp_comm = _dp_seconds(memory.grads_bytes, mesh, data_axes, cluster)
-    candidate = Candidate(mesh, rows, compute, op_comm, dp_comm, memory, solved.gap if solved else 0.0,
-                          recompute=recompute, offload=offload)
-    return candidate, plan
+        base = propagate(gm, op_axes, lambda msg: None)
+        base.recompute, base.offload = recompute, offload
+    base.mesh, base.data_axes = mesh, data_axes
+    dp = math.prod(s for n, s in mesh if n in data_axes)
+    out = []
+    for zero, precision in _variants(dp, offload, cluster):
+        plan = dataclasses.replace(base, zero=zero, precision=precision)
+        dtype, itemsize = ("float32", 4) if precision == "fp32" else ("bfloat16", 2)
+        costs = op_costs(gm, plan, cluster, dtype, itemsize)
+        numel = sum(local_numel_of(p.shape, plan.params[n]) for n, p in gm.named_parameters() if n in plan.params)
+        compute = sum(rows * c.compute_s + c.overhead_s for c in costs) + offload_seconds(numel, offload, cluster)
+        op_comm = sum(rows * c.comm_s + c.latency_s for c in costs)
+        memory = estimate_memory(gm, plan, data_world=dp, rows=rows)
+        modules = sum(1 for n in gm.graph.nodes if n.op == "call_module")
+        dp_comm = _dp_seconds(numel * itemsize, mesh, data_axes, cluster, zero, modules)
+        out.append((Candidate(mesh, rows, compute, op_comm, dp_comm, memory, solved.gap if solved else 0.0,
+                              recompute=recompute, offload=offload, zero=zero, precision=precision), plan))
+    return out
+
+
+def _variants(dp: int, offload: str, cluster: Cluster) -> list[tuple[int, str]]:
+    """(optimizer-parallel level, precision) pairs to cost: levels only with data parallel, half
+    precision only where the device runs it faster; offloaded state stays whole and fp32."""
+    levels = ZERO_LEVELS if dp > 1 and offload == "none" else (0,)
+    fast_half = cluster.flops_per_s.get("bfloat16", 0.0) > cluster.flops_per_s["float32"] and offload == "none"
+    return [(z, p) for z in levels for p in ("fp32", "bf16")[:1 + fast_half]]
 
 
 def _op_size(mesh, data_axes) -> int:
@@ -168,13 +190,19 @@ def _mesh_text(mesh) -> str:
     return " x ".join(f"{n}={s}" for n, s in mesh)
 
 
-def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster) -> float:
-    """Gradient all-reduce over the data axes (alpha-beta on the outermost data axis's link)."""
+def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: int = 0) -> float:
+    """Data-parallel communication per step (alpha-beta on the outermost data axis's link): the
+    gradient all-reduce (level 0), plus the parameters' all-gather after the step (level 1);
+    reduce-scatter and all-gather, the same bytes (level 2); and at level 3 the parameters gathered
+    in forward and again in backward, one collective per module each time."""
     dp = math.prod(s for n, s in mesh if n in data_axes)
     if dp == 1:
         return 0.0
     link = axis_link(mesh, next(n for n, s in mesh if n in data_axes), cluster)
-    return wire_bytes("all_reduce", grad_bytes, dp) / link.bandwidth_bytes_per_s + link.latency_s
+    gather = wire_bytes("all_gather", grad_bytes, dp) / link.bandwidth_bytes_per_s
+    reduce = wire_bytes("all_reduce", grad_bytes, dp) / link.bandwidth_bytes_per_s + link.latency_s
+    return reduce + (gather + link.latency_s if zero == 1 else 2 * gather + 2 * modules * link.latency_s if zero == 3
+                     else 0.0)
 
 
 def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: float) -> dict:
@@ -182,6 +210,7 @@ def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: f
     def row(c: Candidate) -> dict:
         m = c.memory
         return {"mesh": c.describe(), "split": _mesh_text(c.mesh), "recompute": c.recompute, "offload": c.offload,
+                "zero": c.zero, "precision": c.precision,
                 "rows": c.rows, "step_s": c.step_s, "compute_s": c.compute_s,
                 "op_comm_s": c.op_comm_s, "dp_comm_s": c.dp_comm_s, "gap": c.gap,
                 "memory": {"params": m.params_bytes, "grads": m.grads_bytes, "optimizer": m.optimizer_bytes,

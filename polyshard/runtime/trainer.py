@@ -26,13 +26,15 @@ from polyshard.planner.report import render
 from polyshard.planner.search import search
 from polyshard.data.corpus import TokenBatches, load_corpus
 from polyshard.errors import PolyshardError
+from polyshard.optim import OPTIMIZER_CLASSES, build_optimizer
 from polyshard.runtime.offload import OffloadedOptimizer
+from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """model: a name from polyshard.models; mesh: e.g. "dp=2,tp=2"; steps: optimizer steps;
-    batch_size: global rows per step; accum: micro-steps per step; lr: AdamW rate; seed: init and
+    batch_size: global rows per step; accum: micro-steps per step; lr: learning rate; seed: init and
     data; strategies: YAML of per-module pins; metrics: JSON-lines path; log_every: steps per line;
     copies: interleaved slices per micro-batch ("auto": the cost model chooses);
     plan: a plan file to run (mesh and layouts from it); auto: search a plan for the processes at hand;
@@ -178,6 +180,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         if pm.plan.recompute != "none" or pm.plan.offload != "none":
             print(f"memory: recompute {pm.plan.recompute} (collectives: {pm.plan.recompute_comm}), "
                   f"optimizer state offload: {pm.plan.offload}")
+        print(f"optimizer: {pm.plan.optimizer}, optimizer parallel level {pm.plan.zero}, precision {pm.plan.precision}")
         if pinned:
             print(f"pinned from {cfg.strategies}: {', '.join(pinned)}")
         print("parameter layouts:\n" + pm.plan.summary())
@@ -196,8 +199,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             sync = i == cfg.accum - 1
             with (pm.no_sync() if not sync else contextlib.nullcontext()):
                 loss = pm(mx, my) / cfg.accum
-                loss.backward()
-            loss_sum += loss.detach()
+                (opt.scale_loss(loss) if isinstance(opt, ZeroOptimizer) else loss).backward()
+            loss_sum += loss.detach().float()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if pm.grad_sync is not None:
@@ -208,7 +211,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         step_s = time.perf_counter() - t0
         record = {"step": step, "loss": round(loss_sum.item(), 6), "tokens_per_s": round(tokens_per_step / step_s, 1),
                   "step_s": round(step_s, 4), "elapsed_s": round(time.perf_counter() - start, 3),
-                  "peak_rss_bytes": peak_rss_bytes()}
+                  "peak_rss_bytes": peak_rss_bytes(), **comm_counts(pm)}
         history.append(record)
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -231,12 +234,27 @@ def train(cfg: TrainConfig) -> list[dict]:
     return history
 
 
-def make_optimizer(pm: ps.ParallelModule, lr: float, offload_dir: str) -> torch.optim.Optimizer:
-    """AdamW over this rank's parameters, its state on the device or offloaded as the plan says."""
-    if pm.plan.offload == "none":
-        return torch.optim.AdamW(pm.parameters(), lr=lr)
-    path = Path(offload_dir) / f"rank{dist.get_rank()}" if pm.plan.offload == "disk" else None
-    return OffloadedOptimizer(pm.parameters(), torch.optim.AdamW, mode=pm.plan.offload, path=path, lr=lr)
+def make_optimizer(pm: ps.ParallelModule, lr: float, offload_dir: str) -> torch.optim.Optimizer | ZeroOptimizer:
+    """The plan's optimizer over this rank's parameters: plain torch when nothing else is asked; with
+    optimizer parallel, mixed precision or LAMB, polyshard's ZeroOptimizer (it takes over the data-
+    parallel sync); with offload, its state and step on the host or disk."""
+    plan = pm.plan
+    if plan.offload != "none":
+        if plan.zero or plan.precision != "fp32":
+            raise PolyshardError(f"offload {plan.offload!r} keeps whole fp32 optimizer state off the device; "
+                                 f"it does not combine with zero {plan.zero} or precision {plan.precision!r}: "
+                                 "drop one of them")
+        path = Path(offload_dir) / f"rank{dist.get_rank()}" if plan.offload == "disk" else None
+        return OffloadedOptimizer(pm.parameters(), OPTIMIZER_CLASSES[plan.optimizer], mode=plan.offload, path=path,
+                                  lr=lr)
+    if plan.zero or plan.precision != "fp32" or plan.optimizer == "lamb":
+        return setup_zero(pm, lr=lr)
+    return build_optimizer(plan.optimizer, pm.parameters(), lr=lr)
+
+
+def comm_counts(pm: ps.ParallelModule) -> dict[str, int]:
+    """Collectives the gradient sync issued since the last call, and their bytes, by kind."""
+    return pm.grad_sync.comm.take() if pm.grad_sync is not None else {}
 
 
 def peak_rss_bytes() -> int:

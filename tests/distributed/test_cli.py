@@ -75,7 +75,7 @@ def test_a_memory_limit_makes_the_planner_fit_the_run(tmp_path):
     out = polyshard("train", "--nproc", "2", "--model", "gpt-tiny", "--steps", "2", "--memory-limit", "900KiB",
                     "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "memory limit 900 KiB" in out.stdout and "without recompute and offload" in out.stdout
+    assert "memory limit 900 KiB" in out.stdout and "plain (no recompute" in out.stdout
 
 
 def test_run_launches_a_user_script(tmp_path):

@@ -22,7 +22,7 @@ def _search(limit=None, batch=8):
 
 def test_every_split_is_costed_and_the_fastest_fitting_one_wins():
     plan, candidates = _search()
-    assert sorted(c.describe() for c in candidates) == ["dp=1 x tp=4", "dp=2 x tp=2", "dp=4 x tp=1"]
+    assert sorted({c.describe().split(",")[0] for c in candidates}) == ["dp=1 x tp=4", "dp=2 x tp=2", "dp=4 x tp=1"]
     assert plan.report["chosen"] == candidates[0].describe()
     assert [c.step_s for c in candidates] == sorted(c.step_s for c in candidates)
 
@@ -34,18 +34,18 @@ def test_memory_limit_moves_the_choice_to_a_leaner_split():
     plan, ranked = _search(limit)
     chosen = next(c for c in ranked if c.describe() == plan.report["chosen"])
     assert chosen.memory.total_bytes <= limit
-    assert dict(plan.mesh)["tp"] > 1 or plan.recompute != "none" or plan.offload != "none"
+    assert dict(plan.mesh)["tp"] > 1 or plan.recompute != "none" or plan.offload != "none" or plan.zero > 0
 
 
 def test_recompute_is_chosen_when_and_only_when_the_limit_needs_it():
-    dp4 = [(("dp", 4), ("tp", 1))]
+    one = [(("dp", 1),)]  # one device: no optimizer parallel to reach for first
     model = models.build("gpt-small", "meta")
-    cluster = Cluster.preset("cpu-gloo:4")
-    plain, ranked = search(model, model.example_inputs(1), cluster, 32, meshes=dp4)
+    cluster = Cluster.preset("cpu-gloo:1")
+    plain, ranked = search(model, model.example_inputs(1), cluster, 8, meshes=one)
     assert plain.recompute == "none" and [c.recompute for c in ranked] == ["none"]  # roomy: not even tried
     need = ranked[0].memory
     limit = need.total_bytes - 0.5 * need.activations_bytes
-    plan, ranked = search(model, model.example_inputs(1), cluster, 32, limit, meshes=dp4)
+    plan, ranked = search(model, model.example_inputs(1), cluster, 8, limit, meshes=one)
     by_setting = {(c.recompute, c.offload): c for c in ranked}
     assert plan.recompute != "none" and by_setting[(plan.recompute, plan.offload)].memory.total_bytes <= limit
     full, plain = by_setting[("full", "none")], by_setting[("none", "none")]
@@ -83,7 +83,8 @@ def test_search_report_survives_json_and_renders():
 def test_large_models_plan_in_seconds():
     model = models.build("pangu-alpha-2.6b", "meta")
     plan, candidates = search(model, model.example_inputs(1), Cluster.preset("8xA100-80G"), 8)
-    assert len(candidates) == 4 and plan.report["chosen"]
+    assert len({c.describe().split(",")[0] for c in candidates}) == 4 and plan.report["chosen"]
+    assert plan.precision == "bf16"  # an A100 multiplies bf16 16x faster than fp32
 
 
 def test_pins_survive_the_search_and_rule_out_splits_that_cannot_hold_them():

@@ -15,7 +15,10 @@ from torch import fx
 from polyshard.graph.capture import shape_of
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.layout import Layout
+from polyshard.planner.cost.zero_memory import state_bytes_per_rank
 from polyshard.planner.plan import Plan
+
+STATES = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 optimizer state tensors per parameter (SGD: momentum)
 
 VIEW_OPS = {"view", "reshape", "transpose", "permute", "contiguous", "size", "expand", "unsqueeze", "flatten"}
 
@@ -59,14 +62,15 @@ def _activation(node: fx.Node) -> bool:
 
 
 def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1,
-                   itemsize: int = 4) -> tuple[float, float]:
+                   itemsize: int = 4, grad_share: float = 1.0) -> tuple[float, float]:
     """(most activation bytes alive at once, most activation plus gradient bytes alive at once).
 
     At the end of forward every kept output is alive and no gradient yet (they are set to None
     between steps). Backward walks the graph in reverse: each output is freed once its backward
     ran, each parameter's gradient appears there, and a recompute region brings its own outputs
     back while its backward runs. While an op's backward runs, the gradients of its output and of
-    its input are alive too: about twice its output."""
+    its input are alive too: about twice its output. ``grad_share``: the part of each parameter's
+    gradient a rank keeps (optimizer parallel from level 2 reduce-scatters them as they come)."""
     size, grads, seen = {}, {}, set()
     modules = dict(gm.named_modules())
     for node in reversed(gm.graph.nodes):
@@ -77,7 +81,8 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
             for name, p in modules[node.target].named_parameters(prefix=node.target, recurse=False):
                 if id(p) not in seen and name in plan.params:
                     seen.add(id(p))
-                    grads[node.name] = grads.get(node.name, 0.0) + local_numel(p.shape, plan.params[name]) * itemsize
+                    grads[node.name] = grads.get(node.name, 0.0) + \
+                        local_numel(p.shape, plan.params[name]) * itemsize * grad_share
     last_of = {}  # a region's last node -> the bytes its recompute brings back
     for region in rc.regions:
         names = [n.name for n in gm.graph.nodes if n.name in region]
@@ -94,16 +99,26 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
     return act_peak, max(joint_peak, made)
 
 
-def estimate_memory(gm: fx.GraphModule, plan: Plan, itemsize: int = 4, optimizer_states: int = 2,
-                    bucket_bytes: float = 25 * 2**20, data_parallel: bool = False, rows: int = 1) -> MemoryEstimate:
-    """The per-device memory of training ``gm`` under ``plan`` (captured at one row) on ``rows`` rows."""
+def estimate_memory(gm: fx.GraphModule, plan: Plan, data_world: int = 1, rows: int = 1,
+                    bucket_bytes: int = 25 * 2**20) -> MemoryEstimate:
+    """The per-device memory of training ``gm`` under ``plan`` (captured at one row) on ``rows`` rows,
+    over ``data_world`` data-parallel ranks: the plan's optimizer-parallel level, precision (half
+    precision weights, gradients and activations over fp32 masters and state) and offload."""
+    itemsize = 4 if plan.precision == "fp32" else 2
+    state_per_element = 4 * (STATES[plan.optimizer] + (plan.precision != "fp32"))  # fp32 moments and master
     params = dict(gm.named_parameters())
-    param_numel = sum(local_numel(params[name].shape, layout) for name, layout in plan.params.items() if name in params)
+    units = [[local_numel(p.shape, plan.params[f"{n.target}.{k}"])
+              for k, p in gm.get_submodule(n.target).named_parameters(recurse=False) if f"{n.target}.{k}" in plan.params]
+             for n in gm.graph.nodes if n.op == "call_module"]
+    numel = sum(local_numel(params[name].shape, layout) for name, layout in plan.params.items() if name in params)
+    held = state_bytes_per_rank([u for u in units if u] or [0], plan.zero, data_world, plan.zero_threshold_bytes,
+                                itemsize, optimizer_states=1, bucket_bytes=bucket_bytes)
+    scale = numel / max(sum(map(sum, units)), 1)  # parameters used outside modules (rare) count like the rest
+    param_bytes, grad_bytes = held["params"] * scale, held["grads"] * scale
+    state = held["optimizer"] / itemsize * state_per_element * scale
     rc = recomputed(gm, plan.recompute, plan.recompute_comm)
-    activations, together = backward_peaks(gm, plan, rc, rows, itemsize)
-    param_bytes = param_numel * itemsize
-    buffers = min(bucket_bytes, param_bytes) if data_parallel else 0.0
-    state = optimizer_states * param_numel * 4
+    activations, together = backward_peaks(gm, plan, rc, rows, itemsize, grad_bytes / max(numel * itemsize, 1))
+    buffers = min(bucket_bytes, param_bytes) if data_world > 1 and plan.zero == 0 else 0.0
     on_device = state if plan.offload == "none" else 0.0
-    return MemoryEstimate(param_bytes, param_bytes, on_device, activations, buffers, state - on_device,
-                          activations + param_bytes - together)
+    return MemoryEstimate(param_bytes, grad_bytes, on_device, activations, buffers, state - on_device,
+                          activations + grad_bytes - together)
