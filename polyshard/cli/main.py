@@ -11,10 +11,12 @@ from pathlib import Path
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.errors import PolyshardError
-from polyshard.planner.plan import OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, ZERO_LEVELS
+from polyshard.planner.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
+                                   ZERO_LEVELS)
 
 # `train` flags that set a plan field of the same name (and win over a plan file's)
-PLAN_FLAGS = ("recompute", "recompute_comm", "offload", "zero", "optimizer", "precision")
+PLAN_FLAGS = ("recompute", "recompute_comm", "offload", "zero", "optimizer", "precision", "schedule", "micro_batches",
+              "virtual_stages")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
                    "tensors however they are split")
     t.add_argument("--precision", choices=PRECISIONS, help="compute and communicate in bf16 or fp16 (with dynamic "
                    "loss scaling) over fp32 master weights and optimizer state (default fp32)")
+    t.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule, with a pp axis in --mesh "
+                   "(e.g. dp=2,pp=2): all forwards then all backwards (gpipe), one forward one backward (1f1b, "
+                   "the default), or 1f1b over several stages per rank (interleaved)")
+    t.add_argument("--micro-batches", type=int, help="micro-batches each step's batch is cut into for the pipeline")
+    t.add_argument("--virtual-stages", type=int, help="stages per rank under the interleaved schedule (at least 2)")
+    t.add_argument("--timeline", default="", help="with a pipeline: draw the last step's schedule, measured beside "
+                   "predicted, into this PNG")
     t.add_argument("--offload-dir", default="", help="empty folder for disk offload's files (default: a temporary "
                    "one, removed after the run)")
     t.set_defaults(handler=_train)
@@ -83,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                         description="Print a plan file: candidates, the choice and its runner-up, memory, layouts.")
     ex.add_argument("plan", help="plan JSON file")
     ex.add_argument("--layouts", type=int, default=40, help="parameter layouts to list (default 40)")
+    ex.add_argument("--timeline", default="", help="for a pipelined plan: draw its predicted schedule (which stage "
+                    "runs which micro-batch's forward and backward, when) into this PNG")
+    ex.add_argument("--cluster", default="", help="the cluster to time the timeline on: NODESxDEVICESxTYPE, "
+                    "cpu-gloo:N or a YAML file (default cpu-gloo with the plan's device count)")
     ex.set_defaults(handler=_explain)
 
     r = sub.add_parser("run", help="run your own script on N processes (torchrun)",
@@ -105,7 +118,8 @@ def _train(args) -> int:
     cfg = TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
                       lr=args.lr, seed=args.seed, strategies=args.strategies, metrics=args.metrics,
                       log_every=args.log_every, copies=args.copies, plan=args.plan, auto=args.auto,
-                      memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir)
+                      memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir,
+                      timeline=args.timeline)
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1)
     if args.nproc is not None and args.nproc < 1:
@@ -159,8 +173,37 @@ def _explain(args) -> int:
     from polyshard.planner.report import render
     from polyshard.runtime.trainer import load_plan
 
-    print(render(load_plan(args.plan), layouts=args.layouts))
+    plan = load_plan(args.plan)
+    print(render(plan, layouts=args.layouts))
+    if args.timeline:
+        _draw_plan_timeline(plan, args.timeline, args.cluster)
     return 0
+
+
+def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
+    """The plan's schedule simulated with the cost model's stage times, drawn into ``path``."""
+    import math
+
+    from polyshard import models
+    from polyshard.cluster import Cluster
+    from polyshard.runtime.pipeline import predict_timings
+    from polyshard.runtime.timeline import draw_timeline
+
+    pp = dict(plan.mesh).get("pp", 1)
+    if pp < 2:
+        raise PolyshardError("--timeline draws a pipeline, and this plan's mesh has no pp axis of 2 or more stages")
+    if plan.model not in models.CONFIGS or plan.global_batch < 1:
+        raise PolyshardError("--timeline needs the plan's model and global batch (plans from `polyshard plan` have them)")
+    devices = math.prod(s for _, s in plan.mesh)
+    cluster = Cluster.load(cluster_spec or f"cpu-gloo:{devices}")
+    rows = plan.global_batch // math.prod(s for n, s in plan.mesh if n in plan.data_axes)
+    model = models.build(plan.model, device="meta")
+    times = predict_timings(model, model.example_inputs(rows), plan, pp, cluster)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    bubble = draw_timeline(path, predicted=times, title=f"{plan.model}: {plan.schedule}, {pp} stages, "
+                                                          f"{plan.micro_batches} micro-batches")["predicted"]
+    print(f"timeline: {path} (predicted bubble {bubble:.1%}; (p-1)/(m+p-1) = "
+          f"{(pp - 1) / (plan.micro_batches * plan.virtual_stages + pp - 1):.1%})")
 
 
 def _run(args) -> int:

@@ -28,6 +28,8 @@ from polyshard.data.corpus import TokenBatches, load_corpus
 from polyshard.errors import PolyshardError
 from polyshard.optim import OPTIMIZER_CLASSES, build_optimizer
 from polyshard.runtime.offload import OffloadedOptimizer
+from polyshard.runtime.pipeline import PipelineModule
+from polyshard.runtime.timeline import draw_timeline
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
 
@@ -41,7 +43,8 @@ class TrainConfig:
     memory_limit: bytes per device (e.g. "2GiB"): the planner fits the run under it, choosing
     layouts, recompute and offload; settings: plan fields set from flags (recompute, offload, ...),
     which win over the plan's; offload_dir: where disk offload keeps its files (an empty folder;
-    default: a temporary one, removed after the run)."""
+    default: a temporary one, removed after the run); timeline: a PNG path where a pipelined run
+    draws its last step's schedule, measured beside predicted."""
 
     model: str = "gpt-small"
     mesh: str = ""
@@ -59,6 +62,7 @@ class TrainConfig:
     memory_limit: str = ""
     settings: tuple[tuple[str, object], ...] = ()
     offload_dir: str = ""
+    timeline: str = ""
 
 
 def load_plan(path: str) -> Plan:
@@ -169,7 +173,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     copies = "auto" if cfg.copies == "auto" else int(cfg.copies)
     settings = dict(cfg.settings)
     pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan,
-                        recompute=settings.get("recompute"), recompute_comm=settings.get("recompute_comm"))
+                        **{k: settings.get(k) for k in ("recompute", "recompute_comm", "schedule", "micro_batches",
+                                                        "virtual_stages")})
+    pipelined = isinstance(pm, PipelineModule)
     pm.plan = dataclasses.replace(pm.plan, **settings)
     if lead:
         if cfg.auto or cfg.memory_limit:
@@ -177,6 +183,9 @@ def train(cfg: TrainConfig) -> list[dict]:
         print(f"mesh: {mesh}  ({world} processes, {torch.get_num_threads()} thread each)")
         if pm.plan.copies > 1 or copies == "auto":
             print(f"multi-copy: each micro-batch runs as {pm.plan.copies} interleaved copies")
+        if pipelined:
+            print(f"pipeline: {mesh.pp} stages from {', '.join(pm.plan.stage_boundaries)}; schedule "
+                  f"{pm.plan.schedule}, {pm.plan.micro_batches} micro-batches, {pm.plan.virtual_stages} per rank")
         if pm.plan.recompute != "none" or pm.plan.offload != "none":
             print(f"memory: recompute {pm.plan.recompute} (collectives: {pm.plan.recompute_comm}), "
                   f"optimizer state offload: {pm.plan.offload}")
@@ -198,13 +207,17 @@ def train(cfg: TrainConfig) -> list[dict]:
         for i, (mx, my) in enumerate(zip(x.chunk(cfg.accum), y.chunk(cfg.accum))):
             sync = i == cfg.accum - 1
             with (pm.no_sync() if not sync else contextlib.nullcontext()):
-                loss = pm(mx, my) / cfg.accum
-                (opt.scale_loss(loss) if isinstance(opt, ZeroOptimizer) else loss).backward()
+                if pipelined:
+                    record = bool(cfg.timeline) and step == cfg.steps and sync
+                    loss = pm.train_step(mx, my, scale=1 / cfg.accum, record=record) / cfg.accum
+                else:
+                    loss = pm(mx, my) / cfg.accum
+                    (opt.scale_loss(loss) if isinstance(opt, ZeroOptimizer) else loss).backward()
             loss_sum += loss.detach().float()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if pm.grad_sync is not None:
-            dist.all_reduce(loss_sum, group=pm.grad_sync.group)
+        if mesh.data_group() is not None:
+            dist.all_reduce(loss_sum, group=mesh.data_group())
             loss_sum /= mesh.num_data_shards
         if not math.isfinite(loss_sum.item()):
             raise PolyshardError(f"loss became {loss_sum.item()} at step {step}; lower --lr (now {cfg.lr})")
@@ -221,6 +234,8 @@ def train(cfg: TrainConfig) -> list[dict]:
         if lead and (step % cfg.log_every == 0 or step == cfg.steps):
             bar.write(f"step {step:>5}  loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tokens/s")
     bar.close()
+    if pipelined and cfg.timeline:
+        draw_measured_timeline(pm, cfg.timeline)
     if lead and isinstance(opt, OffloadedOptimizer):
         print(f"where training state lives (rank 0, {pm.plan.offload} offload):\n{opt.ledger()}")
     if metrics_file:
@@ -252,9 +267,25 @@ def make_optimizer(pm: ps.ParallelModule, lr: float, offload_dir: str) -> torch.
     return build_optimizer(plan.optimizer, pm.parameters(), lr=lr)
 
 
-def comm_counts(pm: ps.ParallelModule) -> dict[str, int]:
-    """Collectives the gradient sync issued since the last call, and their bytes, by kind."""
-    return pm.grad_sync.comm.take() if pm.grad_sync is not None else {}
+def comm_counts(pm: ps.ParallelModule | PipelineModule) -> dict[str, int]:
+    """Collectives the gradient syncs issued since the last call, and their bytes, by kind."""
+    syncs = pm.grad_syncs.values() if isinstance(pm, PipelineModule) else [pm.grad_sync]
+    out: dict[str, int] = {}
+    for sync in syncs:
+        for key, n in (sync.comm.take() if sync is not None else {}).items():
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def draw_measured_timeline(pm: PipelineModule, path: str) -> None:
+    """The last step's schedule as each stage ran it, beside the cost model's, into the PNG ``path``
+    (drawn on rank 0; every rank takes part in gathering the timings)."""
+    measured = pm.gather_timings()
+    if dist.get_rank() == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        bubbles = draw_timeline(path, predicted=pm.predicted_timings(), measured=measured,
+                                title=f"{pm.plan.schedule}, {pm.mesh.pp} stages, {pm.plan.micro_batches} micro-batches")
+        print(f"timeline: {path} (bubble: measured {bubbles['measured']:.1%}, predicted {bubbles['predicted']:.1%})")
 
 
 def peak_rss_bytes() -> int:

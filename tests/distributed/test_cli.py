@@ -31,6 +31,7 @@ def test_models_lists_every_named_config():
     (["--nproc", "2", "--batch-size", "4", "--copies", "4"], "--copies 4 needs at least as many rows"),
     (["--memory-limit", "lots"], "size 'lots' is not understood"),
     (["--recompute", "most"], "invalid choice: 'most'"),
+    (["--zero", "4"], "invalid choice: 4"),
 ])
 def test_bad_train_flags_exit_nonzero_with_a_message(flags, needle):
     out = polyshard("train", *flags)
@@ -71,6 +72,19 @@ def test_recompute_and_disk_offload_train_as_the_plain_run_does(tmp_path):
     assert (tmp_path / "state" / "rank1").is_dir()
 
 
+def test_pipelined_training_draws_its_timeline_and_trains_as_the_plain_run(tmp_path):
+    runs = {}
+    for name, flags in (("plain", ["--nproc", "2", "--mesh", "dp=2"]),
+                        ("pipelined", ["--nproc", "4", "--mesh", "dp=2,pp=2", "--schedule", "gpipe",
+                                       "--micro-batches", "2", "--timeline", str(tmp_path / "t.png")])):
+        metrics = tmp_path / f"{name}.jsonl"
+        out = polyshard("train", "--model", "gpt-tiny", "--steps", "3", "--metrics", str(metrics), *flags, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = _losses(metrics)
+    assert runs["pipelined"] == pytest.approx(runs["plain"], rel=1e-5)
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_memory_limit_makes_the_planner_fit_the_run(tmp_path):
     out = polyshard("train", "--nproc", "2", "--model", "gpt-tiny", "--steps", "2", "--memory-limit", "900KiB",
                     "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
@@ -104,6 +118,22 @@ def test_plan_explain_and_train_from_the_plan(tmp_path):
                         "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "mesh: dp=" in trained.stdout
+
+
+def test_explain_draws_a_pipelined_plans_timeline(tmp_path):
+    plan = tmp_path / "plan.json"
+    out = polyshard("plan", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--batch-size", "4", "--out", str(plan))
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(plan.read_text())
+    data.update(mesh=[["dp", 1], ["pp", 2]], micro_batches=4, stage_boundaries=[])
+    plan.write_text(json.dumps(data))
+    shown = polyshard("explain", str(plan), "--timeline", str(tmp_path / "p.png"))
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "predicted bubble" in shown.stdout and (tmp_path / "p.png").stat().st_size > 1000
+    data.update(mesh=[["dp", 2]])
+    plan.write_text(json.dumps(data))
+    flat = polyshard("explain", str(plan), "--timeline", str(tmp_path / "q.png"))
+    assert flat.returncode == 2 and "no pp axis" in flat.stderr
 
 
 def test_plan_that_cannot_fit_says_by_how_much():
