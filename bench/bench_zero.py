@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=5, help="within a round the systems take turns every BLOCK steps")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threshold", type=int, default=64 * 1024,
+                   help="bytes below which a parameter stays whole (default 64 KiB; 0 shards all, as FSDP2 does)")
     return p.parse_args(argv)
 
 
@@ -68,7 +70,7 @@ def rss_bytes() -> int:
 
 
 class PolyshardZero(System):
-    def __init__(self, cfg, seed: int, batches, level: int):
+    def __init__(self, cfg, seed: int, batches, level: int, threshold: int):
         self.name = f"polyshard zero-{level}"
         model = build_model(cfg, seed)
         if level == 3:  # FSDP2's units: the root's own parameters, and each block
@@ -79,7 +81,7 @@ class PolyshardZero(System):
         example = tuple(t.chunk(mesh.num_data_shards)[mesh.data_index] for t in batches[0])
         self.pm = ps.parallelize(model, example_inputs=example)
         self.local = [self.pm.local_batch(x, y) for x, y in batches]
-        self.opt = setup_zero(self.pm, level, "adamw", lr=LR)
+        self.opt = setup_zero(self.pm, level, "adamw", threshold_bytes=threshold, lr=LR)
 
     def step(self, i: int) -> torch.Tensor:
         return train_step(self.pm, self.opt, *self.local[i % len(self.local)])
@@ -132,7 +134,8 @@ def main(argv=None) -> None:
     batches = make_batches(cfg, args.batch, NUM_BATCHES)
 
     systems, losses, rss = [], {}, {}
-    makers = [lambda lv=int(lv): PolyshardZero(cfg, args.seed, batches, lv) for lv in args.levels.split(",")]
+    makers = [lambda lv=int(lv): PolyshardZero(cfg, args.seed, batches, lv, args.threshold)
+              for lv in args.levels.split(",")]
     for make in [lambda: TorchFSDP2(cfg, args.seed, batches), *makers]:
         before = rss_bytes()
         s = make()

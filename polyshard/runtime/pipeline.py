@@ -9,7 +9,6 @@ used by two stages (a tied embedding) has a copy on each, whose gradients are su
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import time
 from dataclasses import dataclass, replace
@@ -25,12 +24,11 @@ from polyshard.compiler.lower import lower
 from polyshard.compiler.redistribute import to_dtensor
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture, shape_of
-from polyshard.graph.regions import Recomputed, marked_modules
+from polyshard.graph.regions import marked_modules
 from polyshard.mesh import Mesh
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops, op_overhead
-from polyshard.planner.cost.memory import keeps_activation, local_numel
 from polyshard.planner.plan import NodePlan, Plan
-from polyshard.planner.propagate import propagate
+from polyshard.planner.stages import assign_chunks, balanced_boundaries
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
 from polyshard.runtime.parallel import ParallelModule
 from polyshard.runtime.recompute import apply_recompute
@@ -55,74 +53,6 @@ def stage_boundaries_of(model: nn.Module) -> tuple[str, ...]:
     if sorted(marks.values()) != list(range(1, len(marks) + 1)):
         raise PolyshardError(f"pipeline_stage marks {marks}: mark each of stages 1..{len(marks)} exactly once")
     return tuple(sorted(marks, key=marks.__getitem__))
-
-
-def block_paths(gm: fx.GraphModule) -> list[str]:
-    """The model's repeated blocks (outermost children of a ModuleList: paths ending in an index), in run order."""
-    paths = list(dict.fromkeys(p for n in gm.graph.nodes for p, _ in n.meta.get("nn_module_stack", {}).values()
-                               if p.rpartition(".")[2].isdigit()))
-    return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
-
-
-def assign_chunks(gm: fx.GraphModule, boundaries: Sequence[str]) -> dict[str, int]:
-    """Each computing node's chunk: chunk k runs from the first node of ``boundaries[k-1]`` on."""
-    first: dict[str, int] = {}
-    nodes = list(gm.graph.nodes)
-    for i, node in enumerate(nodes):
-        for path, _ in node.meta.get("nn_module_stack", {}).values():
-            first.setdefault(path, i)
-    missing = [b for b in boundaries if b not in first]
-    if missing:
-        raise PolyshardError(f"stage boundaries {missing} are not modules that run in {type(gm).__name__}; "
-                             f"blocks are: {', '.join(block_paths(gm)) or 'none'}")
-    starts = [first[b] for b in boundaries]
-    if any(a >= b for a, b in zip(starts, starts[1:])):
-        raise PolyshardError(f"stage boundaries {list(boundaries)} are not in the order the model runs them")
-    return {n.name: bisect.bisect_right(starts, i) for i, n in enumerate(nodes)
-            if n.op not in ("placeholder", "get_attr", "output")}
-
-
-def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = None) -> tuple[str, ...]:
-    """Cuts between repeated blocks that even out the stages' loads, a stage's load being the larger
-    of its shares of forward FLOPs and of memory (parameters and kept activations)."""
-    blocks = block_paths(gm)
-    if len(blocks) < stages:
-        raise PolyshardError(f"{type(gm).__name__} has {len(blocks)} repeated blocks (children of a ModuleList) "
-                             f"to cut into {stages} pipeline stages; use fewer stages or mark the cuts with "
-                             "polyshard.pipeline_stage")
-    plan = plan or propagate(gm, (), lambda msg: None)
-    unit = assign_chunks(gm, blocks[1:])
-    modules = dict(gm.named_modules())
-    flops, memory = [0.0] * len(blocks), [0.0] * len(blocks)
-    for node in gm.graph.nodes:
-        if node.name not in unit:
-            continue
-        flops[unit[node.name]] += forward_flops(node, plan, modules)
-        out, shape = plan.nodes[node.name].output, shape_of(node)
-        if shape is not None and keeps_activation(node, Recomputed()):
-            memory[unit[node.name]] += local_numel(shape, out)
-        if node.op == "call_module":
-            memory[unit[node.name]] += sum(p.numel() for p in modules[node.target].parameters())
-    return tuple(blocks[i] for i in _min_max_partition(flops, memory, stages))
-
-
-def _min_max_partition(flops: list[float], memory: list[float], parts: int) -> list[int]:
-    """Starts of parts 2.. of the contiguous split of units minimizing the largest part's load."""
-    n = len(flops)
-    f, m = [0.0], [0.0]
-    for a, b in zip(flops, memory):
-        f.append(f[-1] + a)
-        m.append(m[-1] + b)
-
-    def load(i: int, j: int) -> float:
-        return max((f[j] - f[i]) / (f[n] or 1), (m[j] - m[i]) / (m[n] or 1))
-
-    best = {(0, 0): (0.0, [])}  # (units taken, parts made) -> (largest load, starts)
-    for k in range(1, parts + 1):
-        for j in range(k, n - (parts - k) + 1):
-            best[(j, k)] = min(((max(best[(i, k - 1)][0], load(i, j)), best[(i, k - 1)][1] + [i])
-                                for i in range(k - 1, j) if (i, k - 1) in best), key=lambda c: c[0])
-    return best[(n, parts)][1][1:]
 
 
 @dataclass(frozen=True)
@@ -310,10 +240,23 @@ class PipelineModule(nn.Module):
                      for by_chunk in split.tied.values() for c, name in by_chunk.items() if c in chunks]
         self.pipe_group = mesh.axis_mesh(mesh.pipeline_axis).get_group()
         self.timings: list[ActionTime] = []
+        self.zero = None  # the ZeroOptimizer syncing gradients instead of grad_syncs (see use_optimizer)
         self._sync = True
 
     def forward(self, *batch):
         raise PolyshardError("a pipelined model runs forward and backward together: call train_step(*batch)")
+
+    def use_optimizer(self, zero, dtype: torch.dtype | None) -> None:
+        """Hand gradient sync to ``zero`` (a ZeroOptimizer over this rank's chunks, see ``setup_zero``): it
+        syncs each chunk in the chunk's last backward and scales the loss; values between stages travel in
+        ``dtype`` (the compute dtype of mixed precision; None: as captured)."""
+        for sync in self.grad_syncs.values():
+            sync.remove()
+        self.grad_syncs = {int(c): zero for c in self.chunks}
+        self.zero = zero
+        if dtype is not None:
+            self.split = replace(self.split, edges=tuple(replace(e, dtype=dtype) if e.dtype.is_floating_point else e
+                                                         for e in self.split.edges))
 
     def train_step(self, *batch: torch.Tensor, scale: float = 1.0, record: bool = False) -> torch.Tensor:
         """Forward and backward of this rank's batch in ``plan.micro_batches`` micro-batches; gradients
@@ -349,9 +292,11 @@ class PipelineModule(nn.Module):
             self._sync = True
 
     def _sum_tied(self) -> None:
-        """Each tied parameter's gradient summed over its copies, in stage order (equal on every copy)."""
+        """Each tied parameter's gradient summed over its copies, in stage order (equal on every copy);
+        under ZeRO the gradient of its master (its own bucket, laid out alike on every stage), which the step reads."""
         tag = 2 * len(self.split.edges) * self.plan.micro_batches  # after every schedule message's tag
-        for i, (p, ranks) in enumerate(self.tied):
+        for i, (param, ranks) in enumerate(self.tied):
+            p = self.zero.master_of(param) if self.zero is not None else param
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             peers = [r for r in ranks if r != self.mesh.rank]
             parts = {r: torch.empty_like(grad) for r in peers} | {self.mesh.rank: grad}
@@ -412,8 +357,9 @@ class _Step:
         split = self.pm.split
         out = self.pm.chunks[str(c)](*(self.batch[j][i] for j in split.inputs[c]), *received)
         if c == split.chunks - 1:
-            self.losses.append(out.detach())
-            out = (out * (self.scale / self.pm.plan.micro_batches),)
+            self.losses.append(out.detach().to(split.loss_dtype))
+            zero = self.pm.zero
+            out = ((zero.scale_loss(out) if zero is not None else out) * (self.scale / self.pm.plan.micro_batches),)
         else:
             for k, t in zip(split.sent(c), out):
                 self._send(k, i, t, grad=False)
@@ -447,7 +393,7 @@ class _Step:
     def _send(self, k: int, i: int, t: torch.Tensor, grad: bool) -> None:
         if isinstance(t, AsyncCollectiveTensor):
             t = t.wait()
-        t = t.detach().contiguous()
+        t = t.detach().to(self.pm.split.edges[k].dtype).contiguous()  # a mask stays fp32 under bf16
         peer = self._peer(k)
         if peer is None:
             self.local[(k, i, grad)] = t

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from polyshard.planner.cost.zero_memory import padded
 from polyshard.planner.plan import ZERO_LEVELS
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from polyshard.runtime.fusion import CommStats, fusion_groups, plan_buckets
+from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.precision import LossScaler, cast_inputs, compute_dtype
 
 
@@ -43,11 +44,12 @@ class Bucket:
 
     ``sharded``: each rank steps ``master``, its 1/world slice; otherwise ``master`` is the whole bucket.
     ``resident``: the flat tensor always exists (False at level 3: only while its module runs).
+    ``part``: the index of the part (pipeline chunk) whose backward produces its gradients.
     """
 
     def __init__(self, params: list[nn.Parameter], sharded: bool, world: int, rank: int, dtype: torch.dtype,
-                 resident: bool):
-        self.params, self.sharded, self.resident = params, sharded, resident
+                 resident: bool, part: int):
+        self.params, self.sharded, self.resident, self.part = params, sharded, resident, part
         self.shapes = [p.shape for p in params]  # level 3 empties the parameters between uses
         self.numel = sum(p.numel() for p in params)
         self.shard_numel = padded(self.numel, world) // world if sharded else self.numel
@@ -101,13 +103,17 @@ class ZeroOptimizer:
     call ``scale_loss(loss).backward()``). ``shard_accumulated_grads`` (level 2+): every micro-step of
     gradient accumulation reduce-scatters, so no rank ever holds a full gradient (more communication).
     ``split_groups``: id(parameter) -> the process groups its other tensor-parallel pieces live on (LAMB's norms).
+    ``parts``: submodules of ``module`` run (forward and backward) apart, as pipeline chunks are; a bucket holds
+    one part's parameters and a backward syncs only the parts it reached (default: ``module`` as one part).
+    ``solo``: parameters given buckets of their own, so :meth:`master_of` is theirs alone (pipeline tied copies).
     State dicts hold this rank's shard only.
     """
 
     def __init__(self, module: nn.Module, optimizer: str | Callable = "adamw", level: int = 1, group=None,
                  threshold_bytes: int = 64 * 1024, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  precision: str = "fp32", shard_accumulated_grads: bool = False,
-                 split_groups: Mapping[int, tuple] | None = None, **optimizer_kwargs):
+                 split_groups: Mapping[int, tuple] | None = None, parts: Sequence[nn.Module] = (),
+                 solo: Iterable[nn.Parameter] = (), **optimizer_kwargs):
         if level not in ZERO_LEVELS:
             raise PolyshardError(f"ZeRO level must be one of {ZERO_LEVELS}, got {level!r}")
         if threshold_bytes < 0:
@@ -126,19 +132,25 @@ class ZeroOptimizer:
         self.scaler = LossScaler() if precision == "fp16" else None
         self.comm = CommStats()
         self.skipped = False
-        self._sync, self._callback_queued = True, False
-        fusion = fusion_groups(module)
+        self._sync, self._callback_queued, self._reached = True, False, set()
+        parts = list(parts) or [module]
+        part_of = {id(p): i for i, part in enumerate(parts) for p in part.parameters()}
+        # the collective groups a bucket must not mix: fusion groups, each within one part, and solo parameters
+        fusion = {k: (part_of[k], g) for k, g in fusion_groups(module).items()} | {id(p): id(p) for p in solo}
 
         def sharded(p: nn.Parameter) -> bool:
             return level > 0 and self.world > 1 and p.numel() * p.element_size() >= threshold_bytes
 
+        def bucket(members: list[nn.Parameter], shard: bool, resident: bool) -> Bucket:
+            return Bucket(members, shard, self.world, self.rank, self.dtype, resident, part_of[id(members[0])])
+
         units, uses = _level3_units(module, params, fusion, sharded) if level == 3 else ([], {})
         in_units = {id(p) for unit in units for p in unit}
-        self.buckets = [Bucket(unit, True, self.world, self.rank, self.dtype, resident=False) for unit in units]
+        self.buckets = [bucket(unit, True, resident=False) for unit in units]
         self._uses = {m: [self.buckets[i] for i in idx] for m, idx in uses.items()}
         rest = [p for p in params if id(p) not in in_units]
-        self.buckets += [Bucket(b, sharded(b[0]), self.world, self.rank, self.dtype, resident=True)
-                         for b in plan_buckets(rest, bucket_bytes, lambda p: (fusion.get(id(p)), sharded(p), p.dtype))]
+        self.buckets += [bucket(b, sharded(b[0]), resident=True) for b in plan_buckets(
+            rest, bucket_bytes, lambda p: (part_of[id(p)], fusion.get(id(p)), sharded(p), p.dtype))]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         masters = [b.master for b in self.buckets]
         self.optimizer = build_optimizer(optimizer, masters, **optimizer_kwargs) if isinstance(optimizer, str) \
@@ -147,9 +159,9 @@ class ZeroOptimizer:
             self.optimizer.norm_specs.update({b.master: self._norm_spec(b, split_groups or {}) for b in self.buckets})
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         if precision != "fp32":
-            self._hooks.append(cast_inputs(module, self.dtype))
+            self._hooks += [cast_inputs(part, self.dtype) for part in parts]
         if units:
-            self._hook_modules(module)
+            self._hook_modules(parts)
 
     # ---- gradients: bucketed collectives launched from backward's hooks ----
 
@@ -175,6 +187,7 @@ class ZeroOptimizer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
         b = self._bucket_of[id(p)]
+        self._reached.add(b.part)
         b.pending -= 1
         if b.pending == 0:
             if self._active(b):
@@ -204,10 +217,11 @@ class ZeroOptimizer:
                 self.comm.record("all_reduce", nbytes)
 
     def _finish(self) -> None:
-        """End of backward: wait for every collective (launching buckets whose parameters got no gradient)
-        and hand each shard's gradient to its master."""
+        """End of backward: wait for the collectives of the parts it reached (launching buckets whose
+        parameters got no gradient) and hand each shard's gradient to its master."""
         self._callback_queued = False
-        active = [b for b in self.buckets if self._active(b)]
+        active = [b for b in self.buckets if b.part in self._reached and self._active(b)]
+        self._reached.clear()
         for b in active:
             if b.grad is None:
                 self._launch(b)
@@ -251,6 +265,10 @@ class ZeroOptimizer:
         for b in self.buckets:
             b.wait_gather()
 
+    def master_of(self, p: nn.Parameter) -> nn.Parameter:
+        """The master stepped for ``p``'s bucket: ``p``'s alone (whole or this rank's shard) when ``p`` is solo."""
+        return self._bucket_of[id(p)].master
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients of the parameters and of the masters."""
         for t in [p for b in self.buckets for p in b.params] + [b.master for b in self.buckets]:
@@ -285,16 +303,19 @@ class ZeroOptimizer:
 
     # ---- level 3: gather around each module's forward and backward ----
 
-    def _hook_modules(self, root: nn.Module) -> None:
+    def _hook_modules(self, parts: list[nn.Module]) -> None:
         self._order: list[nn.Module] = []
-        self._last_order: list[nn.Module] = list(self._uses)  # call order, until a forward records its own
-        self._hooks.append(root.register_forward_pre_hook(self._begin_forward))
+        self._last_order: list[nn.Module] = []
+        # each part's modules in call order, until its forward records its own: prefetch stays within a part
+        self._orders = {part: [m for m in self._uses if m in set(part.modules())] for part in parts}
+        self._hooks += [part.register_forward_pre_hook(self._begin_forward) for part in parts]
         for m in self._uses:
             self._hooks.append(m.register_forward_pre_hook(self._before_forward))
             self._hooks.append(m.register_forward_hook(self._after_forward))
 
-    def _begin_forward(self, *_) -> None:
-        self._last_order, self._order = self._order or self._last_order, []
+    def _begin_forward(self, part: nn.Module, _args) -> None:
+        self._last_order, self._order = self._orders[part], []
+        self._orders[part] = self._order
 
     def _gather(self, buckets: Iterable[Bucket]) -> None:
         """Start gathering ``buckets`` not already there (or on the way)."""
@@ -358,7 +379,7 @@ class ZeroOptimizer:
             h.remove()
 
 
-def _level3_units(root: nn.Module, params: list[nn.Parameter], fusion: dict[int, int],
+def _level3_units(root: nn.Module, params: list[nn.Parameter], fusion: Mapping[int, Hashable],
                   sharded: Callable[[nn.Parameter], bool]) -> tuple[list[list[nn.Parameter]], dict[nn.Module, list[int]]]:
     """Level 3's gather units: the sharded parameters of each called module (of each fusion group, when
     marked), in call order; and for each module, the units it needs (a shared parameter's unit too)."""
@@ -401,11 +422,13 @@ def _call_units(root: nn.Module) -> list[nn.Module]:
 def setup_zero(pm, level: int | None = None, optimizer: str | Callable | None = None, precision: str | None = None,
                threshold_bytes: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                shard_accumulated_grads: bool = False, **optimizer_kwargs) -> ZeroOptimizer:
-    """Optimizer parallel for a ParallelModule over its data group; returns the optimizer to step.
+    """Optimizer parallel for a ParallelModule or PipelineModule over its data group; returns the optimizer to step.
 
-    The returned optimizer replaces ``pm``'s GradientSync (it becomes ``pm.grad_sync``, so ``pm.no_sync()``
-    keeps working). Arguments left None come from ``pm.plan`` (zero, optimizer, precision,
-    zero_threshold_bytes), which records what runs.
+    The returned optimizer replaces ``pm``'s gradient sync (a ParallelModule's ``pm.grad_sync``, a pipeline's
+    per-chunk ``grad_syncs``), so ``pm.no_sync()`` keeps working. On a pipeline it covers this rank's chunks,
+    each chunk a part of its own, and tied copies get buckets of their own, summed over stages before the step.
+    Arguments left None come from ``pm.plan`` (zero, optimizer, precision, zero_threshold_bytes), which records
+    what runs.
     """
     plan = pm.plan
     level = plan.zero if level is None else level
@@ -413,11 +436,16 @@ def setup_zero(pm, level: int | None = None, optimizer: str | Callable | None = 
     precision = plan.precision if precision is None else precision
     threshold_bytes = plan.zero_threshold_bytes if threshold_bytes is None else threshold_bytes
     group = pm.mesh.data_group()
-    if pm.grad_sync is not None:
-        pm.grad_sync.remove()
+    pipelined = isinstance(pm, PipelineModule)
+    layout = dict(parts=list(pm.chunks.values()), solo=[p for p, _ in pm.tied]) if pipelined else {}
     opt = ZeroOptimizer(pm, optimizer, level, group, threshold_bytes, bucket_bytes, precision, shard_accumulated_grads,
-                        _split_groups(pm), **optimizer_kwargs)
-    pm.grad_sync = opt if group is not None else None
+                        _split_groups(pm), **layout, **optimizer_kwargs)
+    if pipelined:
+        pm.use_optimizer(opt, compute_dtype(precision))
+    else:
+        if pm.grad_sync is not None:
+            pm.grad_sync.remove()
+        pm.grad_sync = opt if group is not None else None
     plan.zero, plan.precision, plan.zero_threshold_bytes = level, precision, threshold_bytes
     if isinstance(optimizer, str):
         plan.optimizer = optimizer

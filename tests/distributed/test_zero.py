@@ -17,13 +17,21 @@ TOL = 1e-5
 # bf16 loss 2.3e-3, parameters 1.4e-2 (bf16 keeps 8 bits of mantissa); fp16 loss 3.2e-4, parameters 1.6e-3.
 # The tolerances leave about 4x room.
 LOW_PRECISION_TOL = {"bf16": (1e-2, 5e-2), "fp16": (2e-3, 1e-2)}
+# two pipeline stages (one GPT block each, the head tied to the embedding across them) by two data shards
+PIPELINE = {"mesh": "dp=2,pp=2", "schedule": "1f1b", "micro_batches": 2}
 
 
 def _parity(pools, world, *args, **kwargs):
     results = pools(world).run(functools.partial(zero_cases.zero_parity, **kwargs), *args)
     for r in results:
-        assert r["loss_err"] < TOL and r["param_err"] < TOL, r
+        assert r["loss_err"] < TOL and r["param_err"] < TOL and r["tied_gap"] == 0.0, r
     return results[0]
+
+
+def _pipeline_parity(pools, level, **kwargs):
+    r = _parity(pools, 4, PIPELINE["mesh"], level, schedule="1f1b", micro_batches=2, **kwargs)
+    assert r["tied"] == ["wte.weight"]
+    return r
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
@@ -103,3 +111,43 @@ def test_memory_per_rank_equals_prediction(pools, level):
     if level == 3:
         level0 = pools(4).run(zero_cases.memory_per_level, 0)[0]["measured"]
         assert r["measured"]["params"] < level0["params"] / 3  # about 1/4, plus the small whole parameters
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_levels_with_pipeline_stages(pools, level):
+    r = _pipeline_parity(pools, level)
+    assert any(sharded for sharded, _, _ in r["buckets"])
+    assert (r["whole_grads"] > 0) == (level == 1)
+    if level == 3:
+        assert all(not resident for sharded, resident, _ in r["buckets"] if sharded)
+
+
+def test_two_chunks_a_rank_sync_each_once(pools):
+    # interleaved: stage 0 runs chunks 0 and 2 of gpt-small's 4 blocks; a chunk's last backward syncs its own buckets
+    r = _parity(pools, 4, PIPELINE["mesh"], 2, model="gpt-small", steps=2, schedule="interleaved", micro_batches=2,
+                virtual_stages=2)
+    assert r["comm"]["comm_reduce_scatter_calls"] == sum(sharded for sharded, _, _ in r["buckets"]), r
+
+
+def test_lamb_level2_with_pipeline_stages(pools):
+    _pipeline_parity(pools, 2, optimizer="lamb")
+
+
+def test_gradient_accumulation_with_pipeline_stages(pools):
+    _pipeline_parity(pools, 2, accum=2, batch=16)
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_bf16_with_pipeline_stages(pools, level):
+    loss_tol, param_tol = LOW_PRECISION_TOL["bf16"]
+    r = pools(4).run(functools.partial(zero_cases.precision_run, **PIPELINE), "bf16", level)[0]
+    assert max(r["loss_errs"]) < loss_tol and r["param_err"] < param_tol, r
+    assert r["loss_errs"][0] > 0 and r["dtypes"] == ["torch.bfloat16", "torch.float32"]
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(pools):
+    results = pools(4).run(functools.partial(zero_cases.precision_run, **PIPELINE), "fp16", 2, 6, 2)
+    for r in results:  # rank 1 (stage 1) alone saw the inf; every rank of both stages skipped
+        assert r["skipped"] == [False, False, True, False, False, False] and r["unchanged_on_skip"], r
+    loss_tol, param_tol = LOW_PRECISION_TOL["fp16"]
+    assert max(results[0]["loss_errs"]) < loss_tol and results[0]["param_err"] < param_tol, results[0]

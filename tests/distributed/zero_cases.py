@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import polyshard as ps
+from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.zero import setup_zero
 from tests.distributed.cases import _batch, _build, rel_err
 
@@ -51,14 +52,17 @@ def reference_optimizer(params, name: str):
 
 def zero_parity(mesh: str, level: int, model: str = "gpt-tiny", steps: int = 5, dtype=torch.float64,
                 optimizer: str = "adamw", accum: int = 1, batch: int = 8, threshold_bytes: int = 1024,
-                shard_accumulated_grads: bool = False) -> dict:
+                shard_accumulated_grads: bool = False, schedule: str | None = None,
+                micro_batches: int | None = None, virtual_stages: int | None = None) -> dict:
     """``steps`` optimizer steps at ZeRO ``level`` on ``mesh`` vs one device: worst loss and parameter errors,
-    the collectives of the last step, and which gradients the ranks still hold whole."""
+    the collectives of the last step, which gradients the ranks still hold whole, and (with a ``pp`` axis, run
+    by ``schedule``, ``micro_batches``, ``virtual_stages``) the largest gap between stages' copies of a tied parameter."""
     ps.init(mesh)
     ref, par = _build(model, dtype, True), _build(model, dtype, True)
     batches = [_batch(ref, batch, seed=s) for s in range(steps)]
     shards = ps.current_mesh().num_data_shards
-    pm = ps.parallelize(par, example_inputs=_batch(ref, batch // shards // accum, seed=0))
+    pm = ps.parallelize(par, example_inputs=_batch(ref, batch // shards // accum, seed=0), schedule=schedule,
+                        micro_batches=micro_batches, virtual_stages=virtual_stages)
     opt = setup_zero(pm, level, optimizer, threshold_bytes=threshold_bytes,
                      shard_accumulated_grads=shard_accumulated_grads, **OPTIMIZER_KWARGS[optimizer])
     ref_opt = reference_optimizer(ref.parameters(), optimizer)
@@ -72,23 +76,37 @@ def zero_parity(mesh: str, level: int, model: str = "gpt-tiny", steps: int = 5, 
         comm = opt.comm.take()
         loss_err = max(loss_err, rel_err(total, ref_loss.detach()))
     with opt.gathered():
-        full = pm.full_state_dict()
+        full, tied_gap = pm.full_state_dict(), _tied_gap(pm)
     param_err = max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters())
     buckets = [(b.sharded, b.resident, len(b.params)) for b in opt.buckets]
+    tied = sorted(pm.split.tied) if isinstance(pm, PipelineModule) else []
     opt.remove()
     del pm, opt
     return {"loss_err": loss_err, "param_err": param_err, "comm": comm, "whole_grads": whole_grads,
-            "buckets": buckets}
+            "buckets": buckets, "tied": tied, "tied_gap": tied_gap}
+
+
+def _tied_gap(pm) -> float:
+    """The largest difference between two pipeline stages' copies of a tied parameter (0.0 without stages)."""
+    if not isinstance(pm, PipelineModule):
+        return 0.0
+    copies = [None] * pm.mesh.pp
+    dist.all_gather_object(copies, {n: p.detach() for n, p in pm.local_parameters().items()}, group=pm.pipe_group)
+    return max((rel_err(a[n], b[n]) for n in pm.split.tied for a in copies for b in copies if n in a and n in b),
+               default=0.0)
 
 
 def _train_step(pm, opt, x, y, accum: int, dtype) -> tuple[torch.Tensor, int]:
-    """One optimizer step of ``accum`` micro-batches; returns the loss averaged over the data group and
-    how many sharded parameters held a whole gradient after backward."""
+    """One optimizer step of ``accum`` micro-batches (a pipeline's each run by its schedule); returns the loss
+    averaged over the data group and how many sharded parameters held a whole gradient after backward."""
     total = torch.zeros((), dtype=dtype)
     for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
         with (pm.no_sync() if i < accum - 1 else contextlib.nullcontext()):
-            loss = pm(mx, my) / accum
-            opt.scale_loss(loss).backward()
+            if isinstance(pm, PipelineModule):
+                loss = pm.train_step(mx, my, scale=1 / accum) / accum
+            else:
+                loss = pm(mx, my) / accum
+                opt.scale_loss(loss).backward()
         total += loss.detach().to(dtype)
     whole_grads = sum(p.grad is not None for b in opt.buckets if b.sharded for p in b.params)
     opt.step()
@@ -99,18 +117,21 @@ def _train_step(pm, opt, x, y, accum: int, dtype) -> tuple[torch.Tensor, int]:
     return total, whole_grads
 
 
-def precision_run(precision: str, level: int, steps: int = 6, inject_step: int = -1) -> dict:
-    """A GPT trained in ``precision`` at ZeRO ``level`` on dp=4 vs fp32 on one device (SGD with momentum, which
-    passes rounding through unamplified): per-step loss errors and the final parameter error. ``inject_step``: on rank 1, one gradient element becomes inf in that step's
-    backward; the fp32 reference then skips that batch, as the low-precision run must."""
-    ps.init("dp=4")
+def precision_run(precision: str, level: int, steps: int = 6, inject_step: int = -1, mesh: str = "dp=4",
+                  schedule: str | None = None, micro_batches: int | None = None) -> dict:
+    """A GPT trained in ``precision`` at ZeRO ``level`` on ``mesh`` vs fp32 on one device (SGD with momentum, which
+    passes rounding through unamplified): per-step loss errors and the final parameter error. ``inject_step``: on
+    rank 1, one gradient element of its first MLP weight becomes inf in that step's backward; the fp32 reference
+    then skips that batch, as the low-precision run must."""
+    ps.init(mesh)
     ref, par = _build("gpt-tiny", torch.float32, True), _build("gpt-tiny", torch.float32, True)
     batches = [_batch(ref, 8, seed=s) for s in range(steps)]
-    pm = ps.parallelize(par, example_inputs=_batch(ref, 2, seed=0))
+    pm = ps.parallelize(par, example_inputs=_batch(ref, 8 // ps.current_mesh().num_data_shards, seed=0),
+                        schedule=schedule, micro_batches=micro_batches)
     opt = setup_zero(pm, level, "sgd", precision, threshold_bytes=1024, **OPTIMIZER_KWARGS["sgd"])
     ref_opt = reference_optimizer(ref.parameters(), "sgd")
     loss_errs, skipped, scales, unchanged = [], [], [], None
-    victim = pm.local_parameters()["blocks.0.mlp.fc.weight"]
+    victim = next(p for n, p in pm.local_parameters().items() if n.endswith("mlp.fc.weight"))
     for step, (x, y) in enumerate(batches):
         inject = step == inject_step
         if not inject:
