@@ -43,7 +43,9 @@ from polyshard import models  # noqa: E402
 from polyshard.calibrate import calibrate, message_sizes  # noqa: E402
 from polyshard.cluster import Cluster  # noqa: E402
 from polyshard.planner.plan import Plan  # noqa: E402
-from polyshard.planner.search import search  # noqa: E402
+from polyshard.planner.search import mesh_candidates, search  # noqa: E402
+from polyshard.runtime.data_parallel import GradientSync  # noqa: E402
+from polyshard.runtime.trainer import make_optimizer  # noqa: E402
 
 LR = 1e-3
 NUM_BATCHES = 4  # distinct global batches, cycled through by every mesh in the same order
@@ -72,8 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_cluster(spec: str) -> Cluster:
-    if spec == "calibrate":  # every rank measures; messages of 4 KiB to 1 MiB span what these models send
-        return calibrate(None, message_sizes(2**20), repeats=3)
+    if spec == "calibrate":  # every rank measures; messages of 4 KiB to 4 MiB span what these models send
+        return calibrate(None, message_sizes(4 * 2**20), repeats=3)
     if spec.endswith((".yaml", ".yml")) or os.path.isfile(spec):
         return Cluster.from_yaml(spec)
     return Cluster.preset(spec)
@@ -136,9 +138,12 @@ def predict(configs, cluster: Cluster) -> dict:
     for model, batch in configs:
         meta = models.build(model, device="meta")
         row = meta.example_inputs(1)
-        plan, candidates = search(meta, row, cluster, batch)
+        splits = mesh_candidates(cluster.num_devices)  # every dp x tp split
+        plan, candidates = search(meta, row, cluster, batch, meshes=splits)
         meshes = {}
-        for c in candidates:
+        for c in sorted((c for c in candidates if not c.pruned), key=lambda c: c.step_s):
+            if c.mesh in meshes:
+                continue  # the split's fastest setting (optimizer-parallel level, precision) stands for it
             alone_plan, alone = search(meta, row, cluster, batch, meshes=[c.mesh])
             meshes[c.mesh] = {**figures_of(c), "alone": figures_of(alone[0]), "plan": alone_plan.to_json()}
         out[(model, batch)] = {"pick": tuple(plan.mesh), "meshes": meshes}
@@ -167,12 +172,12 @@ class Run:
         example = tuple(t.chunk(n)[i] for t in batches[0])  # one rank's rows: the shapes for capture
         self.pm = ps.parallelize(models.build(model, seed=0), example_inputs=example, plan=plan)
         self.local = [self.pm.local_batch(x, y) for x, y in batches]  # cut once, before timing
-        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
+        self.opt = make_optimizer(self.pm, LR, "")  # AdamW, at the plan's optimizer-parallel level
         self.times: list[float] = []  # seconds per step, one per round
         self.dp_wait = 0.0  # seconds spent in the gradient sync's finish() (while enabled)
         self._timing_sync = False
         sync = self.pm.grad_sync
-        if sync is not None:
+        if isinstance(sync, GradientSync):  # (an optimizer-parallel level syncs inside its optimizer)
             finish = sync.finish
 
             def timed_finish():

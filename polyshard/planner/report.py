@@ -21,27 +21,49 @@ def render(plan: Plan, layouts: int = 40) -> str:
                 lines.append(f"  {c['mesh']:<{width}} {bound:>10}   (pruned: its LP bound already loses to the choice)")
                 continue
             mark = "*" if c["mesh"] == rep["chosen"] else " " if c["fits"] else "x"
+            memory = ">" * c.get("memory_floor", False) + format_bytes(c["memory"]["total"])
             lines.append(f"{mark} {c['mesh']:<{width}} {_ms(c['step_s'])} {_ms(c['compute_s'])} {_ms(c['op_comm_s'])} "
-                         f"{_ms(c['dp_comm_s'])} {format_bytes(c['memory']['total']):>11} {c.get('gap', 0):>6.1%}")
+                         f"{_ms(c['dp_comm_s'])} {memory:>11} {c.get('gap', 0):>6.1%}")
         fitting = [c for c in rep["candidates"] if c["fits"]]
         chosen = next(c for c in rep["candidates"] if c["mesh"] == rep["chosen"])
         runner = next((c for c in fitting if c is not chosen), None)
         if runner:
             lines.append(f"chosen {chosen['mesh']}: {runner['mesh']} (runner-up) predicts "
                          f"{(runner['step_s'] / chosen['step_s'] - 1) * 100:.1f}% longer steps")
-        lines.append(_memory_line("memory per device", chosen["memory"], rep["limit_bytes"]))
+        lines.append(_memory_line("memory per device" + " (the fullest pipeline rank)" * ("pipeline" in chosen),
+                                  chosen["memory"], rep["limit_bytes"]))
         plain = next((c for c in rep["candidates"] if c.get("split") == chosen.get("split")
                       and (c.get("recompute"), c.get("offload", "none"), c.get("zero", 0), c.get("precision", "fp32"))
                       == ("none", "none", 0, "fp32") and not c.get("pruned")), None)
         if plain is not None and plain is not chosen:
             lines.append(_memory_line("  plain (no recompute, offload, optimizer parallel, fp32)", plain["memory"],
                                       rep["limit_bytes"]))
+        if "pipeline" in chosen:
+            lines.extend(_stage_table(chosen, rep["limit_bytes"]))
     lines.append(f"mesh: {' x '.join(f'{n}={s}' for n, s in plan.mesh) or 'one device'}; parameter layouts:")
     summary = plan.summary().splitlines()
     lines.extend(summary[:layouts])
     if len(summary) > layouts:
         lines.append(f"... {len(summary) - layouts} more (the plan file has all)")
     return "\n".join(lines)
+
+
+def _stage_table(chosen: dict, limit: float) -> list[str]:
+    """Per stage of a pipelined choice: its layers, seconds per micro-batch and memory; and the
+    simulated bubble beside the equal-stage figure."""
+    p = chosen["pipeline"]
+    pp, m, v = len({s["rank"] for s in p["stages"]}), p["micro_batches"], p["virtual_stages"]
+    ideal = f"(p-1)/(vm+p-1) = {pp - 1}/{v * m + pp - 1}" if v > 1 else f"(p-1)/(m+p-1) = {pp - 1}/{m + pp - 1}"
+    lines = [f"pipeline: {pp} stages{f' x {v} virtual' * (v > 1)}, schedule {p['schedule']}, {m} micro-batches of "
+             f"{chosen['rows'] / m:g} rows; bubble {p['bubble']:.1%} predicted, {p['ideal_bubble']:.1%} = {ideal} "
+             f"for equal stages; p2p sends {chosen.get('p2p_s', 0) * 1e3:.1f}ms per step",
+             f"  {'stage':>5} {'rank':>4}  {'layers':<32} {'forward':>10} {'backward':>10} {'memory':>11}"]
+    for k, s in enumerate(p["stages"]):
+        layers = f"{s['first']}..{s['last']}"
+        mark = " " if s["memory"]["total"] <= limit else "x"
+        lines.append(f"{mark} {k:>5} {s['rank']:>4}  {layers:<32} {_ms(s['forward_s'])} {_ms(s['backward_s'])} "
+                     f"{format_bytes(s['memory']['total']):>11}")
+    return lines
 
 
 def _memory_line(title: str, m: dict, limit: float) -> str:

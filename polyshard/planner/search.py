@@ -1,11 +1,15 @@
-"""Full search: every dp x tp split of the devices, each whole-model choice (recompute mode), and
-within each the cheapest strategy per op.
+"""Full search: every dp x pp x tp split of the devices, each whole-model choice (recompute,
+offload), and within each the cheapest strategy per op.
 
-Within a split an integer program picks every op's strategy (polyshard.planner.intra_op) under
-the memory limit, with the memory and time model of the whole-model choices; the combination
-with the lowest predicted step time wins. Recompute is tried only where memory is tight. Costs use one capture of
-the model at one row, scaled by the rows each split gives a device (compute, activations and
-their communication grow with rows; parameters do not).
+An integer program (polyshard.planner.intra_op) picks every op's strategy once per operator axes and
+recompute mode, shared by every split on those axes: a pipeline stage runs its ops as that plan lays
+them out (polyshard.planner.pipeline chooses the cuts, micro-batches and schedule), and a split that
+holds the whole model is solved again under the memory limit where the shared plan does not fit.
+Each split is costed at every optimizer-parallel level and precision; the fastest that fits wins.
+Splits are tried from the most promising, and what a lower bound shows cannot win is not costed.
+Recompute and offload are tried only where memory is tight. Costs use one capture of the model at
+one row, scaled by the rows each split gives a device (compute, activations and their
+communication grow with rows; parameters do not).
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from polyshard.cluster import Cluster, format_bytes
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.graph.regions import recomputed
+from polyshard.mesh import PIPELINE_AXIS
 from polyshard.planner.cost.comm import axis_link
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
-from polyshard.planner.cost.memory import local_numel as local_numel_of
-from polyshard.planner.cost.offload import offload_seconds
+from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
 from polyshard.planner.cost.overlap import op_costs
-from polyshard.planner.intra_op import solve
+from polyshard.planner.intra_op import IntraOpResult, solve
+from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, ideal_bubble, leanest_pipeline,
+                                        state_memory, unit_costs)
 from polyshard.planner.plan import OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
-from polyshard.planner.propagate import propagate
+from polyshard.planner.stages import assign_chunks, block_paths
 from polyshard.transitions import wire_bytes
 
 # A split whose plan fills at most this share of the memory limit is not tried with recompute or offload.
@@ -42,7 +48,8 @@ SETTINGS = tuple(itertools.product(RECOMPUTE_MODES, OFFLOADS))
 @dataclass(frozen=True)
 class Candidate:
     """One mesh split: predicted step time (compute, op-parallel communication, data-parallel
-    gradient all-reduce) and per-device memory, at ``rows`` rows per device."""
+    gradient communication; pipelined: the busiest rank's, plus its p2p sends and idle time) and
+    per-device memory, at ``rows`` rows per device (per data-parallel replica when pipelined)."""
 
     mesh: tuple[tuple[str, int], ...]
     rows: int
@@ -55,50 +62,68 @@ class Candidate:
     offload: str = "none"  # where the optimizer state lives, if not on the device (see Plan)
     zero: int = 0  # optimizer parallel level over the data axes (see Plan)
     precision: str = "fp32"
-    pruned: bool = False  # not solved: its LP bound already lost (figures are lower bounds)
+    pruned: bool = False  # not costed: a lower bound already lost (figures are lower bounds)
+    memory_floor: bool = False  # memory is a lower bound, already over the limit (not estimated further)
+    pipeline: PipelineCost | None = None  # a pipelined split's stages, micro-batches and schedule
+
+    @property
+    def pp(self) -> int:
+        return dict(self.mesh).get(PIPELINE_AXIS, 1)
+
+    @property
+    def p2p_s(self) -> float:
+        return self.pipeline.p2p_s if self.pipeline else 0.0
+
+    @property
+    def bubble_s(self) -> float:
+        return self.pipeline.bubble_s if self.pipeline else 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.op_comm_s + self.dp_comm_s
+        return self.compute_s + self.op_comm_s + self.dp_comm_s + self.p2p_s + self.bubble_s
 
     @property
     def key(self) -> tuple:
         return self.mesh, self.recompute, self.offload, self.zero, self.precision
 
     def describe(self) -> str:
-        extras = [f"recompute {self.recompute}"] * (self.recompute != "none") + \
+        p = self.pipeline
+        extras = ([f"{p.schedule} m={p.micro_batches}" + f" v={p.virtual_stages}" * (p.virtual_stages > 1)] if p
+                  else []) + [f"recompute {self.recompute}"] * (self.recompute != "none") + \
             [f"offload {self.offload}"] * (self.offload != "none") + [f"zero {self.zero}"] * (self.zero > 0) + \
             [self.precision] * (self.precision != "fp32")
         return ", ".join([_mesh_text(self.mesh), *extras])
 
 
-def mesh_candidates(num_devices: int) -> list[tuple[tuple[str, int], ...]]:
-    """Every (dp, tp) factorisation, tp innermost so it lands on the fastest links."""
-    return [(("dp", num_devices // tp), ("tp", tp)) for tp in range(1, num_devices + 1) if num_devices % tp == 0]
+def mesh_candidates(num_devices: int, blocks: int = 1) -> list[tuple[tuple[str, int], ...]]:
+    """Every (dp, pp, tp) factorisation with at most ``blocks`` pipeline stages (a stage holds whole
+    repeated blocks): pp outermost so stages talk over the slowest links, tp innermost on the fastest."""
+    out = []
+    for pp in (p for p in range(1, min(num_devices, max(blocks, 1)) + 1) if num_devices % p == 0):
+        for tp in (t for t in range(1, num_devices // pp + 1) if num_devices // pp % t == 0):
+            dp = num_devices // pp // tp
+            out.append((("dp", dp), ("tp", tp)) if pp == 1 else ((PIPELINE_AXIS, pp), ("dp", dp), ("tp", tp)))
+    return out
 
 
 def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Cluster, global_batch: int,
            memory_limit_bytes: float | None = None, meshes=None,
            data_axes: tuple[str, ...] = ("dp",)) -> tuple[Plan, list[Candidate]]:
-    """The best plan over ``meshes`` (default: every dp x tp split) and every candidate's costs.
+    """The best plan over ``meshes`` (default: every dp x pp x tp split) and every candidate's costs.
 
     ``example_row``: inputs for one row (batch dim 1); ``global_batch``: rows per step in all;
-    ``data_axes``: the mesh axes that split the batch (the others split operators).
+    ``data_axes``: the mesh axes that split the batch (``pp`` holds pipeline stages; the others split operators).
     """
     limit = memory_limit_bytes or cluster.memory_bytes
-    gm = capture(model, example_row)
+    costs = _Costs(capture(model, example_row), cluster, data_axes, global_batch, limit)
     candidates, plans, skipped = [], {}, []
     best_s = float("inf")
-    # splits whose operator axes fill one node first: they are likely best, and bound the rest
-    order = sorted(meshes or mesh_candidates(cluster.num_devices),
-                   key=lambda m: abs(math.log(_op_size(m, data_axes) / cluster.devices_per_node)))
-    for mesh in order:
-        dp = math.prod(s for n, s in mesh if n in data_axes)
-        if global_batch % dp:
+    for mesh in costs.order(meshes or mesh_candidates(cluster.num_devices, len(costs.blocks))):
+        if global_batch % _data_size(mesh, data_axes):
             continue
         for setting in SETTINGS:
             try:
-                found = _cost_split(gm, mesh, data_axes, setting, cluster, global_batch // dp, limit, best_s)
+                found = costs.split(mesh, setting, best_s)
             except PolyshardError as exc:  # a pin that this split cannot hold
                 skipped.append(f"{_mesh_text(mesh)}: {exc}")
                 break
@@ -119,8 +144,9 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         least = min((c for c in candidates if not c.pruned), key=lambda c: c.memory.total_bytes)
         raise PolyshardError(
             f"the model does not fit: the leanest split ({least.describe()}) needs "
-            f"{format_bytes(least.memory.total_bytes)} per device, {format_bytes(least.memory.total_bytes - limit)} "
-            f"over the {format_bytes(limit)} limit; add devices, shrink the batch, or raise --memory-limit"
+            f"{'at least ' * least.memory_floor}{format_bytes(least.memory.total_bytes)} per device, "
+            f"{format_bytes(least.memory.total_bytes - limit)} over the {format_bytes(limit)} limit; "
+            "add devices, shrink the batch, or raise --memory-limit"
         )
     best = min(fitting, key=lambda c: c.step_s)
     ranked = sorted(candidates, key=lambda c: c.step_s)
@@ -129,73 +155,189 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     return plan, ranked
 
 
-def _cost_split(gm, mesh, data_axes, setting: tuple[str, str], cluster: Cluster, rows: int, limit: float,
-                best_s: float) -> list[tuple[Candidate, Plan | None]]:
-    """One mesh split under one (recompute, offload) setting: the integer program's plan, costed at
-    every optimizer-parallel level and precision that applies (no plan when the LP bound shows it
-    cannot beat ``best_s``; nothing when the recompute mode frees nothing here)."""
-    recompute, offload = setting
-    if recompute != "none" and not recomputed(gm, recompute).rerun:
-        return []
-    op_axes = tuple((n, s) for n, s in mesh if n not in data_axes and s > 1)
-    op_size = _op_size(mesh, data_axes)
-    param_numel = sum(p.numel() for p in gm.parameters())
-    # floors, as if every weight were split over the operator axes
-    floor = _dp_seconds(4 * param_numel / op_size, mesh, data_axes, cluster) + \
-        offload_seconds(param_numel / op_size, offload, cluster)
-    try:
-        solved = solve(gm, op_axes, cluster, rows, limit, cutoff_s=best_s - floor, recompute=recompute,
-                       offload=offload)
-    except PolyshardError:
-        solved = None  # nothing fits on this split; costed below with propagation's plan
-    if solved is not None and solved.plan is None:
-        return [(Candidate(mesh, rows, solved.lower_bound_s, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
-                           recompute=recompute, offload=offload, pruned=True), None)]
-    if solved is not None:
-        base = solved.plan
-    else:
-        base = propagate(gm, op_axes, lambda msg: None)
-        base.recompute, base.offload = recompute, offload
-    base.mesh, base.data_axes = mesh, data_axes
-    dp = math.prod(s for n, s in mesh if n in data_axes)
-    out = []
-    for zero, precision in _variants(dp, offload, cluster):
-        plan = dataclasses.replace(base, zero=zero, precision=precision)
-        dtype, itemsize = ("float32", 4) if precision == "fp32" else ("bfloat16", 2)
-        costs = op_costs(gm, plan, cluster, dtype, itemsize)
-        numel = sum(local_numel_of(p.shape, plan.params[n]) for n, p in gm.named_parameters() if n in plan.params)
-        compute = sum(rows * c.compute_s + c.overhead_s for c in costs) + offload_seconds(numel, offload, cluster)
-        op_comm = sum(rows * c.comm_s + c.latency_s for c in costs)
-        memory = estimate_memory(gm, plan, data_world=dp, rows=rows)
-        modules = sum(1 for n in gm.graph.nodes if n.op == "call_module")
-        dp_comm = _dp_seconds(numel * itemsize, mesh, data_axes, cluster, zero, modules)
-        out.append((Candidate(mesh, rows, compute, op_comm, dp_comm, memory, solved.gap if solved else 0.0,
-                              recompute=recompute, offload=offload, zero=zero, precision=precision), plan))
-    return out
+class _Costs:
+    """One search's model, cluster and limits, with what splits share: the integer program's plan
+    per (operator axes, recompute), and that plan's costs per unit per precision."""
+
+    def __init__(self, gm, cluster: Cluster, data_axes: tuple[str, ...], global_batch: int, limit: float):
+        self.gm, self.cluster, self.data_axes, self.batch, self.limit = gm, cluster, data_axes, global_batch, limit
+        self.blocks = block_paths(gm)
+        self.unit_of = assign_chunks(gm, self.blocks[1:])
+        self.numel = sum(p.numel() for p in gm.parameters())
+        self._solved: dict[tuple, IntraOpResult] = {}
+        self._units: dict[tuple, tuple[Plan, Units]] = {}
+        self._memo: dict = {}  # what pipelined splits share (see Setup)
+
+    def order(self, meshes) -> list:
+        """Splits whose operator axes fill one node first (they are likely best, and bound the rest),
+        then by their least data-parallel communication."""
+        return sorted(meshes, key=lambda m: (abs(math.log(_op_size(m, self.data_axes) / self.cluster.devices_per_node)),
+                                             self.floor(m, "none")))
+
+    def floor(self, mesh, offload: str) -> float:
+        """Seconds no plan on ``mesh`` saves: gradient communication and offload copies, as if every
+        weight were split over the operator and pipeline axes, in the narrowest precision tried."""
+        numel = self.numel / _op_size(mesh, self.data_axes) / _pp(mesh)
+        itemsize = 2 if _fast_half(self.cluster) and offload == "none" else 4
+        return _dp_seconds(itemsize * numel, mesh, self.data_axes, self.cluster) + \
+            offload_seconds(numel, offload, self.cluster)
+
+    def split(self, mesh, setting: tuple[str, str], best_s: float) -> list[tuple[Candidate, Plan | None]]:
+        """One split under one (recompute, offload) setting, costed at every optimizer-parallel level
+        and precision that applies (no plan when a bound shows it cannot beat ``best_s``; nothing
+        when the recompute mode frees nothing here)."""
+        recompute, offload = setting
+        if recompute != "none" and not recomputed(self.gm, recompute).rerun:
+            return []
+        if _pp(mesh) > max(len(self.blocks), 1):
+            raise PolyshardError(f"{_pp(mesh)} pipeline stages need as many repeated blocks (children of a "
+                                 f"ModuleList); the model has {len(self.blocks)}")
+        op_axes = tuple((n, s) for n, s in mesh if n not in self.data_axes and n != PIPELINE_AXIS and s > 1)
+        rows = self.batch // _data_size(mesh, self.data_axes)
+        floor = self.floor(mesh, offload)
+        solved = self.solved(op_axes, recompute, rows / _pp(mesh), best_s - floor)
+        if solved.plan is None:
+            return [(Candidate(mesh, rows, solved.lower_bound_s, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
+                               recompute=recompute, offload=offload, pruned=True), None)]
+        if _pp(mesh) > 1:
+            return self._pipelined(solved, mesh, offload, rows, best_s)
+        out = self._whole(solved.plan, solved.gap, mesh, offload, rows)
+        fastest = min((c for c, _ in out), key=lambda c: c.step_s)
+        if fastest.memory.total_bytes > self.limit and fastest.step_s < best_s and \
+                self.numel / _op_size(mesh, self.data_axes) * device_bytes_per_param(offload) <= self.limit:
+            try:  # the shared plan's fastest variant does not fit: the leanest strategies that do, if any
+                lean = solve(self.gm, op_axes, self.cluster, rows, self.limit, cutoff_s=best_s - floor,
+                             recompute=recompute, offload=offload)
+            except PolyshardError:
+                return out
+            if lean.plan is not None and lean.plan.nodes != solved.plan.nodes:
+                leaner = self._whole(lean.plan, lean.gap, mesh, offload, rows)
+                out = [mine if mine[0].memory.total_bytes <= self.limit else other for mine, other in zip(out, leaner)]
+        return out
+
+    def solved(self, op_axes, recompute: str, rows: float, cutoff_s: float) -> IntraOpResult:
+        """The fastest strategies on ``op_axes`` at ``rows`` rows, memory aside (splits differ in
+        what else they hold); pruned where the LP bound reaches ``cutoff_s``."""
+        key = (op_axes, recompute, rows)
+        found = self._solved.get(key)
+        if found is None or (found.plan is None and found.lower_bound_s < cutoff_s):
+            found = self._solved[key] = solve(self.gm, op_axes, self.cluster, rows, float("inf"),
+                                              cutoff_s=cutoff_s, recompute=recompute)
+        return found
+
+    def units(self, plan: Plan, mesh, precision: str) -> Units:
+        """``plan``'s costs and memory per unit in ``precision``, its collectives on ``mesh``'s links."""
+        links = tuple(axis_link(mesh, n, self.cluster) for n, _ in plan.op_axes)
+        key = (id(plan), links, precision)
+        if key not in self._units:
+            dtype, itemsize = ("float32", 4) if precision == "fp32" else ("bfloat16", 2)
+            laid = dataclasses.replace(plan, mesh=mesh, precision=precision)
+            units = unit_costs(self.gm, laid, op_costs(self.gm, laid, self.cluster, dtype, itemsize),
+                               recomputed(self.gm, plan.recompute, plan.recompute_comm), self.unit_of,
+                               tuple(self.blocks) or ("",), itemsize)
+            self._units[key] = plan, units  # the plan kept alive, so its id stays its own
+        return self._units[key][1]
+
+    def _whole(self, base: Plan, gap: float, mesh, offload: str, rows: int) -> list[tuple[Candidate, Plan]]:
+        """A split that holds the whole model: its plan at every (optimizer-parallel level, precision)."""
+        dp = _data_size(mesh, self.data_axes)
+        out = []
+        for zero, precision in _variants(dp, offload, self.cluster):
+            units = self.units(base, mesh, precision)
+            plan = dataclasses.replace(base, zero=zero, precision=precision, mesh=mesh, data_axes=self.data_axes)
+            numel = sum(map(sum, units.model_groups))
+            compute = float(rows * units.compute_s.sum() + units.overhead_s.sum()) + \
+                offload_seconds(numel, offload, self.cluster)
+            op_comm = float(rows * units.comm_s.sum() + units.latency_s.sum())
+            dp_comm = _dp_seconds(numel * _itemsize(precision), mesh, self.data_axes, self.cluster, zero,
+                                  units.modules.sum())
+            memory = _memory_floor(units, zero, dp, precision, offload, rows)
+            exact = memory.total_bytes <= self.limit  # estimated in full only where it may fit
+            if exact:
+                memory = estimate_memory(self.gm, plan, data_world=dp, rows=rows)
+            out.append((Candidate(mesh, rows, compute, op_comm, dp_comm, memory, gap, recompute=base.recompute,
+                                  offload=offload, zero=zero, precision=precision, memory_floor=not exact), plan))
+        return out
+
+    def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int,
+                   best_s: float) -> list[tuple[Candidate, Plan | None]]:
+        """A pipelined split: at every (optimizer-parallel level, precision), its best cuts,
+        micro-batch count and schedule, or a bound where none can beat ``best_s``."""
+        dp, pp, base = _data_size(mesh, self.data_axes), _pp(mesh), solved.plan
+        link = axis_link(mesh, PIPELINE_AXIS, self.cluster)
+        out = []
+        for zero, precision in _variants(dp, offload, self.cluster):
+            units = self.units(base, mesh, precision)
+            setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
+                          send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
+                          dp_seconds=lambda b, modules, zero=zero: _dp_seconds(b, mesh, self.data_axes, self.cluster,
+                                                                               zero, modules),
+                          offload_seconds=lambda numel: offload_seconds(numel, offload, self.cluster), memo=self._memo)
+            found, bound = best_pipeline(units, setup, best_s)
+            if found is None and bound < float("inf"):
+                out.append((Candidate(mesh, rows, bound, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0),
+                                      recompute=base.recompute, offload=offload, zero=zero, precision=precision,
+                                      pruned=True), None))
+                continue
+            p = found or leanest_pipeline(units, setup)
+            plan = dataclasses.replace(base, zero=zero, precision=precision, mesh=mesh, data_axes=self.data_axes,
+                                       stage_boundaries=p.boundaries, schedule=p.schedule,
+                                       micro_batches=p.micro_batches, virtual_stages=p.virtual_stages)
+            out.append((Candidate(mesh, rows, p.compute_s, p.op_comm_s, p.dp_comm_s, p.memory, solved.gap,
+                                  recompute=base.recompute, offload=offload, zero=zero, precision=precision,
+                                  pipeline=p), plan))
+            if found is not None:
+                best_s = min(best_s, found.step_s)
+        return out
+
+
+def _memory_floor(units: Units, zero: int, dp: int, precision: str, offload: str, rows: int) -> MemoryEstimate:
+    """Less than or equal to what estimate_memory finds: its parameter state, and of activations
+    and gradients at least the larger (all kept activations are alive as backward starts)."""
+    state = state_memory(units.model_groups, zero, dp, precision, offload)
+    activations = units.activation_bytes.sum() * rows
+    return dataclasses.replace(state, activations_bytes=activations,
+                               apart_bytes=min(activations, state.grads_bytes))
 
 
 def _variants(dp: int, offload: str, cluster: Cluster) -> list[tuple[int, str]]:
     """(optimizer-parallel level, precision) pairs to cost: levels only with data parallel, half
     precision only where the device runs it faster; offloaded state stays whole and fp32."""
     levels = ZERO_LEVELS if dp > 1 and offload == "none" else (0,)
-    fast_half = cluster.flops_per_s.get("bfloat16", 0.0) > cluster.flops_per_s["float32"] and offload == "none"
+    fast_half = _fast_half(cluster) and offload == "none"
     return [(z, p) for z in levels for p in ("fp32", "bf16")[:1 + fast_half]]
 
 
+def _fast_half(cluster: Cluster) -> bool:
+    return cluster.flops_per_s.get("bfloat16", 0.0) > cluster.flops_per_s["float32"]
+
+
+def _itemsize(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
 def _op_size(mesh, data_axes) -> int:
-    return math.prod(s for n, s in mesh if n not in data_axes)
+    return math.prod(s for n, s in mesh if n not in data_axes and n != PIPELINE_AXIS)
+
+
+def _data_size(mesh, data_axes) -> int:
+    return math.prod(s for n, s in mesh if n in data_axes)
+
+
+def _pp(mesh) -> int:
+    return dict(mesh).get(PIPELINE_AXIS, 1)
 
 
 def _mesh_text(mesh) -> str:
     return " x ".join(f"{n}={s}" for n, s in mesh)
 
 
-def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: int = 0) -> float:
+def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0) -> float:
     """Data-parallel communication per step (alpha-beta on the outermost data axis's link): the
     gradient all-reduce (level 0), plus the parameters' all-gather after the step (level 1);
     reduce-scatter and all-gather, the same bytes (level 2); and at level 3 the parameters gathered
     in forward and again in backward, one collective per module each time."""
-    dp = math.prod(s for n, s in mesh if n in data_axes)
+    dp = _data_size(mesh, data_axes)
     if dp == 1:
         return 0.0
     link = axis_link(mesh, next(n for n, s in mesh if n in data_axes), cluster)
@@ -208,14 +350,26 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
 def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: float) -> dict:
     """JSON-able figures of every candidate split and the choice."""
     def row(c: Candidate) -> dict:
-        m = c.memory
         return {"mesh": c.describe(), "split": _mesh_text(c.mesh), "recompute": c.recompute, "offload": c.offload,
-                "zero": c.zero, "precision": c.precision,
+                "zero": c.zero, "precision": c.precision, "pp": c.pp,
                 "rows": c.rows, "step_s": c.step_s, "compute_s": c.compute_s,
-                "op_comm_s": c.op_comm_s, "dp_comm_s": c.dp_comm_s, "gap": c.gap,
-                "memory": {"params": m.params_bytes, "grads": m.grads_bytes, "optimizer": m.optimizer_bytes,
-                           "activations": m.activations_bytes, "buffers": m.buffers_bytes, "apart": m.apart_bytes,
-                           "total": m.total_bytes},
-                "fits": m.total_bytes <= limit_bytes and not c.pruned, "pruned": c.pruned}
+                "op_comm_s": c.op_comm_s, "dp_comm_s": c.dp_comm_s, "p2p_s": c.p2p_s, "bubble_s": c.bubble_s,
+                "gap": c.gap, "memory": _memory_row(c.memory), "memory_floor": c.memory_floor,
+                "fits": c.memory.total_bytes <= limit_bytes and not c.pruned, "pruned": c.pruned,
+                **({"pipeline": _pipeline_row(c.pipeline)} if c.pipeline else {})}
     return {"chosen": chosen.describe(), "limit_bytes": limit_bytes, "candidates": [row(c) for c in candidates]}
 
+
+def _memory_row(m: MemoryEstimate) -> dict:
+    return {"params": m.params_bytes, "grads": m.grads_bytes, "optimizer": m.optimizer_bytes,
+            "activations": m.activations_bytes, "buffers": m.buffers_bytes, "apart": m.apart_bytes,
+            "total": m.total_bytes}
+
+
+def _pipeline_row(p: PipelineCost) -> dict:
+    pp = len({s.rank for s in p.stages})
+    return {"schedule": p.schedule, "micro_batches": p.micro_batches, "virtual_stages": p.virtual_stages,
+            "boundaries": list(p.boundaries), "bubble": p.bubble,
+            "ideal_bubble": ideal_bubble(pp, p.micro_batches, p.virtual_stages),
+            "stages": [{"rank": s.rank, "first": s.first, "last": s.last, "forward_s": s.forward_s,
+                        "backward_s": s.backward_s, "memory": _memory_row(s.memory)} for s in p.stages]}

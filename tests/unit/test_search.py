@@ -22,7 +22,9 @@ def _search(limit=None, batch=8):
 
 def test_every_split_is_costed_and_the_fastest_fitting_one_wins():
     plan, candidates = _search()
-    assert sorted({c.describe().split(",")[0] for c in candidates}) == ["dp=1 x tp=4", "dp=2 x tp=2", "dp=4 x tp=1"]
+    assert sorted({c.describe().split(",")[0] for c in candidates}) == [
+        "dp=1 x tp=4", "dp=2 x tp=2", "dp=4 x tp=1",  # and pipelines of 2 or 4 of its 4 blocks
+        "pp=2 x dp=1 x tp=2", "pp=2 x dp=2 x tp=1", "pp=4 x dp=1 x tp=1"]
     assert plan.report["chosen"] == candidates[0].describe()
     assert [c.step_s for c in candidates] == sorted(c.step_s for c in candidates)
 
@@ -83,7 +85,8 @@ def test_search_report_survives_json_and_renders():
 def test_large_models_plan_in_seconds():
     model = models.build("pangu-alpha-2.6b", "meta")
     plan, candidates = search(model, model.example_inputs(1), Cluster.preset("8xA100-80G"), 8)
-    assert len({c.describe().split(",")[0] for c in candidates}) == 4 and plan.report["chosen"]
+    # 4 dp x tp splits of 8 devices, and 3 + 2 + 1 with 2, 4 or 8 pipeline stages
+    assert len({c.describe().split(",")[0] for c in candidates}) == 4 + 3 + 2 + 1 and plan.report["chosen"]
     assert plan.precision == "bf16"  # an A100 multiplies bf16 16x faster than fp32
 
 

@@ -1,0 +1,327 @@
+"""Pipeline parallel in the search: a plan's costs gathered per repeated block (a unit), then per
+micro-batch count and schedule the stage cuts that minimise the slowest stage's time with every
+stage's memory under the limit, timed by simulating the schedule.
+
+Costs come from one plan of the whole model on the stage's operator axes (a stage runs its ops
+as that plan lays them out), so one integer program serves every pipeline depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from torch import fx
+
+from polyshard.graph.capture import shape_of
+from polyshard.graph.regions import Recomputed
+from polyshard.layout import Layout
+from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD
+from polyshard.planner.cost.memory import STATES, MemoryEstimate, keeps_activation, local_numel
+from polyshard.planner.cost.overlap import OpCost
+from polyshard.planner.cost.zero_memory import state_bytes_per_rank
+from polyshard.planner.plan import Plan
+from polyshard.planner.schedules import schedule_actions, simulate
+from polyshard.planner.stages import min_max_partition, sum_load
+
+BUCKET_BYTES = 25 * 2**20  # the gradient bucket a stage holds without optimizer parallel (as estimate_memory)
+MICRO_PER_STAGE = 4  # micro-batch counts tried: up to this many per stage
+VIRTUAL_STAGES = 2  # chunks per rank tried under the interleaved schedule
+
+
+@dataclass(frozen=True)
+class Units:
+    """One plan's figures per unit (unit 0: the first block and what runs before it; the last: the
+    last block and what runs after). Seconds and bytes per row of a micro-batch unless fixed.
+
+    span: (first, last) module path of each unit; starts: the block each unit begins with;
+    compute_s / comm_s: per row, forward, backward and recompute; overhead_s / latency_s: fixed,
+    per micro-batch; forward_share: of each unit's seconds spent in forward; activation_bytes: kept
+    for backward; rerun_bytes: what recompute frees (alive again while its backward runs);
+    send_bytes[u]: values crossing the cut before unit u (0 for u = 0); groups: each unit's
+    parameters' local sizes, by module (a parameter two units use is in both); model_groups: the
+    model's, each parameter once; modules: modules that run in each unit."""
+
+    span: tuple[tuple[str, str], ...]
+    starts: tuple[str, ...]
+    compute_s: np.ndarray
+    comm_s: np.ndarray
+    overhead_s: np.ndarray
+    latency_s: np.ndarray
+    forward_share: float
+    activation_bytes: np.ndarray
+    rerun_bytes: np.ndarray
+    send_bytes: np.ndarray
+    groups: tuple[tuple[tuple[int, ...], ...], ...]
+    model_groups: tuple[tuple[int, ...], ...]
+    modules: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def seconds(self, rows: float) -> np.ndarray:
+        return rows * (self.compute_s + self.comm_s) + self.overhead_s + self.latency_s
+
+
+def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomputed, unit_of: dict[str, int],
+               starts: tuple[str, ...], itemsize: int) -> Units:
+    """``plan``'s per-op ``costs`` (:func:`polyshard.planner.cost.overlap.op_costs`, in its order)
+    and memory summed per unit (``unit_of``: each computing node's unit)."""
+    n = len(starts)
+    nodes = [node for node in gm.graph.nodes if node.name in unit_of]
+    fields = {k: np.zeros(n) for k in ("compute_s", "comm_s", "overhead_s", "latency_s", "activation_bytes",
+                                       "rerun_bytes", "send_bytes", "modules")}
+    costed = [node for node in gm.graph.nodes
+              if node.op not in ("placeholder", "output", "get_attr") and node.name in plan.nodes]
+    for node, cost in zip(costed, costs):
+        u = unit_of[node.name]
+        for key in ("compute_s", "comm_s", "overhead_s", "latency_s"):
+            fields[key][u] += getattr(cost, key)
+    names = {id(p): name for name, p in reversed(list(gm.named_parameters()))}
+    groups: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
+    seen: list[set[int]] = [set() for _ in range(n)]
+    model_groups, model_seen = [], set()
+    kept = Recomputed(rc.rerun, rc.freed)  # without the region held again in backward
+    paths: list[list[str]] = [[] for _ in range(n)]
+    last = len(starts) - 1
+    for node in nodes:
+        u, shape, out = unit_of[node.name], shape_of(node), plan.nodes[node.name].output
+        stack = node.meta.get("nn_module_stack") or {}
+        paths[u] += [path for path, _ in list(stack.values())[:1]]
+        if isinstance(out, Layout) and shape is not None:
+            size = local_numel(shape, out) * itemsize
+            if keeps_activation(node, kept):
+                fields["activation_bytes"][u] += size
+            elif keeps_activation(node, Recomputed()):
+                fields["rerun_bytes"][u] += size
+            reach = max((unit_of.get(user.name, last) for user in node.users), default=u)
+            fields["send_bytes"][u + 1:reach + 1] += size
+        if node.op == "call_module":
+            fields["modules"][u] += 1
+            params = list(gm.get_submodule(node.target).parameters(recurse=False))
+            for found, done in ((groups[u], seen[u]), (model_groups, model_seen)):
+                own = [p for p in params if id(p) not in done]
+                done.update(id(p) for p in own)
+                if own:
+                    found.append(tuple(int(local_numel(p.shape, plan.params[names[id(p)]])) for p in own))
+    span = tuple((p[0], p[-1]) if p else (s, s) for p, s in zip(paths, starts))
+    share = 1 / (TRAIN_FLOPS_PER_FORWARD + (plan.recompute == "full"))
+    return Units(span, starts, forward_share=share, groups=tuple(map(tuple, groups)),
+                 model_groups=tuple(model_groups), **fields)
+
+
+def state_memory(groups, zero: int, dp: int, precision: str, offload: str, optimizer: str = "adamw",
+                 threshold_bytes: int = 64 * 1024) -> MemoryEstimate:
+    """Parameters, gradients and optimizer state of these parameter groups (local sizes, by module),
+    as :func:`polyshard.planner.cost.memory.estimate_memory` counts them; no activations."""
+    itemsize = 4 if precision == "fp32" else 2
+    held = state_bytes_per_rank(groups or [0], zero, dp, threshold_bytes, itemsize, optimizer_states=1)
+    state = held["optimizer"] / itemsize * 4 * (STATES[optimizer] + (precision != "fp32"))
+    buffers = min(BUCKET_BYTES, held["params"]) if dp > 1 and zero == 0 else 0.0
+    on_device = state if offload == "none" else 0.0
+    return MemoryEstimate(held["params"], held["grads"], on_device, 0.0, buffers, state - on_device)
+
+
+def in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int, chunk: int) -> float:
+    """Micro-batches whose activations chunk ``chunk`` holds at once, at the most: all of them under
+    GPipe, pp - stage under 1F1B; under interleaving a rank's warm-up forwards, shared by its chunks."""
+    stage = chunk % pp
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "1f1b":
+        return min(micro_batches, pp - stage)
+    warm = 2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1
+    return min(micro_batches * virtual_stages, warm) / virtual_stages
+
+
+def ideal_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """The idle share of equal stages: (p-1)/(m+p-1), and (p-1)/(vm+p-1) interleaved."""
+    return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One chunk of the pipeline (a stage, or a virtual stage under interleaving) on rank ``rank``:
+    its units' first and last module, seconds per micro-batch (p2p sends included) and memory."""
+
+    rank: int
+    first: str
+    last: str
+    forward_s: float
+    backward_s: float
+    memory: MemoryEstimate
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """A pipeline's predicted step on one mesh: boundaries (the blocks stages 2.. begin with), the
+    busiest rank's compute, op comm and p2p seconds, the rest of the simulated span as its bubble,
+    bubble: the idle share of all ranks over the span, dp_comm_s: the data-parallel communication
+    of the largest stage's gradients, memory: the fullest rank's."""
+
+    schedule: str
+    micro_batches: int
+    virtual_stages: int
+    boundaries: tuple[str, ...]
+    compute_s: float
+    op_comm_s: float
+    p2p_s: float
+    bubble_s: float
+    dp_comm_s: float
+    bubble: float
+    stages: tuple[Stage, ...]
+    memory: MemoryEstimate
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.op_comm_s + self.p2p_s + self.bubble_s + self.dp_comm_s
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one pipelined mesh runs under: pp stages, dp data-parallel ranks, rows per data-parallel
+    replica per step, the optimizer-parallel level, precision and offload, the memory limit;
+    send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, modules): the
+    data-parallel communication of that many gradient bytes; offload_seconds(numel): the copy time;
+    memo: results one search reuses (unit memory, simulated schedules)."""
+
+    pp: int
+    dp: int
+    rows: int
+    zero: int
+    precision: str
+    offload: str
+    limit: float
+    send: Callable[[np.ndarray], np.ndarray]
+    dp_seconds: Callable[[float, float], float]
+    offload_seconds: Callable[[float], float]
+    memo: dict = dataclasses.field(default_factory=dict)
+
+
+def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> tuple[PipelineCost | None, float]:
+    """The fastest (micro-batch count, schedule) whose cuts let every stage fit, tried in the order
+    of their lower bounds until the bound loses to the best found or ``best_s``; and the lowest
+    bound of those not tried (inf when all were: then None means nothing fits)."""
+    state = _unit_state(units, setup)
+    numel = sum(sum(g) for unit in units.groups for g in unit)
+    options = sorted((_bound(units, setup, m, v, numel), m, schedule, v)
+                     for m, schedule, v in _options(len(units), setup))
+    best = None
+    for bound, m, schedule, v in options:
+        if bound >= min(best_s, best.step_s if best else float("inf")):
+            return best, bound
+        found = cost_pipeline(units, setup, state, m, schedule, v)
+        if found is not None and (best is None or found.step_s < best.step_s):
+            best = found
+    return best, float("inf")
+
+
+def leanest_pipeline(units: Units, setup: Setup) -> PipelineCost:
+    """The time-balanced cuts under 1F1B with the most micro-batches, whatever their memory (to
+    tell by how much a mesh on which nothing fits misses)."""
+    m = max(m for m, _, _ in _options(len(units), setup))
+    return cost_pipeline(units, dataclasses.replace(setup, limit=float("inf")), _unit_state(units, setup), m, "1f1b", 1)
+
+
+def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
+    """Each unit's parameter memory; the gradient bucket is counted once per stage instead."""
+    out = []
+    for groups in units.groups:
+        key = (groups, s.zero, s.dp, s.precision, s.offload)  # repeated blocks hold alike
+        if key not in s.memo:
+            s.memo[key] = dataclasses.replace(state_memory(groups, *key[1:]), buffers_bytes=0.0)
+        out.append(s.memo[key])
+    return out
+
+
+def _options(n: int, s: Setup):
+    """(micro-batches, schedule, virtual stages) to try: m divides the rows, at most 4 per stage."""
+    for m in range(1, min(s.rows, MICRO_PER_STAGE * s.pp) + 1):
+        if s.rows % m:
+            continue
+        yield m, "1f1b", 1
+        yield m, "gpipe", 1
+        if s.pp > 1 and n >= VIRTUAL_STAGES * s.pp and m % s.pp == 0:
+            yield m, "interleaved", VIRTUAL_STAGES
+
+
+def _bound(units: Units, s: Setup, m: int, v: int, numel: float) -> float:
+    """Equal stages' step: (m + (p-1)/v) x the mean stage's micro-batch, plus the least gradient
+    communication (some stage holds at least the mean share of the ``numel`` parameters)."""
+    mean = units.seconds(s.rows / m).sum() / s.pp
+    return (m + (s.pp - 1) / v) * mean + s.dp_seconds(numel / s.pp * _itemsize(s.precision), 0.0)
+
+
+def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, schedule: str,
+                  v: int) -> PipelineCost | None:
+    """This (m, schedule)'s fastest cuts whose every stage fits (``state``: each unit's parameter
+    memory), simulated; None when no cuts fit."""
+    n, chunks, rows = len(units), s.pp * v, s.rows / m
+    seconds = units.seconds(rows)
+    send = np.concatenate([[0.0], s.send(units.send_bytes[1:] * rows), [0.0]])  # per cut 0..n: the ends send nothing
+    time = sum_load(seconds)
+    fixed = sum_load([st.total_bytes for st in state])
+    acts = sum_load(units.activation_bytes * rows)
+    held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
+    bucket = BUCKET_BYTES if s.dp > 1 and s.zero == 0 else 0.0
+    rerun = units.rerun_bytes.max() * rows  # one micro-batch's recomputed block, alive in its backward
+
+    def load(k, i, j):
+        sends = send[j] + send[i]  # activations forward across its last cut, gradients back across its first
+        memory = fixed(k, i, j) + acts(k, i, j) * held[k] + rerun + bucket
+        return np.where(memory <= s.limit / v, time(k, i, j) + sends, np.inf)
+
+    slowest, cuts = min_max_partition(load, n, chunks)
+    if not np.isfinite(slowest):
+        return None
+    edges = [0, *cuts, n]
+    share = units.forward_share
+    forward, backward, stages = [], [], []
+    for c, (i, j) in enumerate(zip(edges, edges[1:])):
+        out, back = send[j], send[i]
+        work = seconds[i:j].sum()
+        forward.append(share * work + out)
+        backward.append((1 - share) * work + back)
+        activations = units.activation_bytes[i:j].sum() * rows * held[c] + rerun
+        memory = _sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, activations, bucket)])
+        stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[-1], backward[-1], memory))
+    key = (schedule, s.pp, m, v, tuple(forward), tuple(backward))  # cuts that differ only in memory time alike
+    if key not in s.memo:
+        s.memo[key] = _simulated(*key)
+    span, busy = s.memo[key]
+    rank = max(range(s.pp), key=busy.__getitem__)
+    mine = [c for c in range(chunks) if c % s.pp == rank]
+    ranges = [(edges[c], edges[c + 1]) for c in mine]
+    compute = m * sum(rows * units.compute_s[i:j].sum() + units.overhead_s[i:j].sum() for i, j in ranges)
+    op_comm = m * sum(rows * units.comm_s[i:j].sum() + units.latency_s[i:j].sum() for i, j in ranges)
+    p2p = m * sum(forward[c] + backward[c] - seconds[i:j].sum() for c, (i, j) in zip(mine, ranges))
+    numel = max(sum(sum(g) for unit in units.groups[i:j] for g in unit)
+                for i, j in ((edges[c], edges[c + 1]) for c in range(chunks)))
+    modules = max(units.modules[i:j].sum() for i, j in zip(edges, edges[1:]))
+    dp_comm = s.dp_seconds(numel * _itemsize(s.precision), modules)
+    compute += s.offload_seconds(numel)
+    fullest = max(range(s.pp), key=lambda r: sum(stages[c].memory.total_bytes for c in range(r, chunks, s.pp)))
+    memory = _sum_memory([stages[c].memory for c in range(fullest, chunks, s.pp)])
+    return PipelineCost(schedule, m, v, tuple(units.starts[i] for i in cuts), compute, op_comm, p2p,
+                        span - busy[rank], dp_comm, 1 - sum(busy) / (s.pp * span), tuple(stages), memory)
+
+
+def _simulated(schedule: str, pp: int, m: int, v: int, forward: tuple, backward: tuple) -> tuple[float, list[float]]:
+    """The simulated span and each rank's busy seconds."""
+    times = simulate(schedule_actions(schedule, pp, m, v), list(forward), list(backward))
+    busy = [0.0] * pp
+    for t in times:
+        busy[t.stage] += t.end_s - t.start_s
+    return max(t.end_s for t in times) - min(t.start_s for t in times), busy
+
+
+def _sum_memory(parts: list[MemoryEstimate]) -> MemoryEstimate:
+    return MemoryEstimate(*(sum(getattr(p, f) for p in parts) for f in
+                            ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                             "buffers_bytes", "offloaded_bytes", "apart_bytes")))
+
+
+def _itemsize(precision: str) -> int:
+    return 4 if precision == "fp32" else 2

@@ -1,0 +1,140 @@
+"""Pipeline schedules as plain action lists (``2F0``: chunk 2 runs forward of micro-batch 0),
+and a single-process simulator that runs them to check for deadlocks and predict bubbles.
+
+Chunk c of ``pp * virtual_stages`` runs on stage rank ``c % pp`` (round robin, so rank s holds
+chunks s, s+pp, ...); each chunk's forward needs the previous chunk's, each backward the next one's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass
+
+from polyshard.errors import PolyshardError
+from polyshard.planner.plan import SCHEDULES, check_choice
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of pipeline work: ``kind`` "F" (forward) or "B" (backward) of ``micro`` on ``chunk``."""
+
+    chunk: int
+    kind: str
+    micro: int
+
+    def __str__(self) -> str:
+        return f"{self.chunk}{self.kind}{self.micro}"
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        match = re.fullmatch(r"(\d+)([FB])(\d+)", text.strip())
+        if not match:
+            raise PolyshardError(f"pipeline action {text!r} is not CHUNK F|B MICRO (e.g. '1F0')")
+        return Action(int(match[1]), match[2], int(match[3]))
+
+
+@dataclass(frozen=True)
+class ActionTime:
+    """When an action ran (seconds from the step's start) on pipeline ``stage``, measured or simulated."""
+
+    stage: int
+    chunk: int
+    kind: str
+    micro: int
+    start_s: float
+    end_s: float
+
+
+def check_schedule(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
+    """Raise a PolyshardError for a schedule these settings cannot run."""
+    check_choice("schedule", schedule, SCHEDULES)
+    for name, value in (("pp", pp), ("micro_batches", micro_batches), ("virtual_stages", virtual_stages)):
+        if type(value) is not int or value < 1:
+            raise PolyshardError(f"{name} must be a positive integer; got {value!r}")
+    if schedule == "interleaved":
+        if virtual_stages < 2:
+            raise PolyshardError(f"schedule 'interleaved' needs virtual_stages >= 2 chunks per stage, got "
+                                 f"{virtual_stages}; use '1f1b' for one chunk per stage")
+        if micro_batches % pp:
+            raise PolyshardError(f"schedule 'interleaved' runs micro-batches in groups of pp={pp}; "
+                                 f"micro_batches={micro_batches} is not a multiple of {pp}")
+    elif virtual_stages != 1:
+        raise PolyshardError(f"virtual_stages={virtual_stages} needs schedule 'interleaved', not {schedule!r}")
+
+
+def schedule_actions(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """Each stage rank's actions in the order it runs them."""
+    check_schedule(schedule, pp, micro_batches, virtual_stages)
+    make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[schedule]
+    return [make(s, pp, micro_batches, virtual_stages) for s in range(pp)]
+
+
+def _gpipe(s: int, pp: int, m: int, v: int) -> list[Action]:
+    """All forwards, then all backwards: every micro-batch's activations are alive at once."""
+    return [Action(s, "F", i) for i in range(m)] + [Action(s, "B", i) for i in range(m)]
+
+
+def _one_f_one_b(s: int, pp: int, m: int, v: int) -> list[Action]:
+    """pp-1-s forwards to fill the pipe, then one forward and one backward in turn, then the
+    remaining backwards: stage s holds at most pp-s micro-batches' activations."""
+    warm = min(pp - 1 - s, m)
+    steady = [a for i in range(m - warm) for a in (Action(s, "F", warm + i), Action(s, "B", i))]
+    return ([Action(s, "F", i) for i in range(warm)] + steady
+            + [Action(s, "B", i) for i in range(m - warm, m)])
+
+
+def _interleaved(s: int, pp: int, m: int, v: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B: micro-batches go in groups of pp through chunk s, then
+    s+pp, ...; backwards visit the chunks in reverse. Warm-up covers the longer fill of v chunks."""
+    total = m * v
+
+    def order(k: int, backward: bool) -> Action:
+        local = (k // pp) % v
+        micro = k // (pp * v) * pp + k % pp
+        return Action((v - 1 - local if backward else local) * pp + s, "B" if backward else "F", micro)
+
+    warm = min((pp - s - 1) * 2 + (v - 1) * pp, total)
+    steady = [a for k in range(total - warm) for a in (order(warm + k, False), order(k, True))]
+    return [order(k, False) for k in range(warm)] + steady + [order(k, True) for k in range(total - warm, total)]
+
+
+def simulate(actions: list[list[Action]], forward_s: list[float], backward_s: list[float]) -> list[ActionTime]:
+    """Run every stage's actions as early as their inputs allow (forward after the previous chunk's
+    forward, backward after the next chunk's backward); chunk c's times are ``forward_s[c]``,
+    ``backward_s[c]``. Raises a PolyshardError where no stage can go on (a deadlock).
+
+    A stage is visited again only when an action it waits for is done, so each action is handled
+    about once however many stages and micro-batches there are."""
+    last = len(forward_s) - 1
+    stage_of = {a.chunk: s for s, todo in enumerate(actions) for a in todo}
+    done: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * len(actions)
+    nxt = [0] * len(actions)
+    out = []
+    visit = deque(range(len(actions)))
+    while visit:
+        s = visit.popleft()
+        todo = actions[s]
+        while nxt[s] < len(todo):
+            a = todo[nxt[s]]
+            if a.kind == "F":  # after the previous chunk's forward
+                ready = done.get((a.chunk - 1, "F", a.micro)) if a.chunk > 0 else 0.0
+            else:  # after its own forward and the next chunk's backward
+                own = done.get((a.chunk, "F", a.micro))
+                after = done.get((a.chunk + 1, "B", a.micro)) if a.chunk < last else 0.0
+                ready = None if own is None or after is None else max(own, after)
+            if ready is None:
+                break
+            start = max(free[s], ready)
+            free[s] = start + (forward_s if a.kind == "F" else backward_s)[a.chunk]
+            done[(a.chunk, a.kind, a.micro)] = free[s]
+            out.append(ActionTime(s, a.chunk, a.kind, a.micro, start, free[s]))
+            nxt[s] += 1
+            waiter = stage_of.get(a.chunk + 1 if a.kind == "F" else a.chunk - 1)
+            if waiter is not None and waiter != s:
+                visit.append(waiter)
+    if any(n < len(todo) for n, todo in zip(nxt, actions)):
+        stuck = ", ".join(f"stage {s}: {todo[nxt[s]]}" for s, todo in enumerate(actions) if nxt[s] < len(todo))
+        raise PolyshardError(f"pipeline schedule deadlocks; waiting: {stuck}")
+    return out

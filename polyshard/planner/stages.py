@@ -1,0 +1,106 @@
+"""Where pipeline stages begin: the model's repeated blocks as units, and the contiguous split of
+units into stages that minimises the largest stage's load (the planner's search and the runtime's
+default cuts both use it)."""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Sequence
+
+import numpy as np
+from torch import fx
+
+from polyshard.errors import PolyshardError
+from polyshard.graph.capture import shape_of
+from polyshard.graph.regions import Recomputed
+from polyshard.planner.cost.compute import forward_flops
+from polyshard.planner.cost.memory import keeps_activation, local_numel
+from polyshard.planner.plan import Plan
+from polyshard.planner.propagate import propagate
+
+# load(part, starts, ends) -> each unit range's load as part ``part`` (inf where the part may not hold it)
+Load = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
+
+
+def block_paths(gm: fx.GraphModule) -> list[str]:
+    """The model's repeated blocks (outermost children of a ModuleList: paths ending in an index), in run order."""
+    paths = list(dict.fromkeys(p for n in gm.graph.nodes for p, _ in n.meta.get("nn_module_stack", {}).values()
+                               if p.rpartition(".")[2].isdigit()))
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
+
+
+def assign_chunks(gm: fx.GraphModule, boundaries: Sequence[str]) -> dict[str, int]:
+    """Each computing node's chunk: chunk k runs from the first node of ``boundaries[k-1]`` on."""
+    first: dict[str, int] = {}
+    nodes = list(gm.graph.nodes)
+    for i, node in enumerate(nodes):
+        for path, _ in node.meta.get("nn_module_stack", {}).values():
+            first.setdefault(path, i)
+    missing = [b for b in boundaries if b not in first]
+    if missing:
+        raise PolyshardError(f"stage boundaries {missing} are not modules that run in {type(gm).__name__}; "
+                             f"blocks are: {', '.join(block_paths(gm)) or 'none'}")
+    starts = [first[b] for b in boundaries]
+    if any(a >= b for a, b in zip(starts, starts[1:])):
+        raise PolyshardError(f"stage boundaries {list(boundaries)} are not in the order the model runs them")
+    return {n.name: bisect.bisect_right(starts, i) for i, n in enumerate(nodes)
+            if n.op not in ("placeholder", "get_attr", "output")}
+
+
+def min_max_partition(load: Load, units: int, parts: int) -> tuple[float, list[int]]:
+    """(largest part's load, starts of parts 2..) of the contiguous split of ``units`` units into
+    ``parts`` non-empty parts that minimises the largest part's load; (inf, []) when none is allowed.
+
+    Dynamic program over (units taken, parts made), one numpy pass per part; ties go to the
+    earliest cut."""
+    if not 1 <= parts <= units:
+        return float("inf"), []
+    start, end = np.meshgrid(np.arange(units + 1), np.arange(units + 1), indexing="ij")
+    best = np.full(units + 1, np.inf)
+    best[0] = 0.0
+    picks = []
+    for k in range(parts):
+        cost = np.where(start < end, np.maximum(best[:, None], load(k, start, end)), np.inf)
+        pick = cost.argmin(axis=0)
+        best = cost[pick, np.arange(units + 1)]
+        picks.append(pick)
+    if not np.isfinite(best[units]):
+        return float("inf"), []
+    cuts, j = [], units
+    for pick in reversed(picks[1:]):
+        j = int(pick[j])
+        cuts.append(j)
+    return float(best[units]), cuts[::-1]
+
+
+def sum_load(costs: Sequence[float]) -> Load:
+    """A part's load as the sum of its units' costs."""
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    return lambda k, i, j: prefix[j] - prefix[i]
+
+
+def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = None) -> tuple[str, ...]:
+    """Cuts between repeated blocks that even out the stages' loads, a stage's load being the larger
+    of its shares of forward FLOPs and of memory (parameters and kept activations)."""
+    blocks = block_paths(gm)
+    if len(blocks) < stages:
+        raise PolyshardError(f"{type(gm).__name__} has {len(blocks)} repeated blocks (children of a ModuleList) "
+                             f"to cut into {stages} pipeline stages; use fewer stages or mark the cuts with "
+                             "polyshard.pipeline_stage")
+    plan = plan or propagate(gm, (), lambda msg: None)
+    unit = assign_chunks(gm, blocks[1:])
+    modules = dict(gm.named_modules())
+    flops, memory = [0.0] * len(blocks), [0.0] * len(blocks)
+    for node in gm.graph.nodes:
+        if node.name not in unit:
+            continue
+        flops[unit[node.name]] += forward_flops(node, plan, modules)
+        out, shape = plan.nodes[node.name].output, shape_of(node)
+        if shape is not None and keeps_activation(node, Recomputed()):
+            memory[unit[node.name]] += local_numel(shape, out)
+        if node.op == "call_module":
+            memory[unit[node.name]] += sum(p.numel() for p in modules[node.target].parameters())
+    share_flops, share_memory = (sum_load(np.array(x) / (sum(x) or 1)) for x in (flops, memory))
+    _, cuts = min_max_partition(lambda k, i, j: np.maximum(share_flops(k, i, j), share_memory(k, i, j)),
+                                len(blocks), stages)
+    return tuple(blocks[i] for i in cuts)

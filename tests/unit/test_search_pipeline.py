@@ -1,0 +1,140 @@
+"""The search's pipeline choice: stage cuts, schedule timing, and plans that only fit pipelined."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from polyshard import models
+from polyshard.cluster import Cluster
+from polyshard.errors import PolyshardError
+from polyshard.planner.pipeline import Setup, Units, best_pipeline, cost_pipeline, state_memory
+from polyshard.planner.plan import Plan
+from polyshard.planner.report import render
+from polyshard.planner.search import mesh_candidates, search
+from polyshard.planner.stages import min_max_partition, sum_load
+from polyshard.runtime.pipeline import pipeline_split
+
+MiB = 2**20
+
+
+def _units(seconds, activation_mib, param_numels, send_mib=0.0):
+    """Hand-made units: ``seconds`` per row each (all compute), activations per row, one module of
+    parameters each, and ``send_mib`` per row across every cut."""
+    n = len(seconds)
+    return Units(span=tuple((f"u{i}", f"u{i}") for i in range(n)), starts=tuple(f"u{i}" for i in range(n)),
+                 compute_s=np.array(seconds, float), comm_s=np.zeros(n), overhead_s=np.zeros(n),
+                 latency_s=np.zeros(n), forward_share=1 / 3, activation_bytes=np.array(activation_mib) * MiB,
+                 rerun_bytes=np.zeros(n), send_bytes=np.array([0.0] + [send_mib * MiB] * (n - 1)),
+                 groups=tuple(((k,),) for k in param_numels), model_groups=tuple((k,) for k in param_numels),
+                 modules=np.ones(n))
+
+
+def _setup(pp, rows, limit=float("inf"), send_s_per_mib=0.0):
+    return Setup(pp=pp, dp=1, rows=rows, zero=0, precision="fp32", offload="none", limit=limit,
+                 send=lambda b: b / MiB * send_s_per_mib, dp_seconds=lambda b, modules: 0.0,
+                 offload_seconds=lambda numel: 0.0)
+
+
+def test_min_max_partition_of_unequal_layers():
+    # 1+1+1 | 3 beats 1+1 | 1+3; in three parts 1+1 | 1 | 3 (largest 3); ties go to the earliest cut
+    assert min_max_partition(sum_load([1, 1, 1, 3]), 4, 2) == (3.0, [3])
+    assert min_max_partition(sum_load([1, 1, 1, 3]), 4, 3) == (3.0, [1, 3])
+    assert min_max_partition(sum_load([1, 2]), 2, 3) == (float("inf"), [])
+
+
+@pytest.mark.parametrize("pp, limit_mib", [(2, 48), (3, 40), (4, 40), (2, 40)])
+def test_stage_cuts_match_brute_force_under_the_memory_limit(pp, limit_mib):
+    """Unequal layers, and memory that holds pp - s micro-batches on stage s (1F1B): the cuts
+    minimise the slowest stage among all cuts whose every stage fits (by brute force, each of these
+    limits moves the optimum off the fastest cuts; with pp=2 under 40 MiB none fits)."""
+    seconds = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    acts = [2.0, 7.0, 1.0, 8.0, 2.0, 8.0, 1.0, 8.0]  # MiB per row
+    numels = [1, 2, 3, 4, 5, 6, 7, 8]  # x 2**16 parameters of 16 bytes (fp32 weight, grad, two moments): MiB
+    units = _units(seconds, acts, [k * 2**16 for k in numels])
+    rows = m = 8  # one row per micro-batch
+    state = [state_memory([(k * 2**16,)], 0, 1, "fp32", "none") for k in numels]
+    found = cost_pipeline(units, _setup(pp, rows, limit_mib * MiB), state, m, "1f1b", 1)
+
+    def parts(cuts):
+        return list(zip((0, *cuts), (*cuts, 8)))
+
+    def fits(cuts):  # stage s holds units i..j-1 and pp - s micro-batches of one row
+        return all(sum(numels[i:j]) + sum(acts[i:j]) * min(m, pp - s) <= limit_mib
+                   for s, (i, j) in enumerate(parts(cuts)))
+
+    slowest = {cuts: max(sum(seconds[i:j]) for i, j in parts(cuts))
+               for cuts in itertools.combinations(range(1, 8), pp - 1)}
+    feasible = {cuts: t for cuts, t in slowest.items() if fits(cuts)}
+    if not feasible:
+        assert found is None
+        return
+    cuts = tuple(int(b[1:]) for b in found.boundaries)
+    assert cuts in feasible and feasible[cuts] == min(feasible.values()) > min(slowest.values())
+    assert max(s.forward_s + s.backward_s for s in found.stages) == pytest.approx(feasible[cuts])
+    assert all(s.memory.total_bytes <= limit_mib * MiB for s in found.stages)
+
+
+def test_two_stage_step_and_bubble_by_hand():
+    """Two equal stages of 0.3 s per row, 4 rows, 10 ms to send across the cut each way. By hand,
+    1F1B with 4 micro-batches: stage 0 runs F in 0.11 s (0.1 + its send), B in 0.2; stage 1 F in
+    0.1, B in 0.21 (0.2 + sending the gradient back). Stepping through 0F0 0F1 0B0 0F2 0B1 0F3 0B2
+    0B3 and 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3, the last action (0B3) ends at 1.55 s = (m + p - 1) x
+    0.31; each stage is busy 4 x 0.31 = 1.24 s, so the bubble is 1 - 2.48 / (2 x 1.55) = 0.2."""
+    units = _units([0.3, 0.3], [1.0, 1.0], [10, 10], send_mib=1.0)
+    found, bound = best_pipeline(units, _setup(pp=2, rows=4, send_s_per_mib=0.01))
+    assert (found.schedule, found.micro_batches) == ("1f1b", 4) and found.boundaries == ("u1",)
+    assert found.step_s == pytest.approx(1.55)
+    assert found.bubble == pytest.approx(0.2) == pytest.approx((2 - 1) / (4 + 2 - 1))
+    assert found.compute_s == pytest.approx(1.2) and found.p2p_s == pytest.approx(0.04)
+    assert found.bubble_s == pytest.approx(1.55 - 1.24)
+    assert [(s.forward_s, s.backward_s) for s in found.stages] == [pytest.approx((0.11, 0.2)),
+                                                                   pytest.approx((0.1, 0.21))]
+    # GPipe holds all 4 micro-batches on each stage (4 MiB of activations), 1F1B 2 on stage 0
+    state = [state_memory([(10,)], 0, 1, "fp32", "none")] * 2
+    gpipe = cost_pipeline(units, _setup(2, 4), state, 4, "gpipe", 1)
+    assert gpipe.stages[1].memory.activations_bytes == 4 * MiB and found.stages[0].memory.activations_bytes == 2 * MiB
+
+
+def test_meshes_offer_pipelines_up_to_the_blocks():
+    meshes = mesh_candidates(8, blocks=2)
+    assert (("pp", 2), ("dp", 2), ("tp", 2)) in meshes and (("dp", 8), ("tp", 1)) in meshes
+    assert {dict(m).get("pp", 1) for m in meshes} == {1, 2} and len(meshes) == 4 + 3
+
+
+def _gpt_search(limit=None, meshes=None, batch=64):
+    model = models.build("gpt-small", "meta")
+    return model, search(model, model.example_inputs(1), Cluster.preset("cpu-gloo:4"), batch, limit, meshes=meshes)
+
+
+def test_a_model_that_fits_only_pipelined_gets_a_consistent_pipeline_plan():
+    # gpt-small at 64 rows: a whole-model split needs 7.5 MiB at the least (dp=4, zero 3, full
+    # recompute: a quarter of the state, but every block's inputs for 16 rows); 4 stages of one
+    # block each, with micro-batches of 4 rows, need less than 6 MiB
+    limit = 6.5 * MiB
+    with pytest.raises(PolyshardError, match="does not fit"):
+        _gpt_search(limit, [m for m in mesh_candidates(4, blocks=4) if "pp" not in dict(m)])
+    model, (plan, ranked) = _gpt_search(limit)
+    pp, dp = dict(plan.mesh)["pp"], dict(plan.mesh)["dp"]
+    chosen = next(c for c in ranked if c.describe() == plan.report["chosen"])
+    assert pp > 1 and chosen.memory.total_bytes <= limit and chosen.pipeline is not None
+    assert len(plan.stage_boundaries) == pp * plan.virtual_stages - 1
+    assert (64 // dp) % plan.micro_batches == 0
+    assert all(s.memory.total_bytes <= limit for s in chosen.pipeline.stages)
+    _, split = pipeline_split(model, model.example_inputs(64 // dp), plan, pp)  # the runtime cuts where it says
+    assert split.chunks == pp * plan.virtual_stages
+
+
+def test_pipeline_plan_round_trips_and_renders_its_stages():
+    # 3 rows: 1 or 3 micro-batches, neither a multiple of 2 stages, so no interleaving: one cut
+    model, (plan, _) = _gpt_search(meshes=[(("pp", 2), ("dp", 1), ("tp", 2))], batch=3)
+    plan.model = "gpt-small"
+    again = Plan.from_json(plan.to_json())
+    assert (again.stage_boundaries, again.schedule, again.micro_batches, again.virtual_stages, again.mesh) == \
+        (plan.stage_boundaries, plan.schedule, plan.micro_batches, plan.virtual_stages, plan.mesh)
+    assert len(again.stage_boundaries) == 1 and again.report == plan.report
+    text = render(again)
+    m, cut = plan.micro_batches, int(plan.stage_boundaries[0].split(".")[1])
+    assert f"pipeline: 2 stages, schedule {plan.schedule}, {m} micro-batches" in text
+    assert f"(p-1)/(m+p-1) = 1/{m + 1}" in text
+    assert f"wte..blocks.{cut - 1}" in text and f"blocks.{cut}..lm_head" in text
