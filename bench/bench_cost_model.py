@@ -139,15 +139,19 @@ def predict(configs, cluster: Cluster) -> dict:
         meta = models.build(model, device="meta")
         row = meta.example_inputs(1)
         splits = mesh_candidates(cluster.num_devices)  # every dp x tp split
-        plan, candidates = search(meta, row, cluster, batch, meshes=splits)
+        plan, _ = search(meta, row, cluster, batch, meshes=splits)
         meshes = {}
-        for c in sorted((c for c in candidates if not c.pruned), key=lambda c: c.step_s):
-            if c.mesh in meshes:
-                continue  # the split's fastest setting (optimizer-parallel level, precision) stands for it
-            alone_plan, alone = search(meta, row, cluster, batch, meshes=[c.mesh])
-            meshes[c.mesh] = {**figures_of(c), "alone": figures_of(alone[0]), "plan": alone_plan.to_json()}
+        for mesh in splits:  # each split searched alone: its best setting, never pruned by another split
+            alone_plan, alone = search(meta, row, cluster, batch, meshes=[mesh])
+            best = next(c for c in alone if c.key == _key(alone_plan))
+            meshes[mesh] = {**figures_of(best), "alone": figures_of(best), "plan": alone_plan.to_json()}
         out[(model, batch)] = {"pick": tuple(plan.mesh), "meshes": meshes}
     return out
+
+
+def _key(plan: Plan) -> tuple:
+    """The search candidate a plan came from."""
+    return tuple(plan.mesh), plan.recompute, plan.offload, plan.zero, plan.precision
 
 
 # ---------------------------------------------------------------- one mesh, trained for real

@@ -134,7 +134,8 @@ def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None, 
 
 def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float], kind: str, group_size: int) -> Link:
     """Least squares of time = latency + wire bytes / bandwidth, in relative error so the small messages
-    that carry the latency count as much as the large ones; latency is kept at or above 0."""
+    that carry the latency count as much as the large ones; latency is kept at or above 0 and returned
+    per ring step (the collective's latency / (group_size - 1))."""
     _check_kind(kind)
     if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
         raise PolyshardError(f"fitting {kind} needs one time per size and at least two distinct sizes; "
@@ -151,7 +152,9 @@ def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float], kind: s
         shown = ", ".join(_si(s, "s") for s in seconds)
         raise PolyshardError(f"{kind} times ({shown}) do not grow with message size, so no bandwidth fits; "
                              "time larger messages, more repeats, or on a quieter machine")
-    return Link(bandwidth_bytes_per_s=float(1 / per_byte), latency_s=float(latency))
+    # the planner charges latency per ring step (group_size - 1 steps per collective): store it so
+    steps = 1 if kind == "send_recv" else group_size - 1
+    return Link(bandwidth_bytes_per_s=float(1 / per_byte), latency_s=float(latency) / steps)
 
 
 def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -> Cluster:
@@ -258,9 +261,9 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
             timing = ("unsupported", "") if s.seconds is None else (
                 _si(s.seconds[i], "s"), _si(_wire(s.kind, size, s.group_size) / s.seconds[i], "B/s"))
             lines.append(f"{label:<24} {s.group_size:>5} {format_bytes(size):>10} {timing[0]:>10} {timing[1]:>14}")
-    lines += ["", "fit: time = latency + bytes each rank sends / bandwidth"]
+    lines += ["", "fit: time = (ranks - 1) x latency per step + bytes each rank sends / bandwidth"]
     for label, fit in fits.items():
-        shown = f"latency {_si(fit.latency_s, 's')}, bandwidth {_si(fit.bandwidth_bytes_per_s, 'B/s')}" \
+        shown = f"latency {_si(fit.latency_s, 's')} per step, bandwidth {_si(fit.bandwidth_bytes_per_s, 'B/s')}" \
             if isinstance(fit, Link) else fit
         lines.append(f"{label:<24} {shown}")
     return "\n".join(lines + [""] + [f"note: {n}" for n in notes])

@@ -28,7 +28,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.graph.regions import recomputed
 from polyshard.mesh import PIPELINE_AXIS
-from polyshard.planner.cost.comm import axis_link
+from polyshard.planner.cost.comm import axis_link, collective_latency
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
 from polyshard.planner.cost.overlap import op_costs
@@ -342,8 +342,9 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
         return 0.0
     link = axis_link(mesh, next(n for n, s in mesh if n in data_axes), cluster)
     gather = wire_bytes("all_gather", grad_bytes, dp) / link.bandwidth_bytes_per_s
-    reduce = wire_bytes("all_reduce", grad_bytes, dp) / link.bandwidth_bytes_per_s + link.latency_s
-    return reduce + (gather + link.latency_s if zero == 1 else 2 * gather + 2 * modules * link.latency_s if zero == 3
+    latency = collective_latency(link, dp)
+    reduce = wire_bytes("all_reduce", grad_bytes, dp) / link.bandwidth_bytes_per_s + latency
+    return reduce + (gather + latency if zero == 1 else 2 * gather + 2 * modules * latency if zero == 3
                      else 0.0)
 
 

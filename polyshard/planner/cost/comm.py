@@ -1,7 +1,7 @@
 """Communication each op causes, per mesh axis, and its time on the link that axis rides.
 
 Bytes come from the transition table (polyshard.transitions); time is the alpha-beta model,
-latency + bytes / bandwidth, on the intra-node link when the axis and every axis inside it fit
+latency per ring step x steps + bytes / bandwidth, on the intra-node link when the axis and every axis inside it fit
 in one node, else on the inter-node link.
 """
 
@@ -59,12 +59,18 @@ def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, floa
     return {a: wire_bytes("all_reduce", local, weight.axis_sizes[a], backend) for a in axes}
 
 
+def collective_latency(link: Link, group_size: int) -> float:
+    """A ring collective's fixed cost: the link's latency once per step, group_size - 1 steps."""
+    return link.latency_s * max(group_size - 1, 1)
+
+
 def comm_seconds(bytes_by_axis: dict[str, float], mesh_axes: Axes, cluster: Cluster) -> tuple[float, float]:
     """Alpha-beta time of one op's collectives (one per axis, one after another): (transfer, latency)."""
     transfer = latency = 0.0
+    sizes = dict(mesh_axes)
     for axis, b in bytes_by_axis.items():
         if b:
             link = axis_link(mesh_axes, axis, cluster)
             transfer += b / link.bandwidth_bytes_per_s
-            latency += link.latency_s
+            latency += collective_latency(link, sizes.get(axis.split(":")[0], 2))
     return transfer, latency
