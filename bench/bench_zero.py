@@ -123,6 +123,33 @@ class TorchFSDP2(System):
         del self.model, self.opt
 
 
+class DeepSpeedZero3(TorchFSDP2):
+    """DeepSpeed's ZeRO stage 3 (when it is installed): its engine over torch's AdamW, on gloo."""
+
+    def __init__(self, cfg, seed: int, batches):
+        import deepspeed
+
+        self.name = "DeepSpeed ZeRO-3"
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.local = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
+        model = build_model(cfg, seed)
+        config = {"train_micro_batch_size_per_gpu": self.local[0][0].size(0), "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+        self.model, self.opt, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(),
+                                                        lr=LR), config=config)
+
+    def step(self, i: int) -> torch.Tensor:
+        loss = self.model(*self.local[i % len(self.local)])
+        self.model.backward(loss)
+        self.model.step()
+        return loss.detach()
+
+    def held(self) -> int:
+        params = list(self.model.module.parameters())
+        state = [t for s in self.opt.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return held_bytes([p.ds_tensor for p in params], [], state + list(self.opt.fp32_partitioned_groups_flat))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -136,7 +163,10 @@ def main(argv=None) -> None:
     systems, losses, rss = [], {}, {}
     makers = [lambda lv=int(lv): PolyshardZero(cfg, args.seed, batches, lv, args.threshold)
               for lv in args.levels.split(",")]
-    for make in [lambda: TorchFSDP2(cfg, args.seed, batches), *makers]:
+    deepspeed = [lambda: DeepSpeedZero3(cfg, args.seed, batches)] if _has_deepspeed() else []
+    if rank == 0 and not deepspeed:
+        print("DeepSpeed is not installed: compared with FSDP2 only", flush=True)
+    for make in [lambda: TorchFSDP2(cfg, args.seed, batches), *deepspeed, *makers]:
         before = rss_bytes()
         s = make()
         losses[s.name] = [mean_loss(s.step(i), "dp") for i in range(args.warmup)]
@@ -181,6 +211,16 @@ def main(argv=None) -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _has_deepspeed() -> bool:
+    """Whether DeepSpeed imports (it is optional: the comparison runs when it is installed)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 if __name__ == "__main__":
