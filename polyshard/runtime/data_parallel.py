@@ -25,7 +25,23 @@ class _Bucket:
         self.work = None
 
 
-class GradientSync:
+class Pausable:
+    """Something that syncs gradients after backward unless paused: ``syncing`` is False inside
+    :meth:`no_sync` (gradient accumulation's inner steps keep gradients local)."""
+
+    syncing = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Keep gradients local until the block ends."""
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+
+class GradientSync(Pausable):
     """Averages ``params``' gradients over ``group`` after every backward (unless in :meth:`no_sync`).
 
     ``fusion``: id(parameter) -> comm_fusion group; a bucket holds one group only. ``comm`` counts the
@@ -36,7 +52,6 @@ class GradientSync:
                  fusion: dict[int, int] | None = None):
         self.group = group
         self.world = dist.get_world_size(group)
-        self.enabled = True
         self.comm = CommStats()
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
@@ -57,17 +72,8 @@ class GradientSync:
         for p in params:
             self._bucket_of[id(p)] = bucket
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (gradient accumulation's inner steps)."""
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = True
-
     def _on_grad(self, param: nn.Parameter) -> None:
-        if not self.enabled:
+        if not self.syncing:
             return
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)

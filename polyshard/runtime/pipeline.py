@@ -29,7 +29,7 @@ from polyshard.mesh import Mesh
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops, op_overhead
 from polyshard.planner.plan import NodePlan, Plan
 from polyshard.planner.stages import assign_chunks, balanced_boundaries
-from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
+from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync, Pausable
 from polyshard.runtime.parallel import ParallelModule
 from polyshard.runtime.recompute import apply_recompute
 from polyshard.runtime.schedules import Action, ActionTime, check_schedule, schedule_actions, simulate
@@ -218,7 +218,7 @@ def micro_batches(t: torch.Tensor, m: int) -> tuple[torch.Tensor, ...]:
     return t.chunk(m)
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(nn.Module, Pausable):
     """This rank's chunks of a pipelined model. :meth:`train_step` runs a batch's forward and
     backward through the schedule (no optimizer step), so gradients land in ``.grad`` as on one device."""
 
@@ -241,7 +241,6 @@ class PipelineModule(nn.Module):
         self.pipe_group = mesh.axis_mesh(mesh.pipeline_axis).get_group()
         self.timings: list[ActionTime] = []
         self.zero = None  # the ZeroOptimizer syncing gradients instead of grad_syncs (see use_optimizer)
-        self._sync = True
 
     def forward(self, *batch):
         raise PolyshardError("a pipelined model runs forward and backward together: call train_step(*batch)")
@@ -275,21 +274,12 @@ class PipelineModule(nn.Module):
                 self.timings.append(ActionTime(self.mesh.stage, a.chunk, a.kind, a.micro, start - t0,
                                                time.perf_counter() - t0))
         step.wait_sends()
-        if self._sync:
+        if self.syncing:
             self._sum_tied()
         loss = (torch.stack(step.losses).sum() / self.plan.micro_batches if step.losses
                 else torch.zeros((), dtype=self.split.loss_dtype))
         dist.broadcast(loss, src=self.mesh.stage_rank(self.mesh.pp - 1), group=self.pipe_group)
         return loss
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Keep gradients local (gradient accumulation's inner steps): no data-parallel or tied sum."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def _sum_tied(self) -> None:
         """Each tied parameter's gradient summed over its copies, in stage order (equal on every copy);
@@ -372,7 +362,7 @@ class _Step:
             pairs = [(outs[0], None)]
         else:
             pairs = list(zip([t for k, t in zip(split.sent(c), outs) if split.edges[k].grad], grads))
-        sync = pm._sync and i == pm.plan.micro_batches - 1  # all-reduce over dp during the chunk's last backward
+        sync = pm.syncing and i == pm.plan.micro_batches - 1  # all-reduce over dp during the chunk's last backward
         with contextlib.nullcontext() if sync or c not in pm.grad_syncs else pm.grad_syncs[c].no_sync():
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

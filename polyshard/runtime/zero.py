@@ -33,7 +33,7 @@ from polyshard.errors import PolyshardError
 from polyshard.optim import Lamb, NormSpec, build_optimizer
 from polyshard.planner.cost.zero_memory import padded
 from polyshard.planner.plan import ZERO_LEVELS
-from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
+from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, Pausable
 from polyshard.runtime.fusion import CommStats, fusion_groups, plan_buckets
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.precision import LossScaler, cast_inputs, compute_dtype
@@ -95,7 +95,7 @@ class Bucket:
             self.gather_work = self.gather_src = None
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(Pausable):
     """Optimizer parallel at ``level`` over ``group`` for ``module``'s parameters; step it like a torch optimizer.
 
     ``optimizer``: "adamw", "sgd", "lamb" (keyword arguments go to it) or ``factory(params) -> Optimizer``.
@@ -132,7 +132,7 @@ class ZeroOptimizer:
         self.scaler = LossScaler() if precision == "fp16" else None
         self.comm = CommStats()
         self.skipped = False
-        self._sync, self._callback_queued, self._reached = True, False, set()
+        self._callback_queued, self._reached = False, set()
         parts = list(parts) or [module]
         part_of = {id(p): i for i, part in enumerate(parts) for p in part.parameters()}
         # the collective groups a bucket must not mix: fusion groups, each within one part, and solo parameters
@@ -165,22 +165,13 @@ class ZeroOptimizer:
 
     # ---- gradients: bucketed collectives launched from backward's hooks ----
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (gradient accumulation's inner steps); see ``shard_accumulated_grads``."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the loss scale under fp16, else unchanged."""
         return loss.float() * self.scaler.scale if self.scaler else loss
 
     def _active(self, b: Bucket) -> bool:
         """Whether ``b`` communicates in this backward."""
-        return self._sync or (b.sharded and self.level >= 2 and self.shard_accumulated_grads)
+        return self.syncing or (b.sharded and self.level >= 2 and self.shard_accumulated_grads)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._callback_queued:
