@@ -96,13 +96,18 @@ class Polyshard(System):
         del self.pm, self.opt
 
 
+def rank_rows(batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's rows of each global batch, over a data-parallel group of every rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
+
+
 class TorchDDP(System):
     def __init__(self, cfg, seed: int, batches):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.name = "torch DDP"
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.local = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
+        self.local = rank_rows(batches)
         self.model = DDP(build_model(cfg, seed))  # gloo, default buckets (25 MiB, first 1 MiB)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import polyshard as ps  # noqa: E402
+from bench_core import NUM_BATCHES, make_batches  # noqa: E402
 from training import train_step  # noqa: E402
 from polyshard import models  # noqa: E402
 from polyshard.calibrate import calibrate, message_sizes  # noqa: E402
@@ -48,7 +49,6 @@ from polyshard.runtime.data_parallel import GradientSync  # noqa: E402
 from polyshard.runtime.trainer import make_optimizer  # noqa: E402
 
 LR = 1e-3
-NUM_BATCHES = 4  # distinct global batches, cycled through by every mesh in the same order
 PICK_TOLERANCE = 0.10  # the pick passes if its measured time is within 10% of the fastest
 
 
@@ -157,15 +157,6 @@ def _key(plan: Plan) -> tuple:
 # ---------------------------------------------------------------- one mesh, trained for real
 
 
-def make_batches(cfg, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for s in range(NUM_BATCHES):
-        g = torch.Generator().manual_seed(1000 + s)
-        out.append((torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g),
-                    torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)))
-    return out
-
-
 class Run:
     """One configuration on one mesh: ``step(i)`` trains on global batch ``i`` (this rank's rows)."""
 
@@ -249,7 +240,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ps.init({"dp": world})  # starts the gloo process group (1 thread per rank)
-    rank, lead = dist.get_rank(), dist.get_rank() == 0
+    lead = dist.get_rank() == 0
     if min(args.warmup, args.steps, args.rounds) < 1:
         raise SystemExit("--warmup, --steps and --rounds must be at least 1")
     cluster = load_cluster(args.cluster)
@@ -272,7 +263,7 @@ def main(argv=None) -> None:
     runs: list[Run] = []
     first_loss: dict[tuple[str, int], dict[str, float]] = {}
     for model, batch in configs:
-        batches = make_batches(models.CONFIGS[model], batch)
+        batches = make_batches(models.CONFIGS[model], batch, NUM_BATCHES)
         for mesh, figures in predicted[(model, batch)]["meshes"].items():
             plan = Plan.from_json(figures["plan"]) if args.plan == "search" else None
             run = Run(model, batch, mesh, batches, plan)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import polyshard as ps  # noqa: E402
-from bench_core import NUM_BATCHES, System, build_model, make_batches, mean_loss, timed_round  # noqa: E402
+from bench_core import NUM_BATCHES, System, build_model, make_batches, mean_loss, rank_rows, timed_round  # noqa: E402
 from training import train_step  # noqa: E402
 from polyshard import models  # noqa: E402
 from polyshard.runtime.zero import setup_zero  # noqa: E402
@@ -50,6 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threshold", type=int, default=64 * 1024,
                    help="bytes below which a parameter stays whole (default 64 KiB; 0 shards all, as FSDP2 does)")
     return p.parse_args(argv)
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every state tensor of a torch optimizer (moments, step counters)."""
+    return [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
 
 def held_bytes(params, grads, state) -> int:
@@ -88,7 +93,7 @@ class PolyshardZero(System):
 
     def held(self) -> int:
         params = list(self.pm.parameters()) + [b.master for b in self.opt.buckets]
-        state = [t for s in self.opt.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        state = optimizer_state(self.opt.optimizer)
         return held_bytes(params, [p.grad for p in params if p.grad is not None], state)
 
     def close(self) -> None:
@@ -102,9 +107,8 @@ class TorchFSDP2(System):
         from torch.distributed.fsdp import fully_shard
 
         self.name = "torch FSDP2"
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.local = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        self.local = rank_rows(batches)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
         self.model = build_model(cfg, seed)
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
@@ -116,7 +120,7 @@ class TorchFSDP2(System):
 
     def held(self) -> int:
         params = list(self.model.parameters())
-        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        state = optimizer_state(self.opt)
         return held_bytes(params, [p.grad for p in params if p.grad is not None], state)
 
     def close(self) -> None:
@@ -130,8 +134,7 @@ class DeepSpeedZero3(TorchFSDP2):
         import deepspeed
 
         self.name = "DeepSpeed ZeRO-3"
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.local = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
+        self.local = rank_rows(batches)
         model = build_model(cfg, seed)
         config = {"train_micro_batch_size_per_gpu": self.local[0][0].size(0), "gradient_accumulation_steps": 1,
                   "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
@@ -146,7 +149,7 @@ class DeepSpeedZero3(TorchFSDP2):
 
     def held(self) -> int:
         params = list(self.model.module.parameters())
-        state = [t for s in self.opt.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        state = optimizer_state(self.opt.optimizer)
         return held_bytes([p.ds_tensor for p in params], [], state + list(self.opt.fp32_partitioned_groups_flat))
 
 

@@ -6,7 +6,6 @@ built on the meta device, so the planner can read 175B-parameter models without 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

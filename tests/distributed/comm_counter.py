@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -7,7 +7,6 @@ leave a rule: the "dtensor" ops reduce them before handing their output on.
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
