@@ -35,14 +35,25 @@ class _Device:
     inter_node: Link  # between nodes
     overheads: tuple[float, float]  # (op_overhead_s, split_op_overhead_s) of Cluster
     offload_bandwidths: tuple[float, float]  # (host_bandwidth_bytes_per_s, disk_bandwidth_bytes_per_s) of Cluster
+    memory_bandwidth_bytes_per_s: float  # achievable device-memory bandwidth (read + write)
+    matmul_efficiency: float  # share of peak FLOP/s a large matrix product reaches
+    attention_efficiency: float  # share of peak FLOP/s fused attention reaches in training
 
 
 def _flops(fp32: float, half: float) -> dict[str, float]:
     return {"float32": fp32, "bfloat16": half, "float16": half}
 
 
-# InfiniBand HDR, one 200 Gb/s NIC per GPU (NVIDIA ConnectX-6 datasheet).
-_IB_200G = Link(bandwidth_bytes_per_s=25e9, latency_s=5e-6)
+# Collectives are costed at the bus bandwidth NCCL reaches, not the line rate (nccl-tests' busbw):
+# inter-node, one NIC per GPU at about 92% of line rate: InfiniBand HDR 200 Gb/s (A100 systems, NVIDIA
+# ConnectX-6) and NDR 400 Gb/s (H100/H200 systems, ConnectX-7).
+_IB_HDR = Link(bandwidth_bytes_per_s=0.92 * 25e9, latency_s=5e-6)
+_IB_NDR = Link(bandwidth_bytes_per_s=0.92 * 50e9, latency_s=5e-6)
+# NVLink 3 (A100: 600 GB/s total, 300 per direction) and NVLink 4 (H100/H200: 900 GB/s total, 450 per
+# direction), at the ~78% of the per-direction rate that NCCL's all-reduce bus bandwidth reaches in
+# one DGX node; 2 us is a typical NCCL small-message latency there (datasheets omit it).
+_NVLINK3 = Link(bandwidth_bytes_per_s=0.78 * 300e9, latency_s=2e-6)
+_NVLINK4 = Link(bandwidth_bytes_per_s=0.78 * 450e9, latency_s=2e-6)
 # Loopback TCP between processes of one machine (typical measured figure).
 _LOOPBACK = Link(bandwidth_bytes_per_s=5e9, latency_s=20e-6)
 # 10 Gb Ethernet between CPU machines (IEEE 802.3ae line rate).
@@ -57,29 +68,37 @@ _CPU_OVERHEADS = (40e-6, 400e-6)
 # line rate, one NVMe SSD (typical sequential figure); on CPU, a memory copy and a SATA-class disk.
 _PCIE4, _PCIE5, _NVME = 25e9, 50e9, 3e9
 _CPU_OFFLOAD = (10e9, 0.5e9)
+# Measured on one H100 SXM (bench/bench_device.py, bench/results/h100-80g.json): bf16 products of
+# 1024..16384 per side reach 768 of the 989 TFLOP/s peak (0.78), fp32 50 of 67 (0.75); causal flash
+# attention (head dim 128, forward + backward, counted as 3 x 4*B*H*T*T*D) 530 (0.55); a copy moves
+# 2.92 of the 3.35 TB/s of HBM3 (0.87). Other GPUs take the same shares of their datasheet figures
+# until `polyshard calibrate` measures them.
+_MATMUL_SHARE, _ATTENTION_SHARE, _STREAM_SHARE = 0.78, 0.55, 0.87
+_GPU_RATES = (_MATMUL_SHARE, _ATTENTION_SHARE)
 
-# Device types by preset name. NVLink latency (2 us) is a typical NCCL small-message figure; datasheets omit it.
-# The cpu row's memory is a placeholder: `_device` reads the machine's RAM.
+# Device types by preset name. The cpu row's memory is a placeholder: `_device` reads the machine's RAM.
 _DEVICES: dict[str, _Device] = {
-    # NVIDIA A100 datasheet: 40 GB HBM2, 19.5 TFLOP/s fp32, 312 bf16/fp16, NVLink 600 GB/s total.
-    "A100-40G": _Device("cuda", 40 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G, _GPU_OVERHEADS,
-                        (_PCIE4, _NVME)),
-    # NVIDIA A100 datasheet: 80 GB HBM2e, same compute and NVLink as the 40 GB part.
-    "A100-80G": _Device("cuda", 80 * GiB, _flops(19.5e12, 312e12), Link(300e9, 2e-6), _IB_200G, _GPU_OVERHEADS,
-                        (_PCIE4, _NVME)),
-    # NVIDIA H100 SXM datasheet: 80 GB HBM3, 67 TFLOP/s fp32, 989 bf16/fp16 dense, NVLink 900 GB/s total.
-    "H100-80G": _Device("cuda", 80 * GiB, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G, _GPU_OVERHEADS,
-                        (_PCIE5, _NVME)),
-    # NVIDIA H200 SXM datasheet: 141 GB HBM3e, H100 compute, NVLink 900 GB/s total.
-    "H200-141G": _Device("cuda", 141 * 10**9, _flops(67e12, 989e12), Link(450e9, 2e-6), _IB_200G, _GPU_OVERHEADS,
-                         (_PCIE5, _NVME)),
-    # A modest multi-core CPU; half precision is not faster than fp32 there.
-    "cpu": _Device("cpu", 0, _flops(5e10, 5e10), _LOOPBACK, _ETHERNET_10G, _CPU_OVERHEADS, _CPU_OFFLOAD),
+    # NVIDIA A100 datasheet: 40 GB HBM2 at 1555 GB/s, 19.5 TFLOP/s fp32, 312 bf16/fp16, NVLink 3.
+    "A100-40G": _Device("cuda", 40 * GiB, _flops(19.5e12, 312e12), _NVLINK3, _IB_HDR, _GPU_OVERHEADS,
+                        (_PCIE4, _NVME), _STREAM_SHARE * 1555e9, *_GPU_RATES),
+    # NVIDIA A100 datasheet: 80 GB HBM2e at 2039 GB/s, same compute and NVLink as the 40 GB part.
+    "A100-80G": _Device("cuda", 80 * GiB, _flops(19.5e12, 312e12), _NVLINK3, _IB_HDR, _GPU_OVERHEADS,
+                        (_PCIE4, _NVME), _STREAM_SHARE * 2039e9, *_GPU_RATES),
+    # NVIDIA H100 SXM datasheet: 80 GB HBM3 at 3.35 TB/s, 67 TFLOP/s fp32, 989 bf16/fp16 dense, NVLink 4.
+    "H100-80G": _Device("cuda", 80 * GiB, _flops(67e12, 989e12), _NVLINK4, _IB_NDR, _GPU_OVERHEADS,
+                        (_PCIE5, _NVME), _STREAM_SHARE * 3.35e12, *_GPU_RATES),
+    # NVIDIA H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s, H100 compute, NVLink 4.
+    "H200-141G": _Device("cuda", 141 * 10**9, _flops(67e12, 989e12), _NVLINK4, _IB_NDR, _GPU_OVERHEADS,
+                         (_PCIE5, _NVME), _STREAM_SHARE * 4.8e12, *_GPU_RATES),
+    # A modest multi-core CPU; half precision is not faster than fp32 there. Matmul rates above are
+    # already what such a core reaches, and memory-bound ops are left to the per-op cost.
+    "cpu": _Device("cpu", 0, _flops(5e10, 5e10), _LOOPBACK, _ETHERNET_10G, _CPU_OVERHEADS, _CPU_OFFLOAD, 0.0, 1.0, 1.0),
 }
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s")
 _OFFLOAD_KEYS = ("host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s")
+_RATE_KEYS = ("memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency")
 
 _SPEC = re.compile(r"(?:(\d+)x)?(\d+)x(.+?)(?:-nvlink|-ib)*", re.IGNORECASE)
 _CPU_GLOO = re.compile(r"cpu-gloo(?::(\d+))?", re.IGNORECASE)
@@ -105,6 +124,12 @@ class Cluster:
     # Copies between a device and its host's memory, and between host memory and local disk (offload).
     host_bandwidth_bytes_per_s: float = 0.0
     disk_bandwidth_bytes_per_s: float = 0.0
+    # Device-memory bytes per second (read + write) that memory-bound ops reach; 0: cost them by FLOPs alone.
+    memory_bandwidth_bytes_per_s: float = 0.0
+    # Share of flops_per_s a large matrix product reaches (1.0 where flops_per_s were measured on products).
+    matmul_efficiency: float = 1.0
+    # Share of flops_per_s fused attention (scaled_dot_product_attention) reaches in training.
+    attention_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.devices_per_node < 1:
@@ -166,6 +191,7 @@ class Cluster:
         if isinstance(data, dict):  # files written before these figures existed: their device type's preset
             like = _DEVICES["cpu" if data.get("device_type") == "cpu" else "A100-80G"]
             data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload_bandwidths)),
+                    "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
                     **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         links = {
@@ -182,7 +208,7 @@ class Cluster:
                 intra_node=Link(**{k: float(v) for k, v in links["intra_node"].items()}),
                 inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
                 flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
-                **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS},
+                **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS},
             )
         except PolyshardError:
             raise
@@ -243,6 +269,9 @@ def _cluster(nodes: int, per_node: int, name: str, device: _Device) -> Cluster:
         flops_per_s=dict(device.flops_per_s),
         **dict(zip(_OVERHEAD_KEYS, device.overheads)),
         **dict(zip(_OFFLOAD_KEYS, device.offload_bandwidths)),
+        memory_bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
+        matmul_efficiency=device.matmul_efficiency,
+        attention_efficiency=device.attention_efficiency,
     )
 
 

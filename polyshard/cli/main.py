@@ -78,15 +78,25 @@ def _parser() -> argparse.ArgumentParser:
     t.set_defaults(handler=_train)
 
     pl = sub.add_parser("plan", help="choose how to split a model over a cluster (prints it, can write it)",
-                        description="Search every dp x tp split of the cluster's devices and, within each, every "
-                                    "operator's strategy (an integer program), under a per-device memory limit.")
-    pl.add_argument("--model", required=True, help="model name (see `polyshard models`)")
-    pl.add_argument("--cluster", required=True, help="NODESxDEVICESxTYPE (e.g. 128x8xA100-80G), cpu-gloo:N, or a YAML file")
-    pl.add_argument("--batch-size", type=int, default=0, help="global batch rows per step (default: 1 per device)")
-    pl.add_argument("--memory-limit", default="", help="bytes per device, e.g. 70GiB (default: the device's memory)")
-    pl.add_argument("--pin", default="", help="YAML of strategies to keep: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")
+                        description="Search every dp x pp x tp split of the cluster's devices and, within each, every "
+                                    "operator's strategy (an integer program), micro-batches, schedule, optimizer "
+                                    "parallel level, precision, recompute and offload, under a per-device memory "
+                                    "limit.")
+    _planning_flags(pl)
+    pl.add_argument("--config", default="", help="settings the plan must keep, the rest searched: e.g. "
+                    "'tp=8,pp=16' (keys: dp tp pp mbs m schedule v zero recompute precision offload)")
     pl.add_argument("--out", default="", help="write the plan here as JSON")
     pl.set_defaults(handler=_plan)
+
+    co = sub.add_parser("cost", help="price a given configuration with the planner's cost model",
+                        description="Predict the step time and memory of one configuration (the keys left out are "
+                                    "chosen by the search, and the output says what it chose), with the same "
+                                    "breakdown as `polyshard plan`; --json for scripts.")
+    _planning_flags(co)
+    co.add_argument("--config", required=True, help="e.g. 'dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,"
+                    "recompute=full,precision=bf16'")
+    co.add_argument("--out", default="", help="write the priced plan here as JSON")
+    co.set_defaults(handler=_plan)
 
     ex = sub.add_parser("explain", help="show a plan file again, with why its choice won",
                         description="Print a plan file: candidates, the choice and its runner-up, memory, layouts.")
@@ -135,37 +145,69 @@ def _train(args) -> int:
     return 0
 
 
+def _planning_flags(p: argparse.ArgumentParser) -> None:
+    """What `plan` and `cost` share: the model, the cluster, the batch and the memory budget."""
+    p.add_argument("--model", required=True, help="a name from `polyshard models`, or a shape such as "
+                   "'gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200' (ffn defaults to 4 x hidden)")
+    p.add_argument("--cluster", required=True, help="NODESxDEVICESxTYPE (e.g. 128x8xA100-80G), cpu-gloo:N, or a YAML "
+                   "file from `polyshard calibrate`")
+    p.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=0,
+                   help="sequences per optimizer step, over all devices (default: 1 per device)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--memory-limit", default="", help="bytes per device, e.g. 70GiB (default: the device's memory)")
+    p.add_argument("--memory-reserve", default="", help="of the limit, bytes plans leave free for the CUDA context, "
+                   "communication buffers and allocator fragmentation (default: on GPUs the larger of 5%% and 2GiB)")
+    p.add_argument("--pin", default="", help="YAML of strategies to keep: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")
+    p.add_argument("--json", action="store_true", help="print one JSON object (step_s, memory_bytes_per_device, "
+                   "config, breakdown, planning_s) instead of the table")
+
+
 def _plan(args) -> int:
+    import json
     import time
 
     from polyshard import models
     from polyshard.cluster import Cluster, parse_bytes
-    from polyshard.planner.report import render
+    from polyshard.planner.config import Fixed
+    from polyshard.planner.report import render, summary
     from polyshard.planner.search import search
 
     cluster = Cluster.load(args.cluster)
-    if args.model not in models.CONFIGS:
-        raise PolyshardError(f"--model {args.model!r} is unknown; `polyshard models` lists: {', '.join(models.CONFIGS)}")
+    cfg = models.config(args.model, args.seq_len)
+    fixed = Fixed.parse(args.config)
     batch = args.batch_size or cluster.num_devices
     if batch < 1:
-        raise PolyshardError(f"--batch-size must be at least 1, got {batch}")
+        raise PolyshardError(f"--global-batch must be at least 1, got {batch}")
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    reserve = parse_bytes(args.memory_reserve) if args.memory_reserve else None
+    if args.pin and not Path(args.pin).is_file():
+        raise PolyshardError(f"--pin file {args.pin!r} does not exist")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise PolyshardError(f"--out {args.out!r} is in a folder that does not exist; create it first")
     start = time.perf_counter()
-    model = models.build(args.model, device="meta")
+    model = models.build(args.model, device="meta", seq_len=args.seq_len)
     if args.pin:
         from polyshard.runtime.trainer import apply_strategies
 
-        if not Path(args.pin).is_file():
-            raise PolyshardError(f"--pin file {args.pin!r} does not exist")
         apply_strategies(model, args.pin)
-    plan, _ = search(model, model.example_inputs(1), cluster, batch, limit)
-    plan.model = args.model
-    print(f"planned {args.model} on {cluster.num_devices} devices ({args.cluster}) "
-          f"in {time.perf_counter() - start:.1f} s")
-    print(render(plan))
+    plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, reserve_bytes=reserve)
+    plan.model = args.model if args.seq_len is None else models.shape_spec(cfg)
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({**summary(plan, cfg, cluster.num_devices), "planning_s": round(seconds, 3),
+                          "fixed": fixed.text()}))
+    else:
+        print(f"planned {args.model} on {cluster.num_devices} devices ({args.cluster}), global batch {batch} "
+              f"x {cfg.seq_len} tokens, in {seconds:.1f} s")
+        if fixed.text():
+            kept = {kv.split("=")[0] for kv in fixed.text().split(",")}
+            chosen = [kv for kv in plan.report["config"].split(",") if kv.split("=")[0] not in kept]
+            print(f"kept {fixed.text()}; the search chose {','.join(chosen) or 'nothing else'}")
+        print(render(plan))
     if args.out:
         Path(args.out).write_text(plan.to_json())
-        print(f"plan: {args.out}")
+        if not args.json:
+            print(f"plan: {args.out}")
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from polyshard.errors import PolyshardError
@@ -21,13 +23,79 @@ CONFIGS: dict[str, GPTConfig] = {
 }
 
 
-def build(name: str, device: str | torch.device = "cpu", seed: int = 0) -> GPT:
-    """The named GPT; on ``device="meta"`` no memory is used (for planning)."""
-    if name not in CONFIGS:
-        raise PolyshardError(f"unknown model {name!r}; known: {', '.join(CONFIGS)}")
+# `gpt:KEY=VALUE,...` keys and the GPTConfig field each sets
+_SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden", "heads": "num_heads", "vocab": "vocab_size",
+               "seq": "seq_len", "ffn": "ffn", "dropout": "dropout", "attention": "attention"}
+_ATTENTIONS = ("fused", "math")
+
+
+def config(name: str, seq_len: int | None = None) -> GPTConfig:
+    """The GPT a name describes: one of CONFIGS, or a shape such as
+    ``gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200`` (ffn defaults to 4 x hidden);
+    ``seq_len`` overrides its sequence length."""
+    if name.startswith("gpt:"):
+        cfg = _parse_shape(name)
+    elif name in CONFIGS:
+        cfg = CONFIGS[name]
+    else:
+        raise PolyshardError(f"unknown model {name!r}; known: {', '.join(CONFIGS)}, or a shape such as "
+                             "'gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200'")
+    if seq_len is not None:
+        if seq_len < 1:
+            raise PolyshardError(f"sequence length must be at least 1, got {seq_len}")
+        cfg = replace(cfg, seq_len=seq_len)
+    return cfg
+
+
+def shape_spec(cfg: GPTConfig) -> str:
+    """``cfg`` in the ``gpt:KEY=VALUE,...`` spelling :func:`config` reads."""
+    defaults = GPTConfig(1, 1, 1)
+    return "gpt:" + ",".join(f"{k}={getattr(cfg, f)}" for k, f in _SHAPE_KEYS.items()
+                             if f not in ("ffn", "dropout", "attention") or getattr(cfg, f) != getattr(defaults, f))
+
+
+def _parse_shape(name: str) -> GPTConfig:
+    values: dict[str, object] = {}
+    for part in filter(None, name[len("gpt:"):].split(",")):
+        key, _, value = (x.strip() for x in part.partition("="))
+        values[_SHAPE_KEYS.get(key, key)] = _shape_value(key, value, part, name)
+    missing = [k for k, f in _SHAPE_KEYS.items() if f in ("num_layers", "hidden", "num_heads") and f not in values]
+    if missing:
+        raise PolyshardError(f"model shape {name!r} needs {', '.join(missing)}")
+    if values["hidden"] % values["num_heads"]:
+        raise PolyshardError(f"model shape {name!r}: hidden {values['hidden']} is not a multiple of heads "
+                             f"{values['num_heads']}")
+    return GPTConfig(**{"vocab_size": 51200, "seq_len": 2048, **values})
+
+
+def _shape_value(key: str, value: str, part: str, name: str) -> object:
+    """One ``KEY=VALUE`` of a shape, checked: sizes are positive integers, dropout a probability."""
+    if key == "attention":
+        if value not in _ATTENTIONS:
+            raise PolyshardError(f"model shape {name!r}: attention must be one of {', '.join(_ATTENTIONS)}, got {value!r}")
+        return value
+    if key == "dropout":
+        try:
+            p = float(value)
+        except ValueError:
+            p = -1.0
+        if not 0 <= p < 1:
+            raise PolyshardError(f"model shape {name!r}: dropout must be in [0, 1), got {value!r}")
+        return p
+    if key not in _SHAPE_KEYS or not value.isdigit() or int(value) < 1:
+        raise PolyshardError(f"model shape entry {part!r} in {name!r} is not KEY=POSITIVE_INTEGER with KEY one "
+                             f"of {', '.join(k for k in _SHAPE_KEYS if k not in ('dropout', 'attention'))} "
+                             "(or dropout=P, attention=fused|math)")
+    return int(value)
+
+
+def build(name: str, device: str | torch.device = "cpu", seed: int = 0, seq_len: int | None = None) -> GPT:
+    """The GPT a name or shape describes (see :func:`config`); on ``device="meta"`` no memory is used
+    (for planning)."""
+    cfg = config(name, seq_len)
     torch.manual_seed(seed)
     with torch.device(device):
-        return GPT(CONFIGS[name])
+        return GPT(cfg)
 
 
-__all__ = ["CONFIGS", "GPT", "GPTConfig", "MLPClassifier", "build", "flops_per_token"]
+__all__ = ["CONFIGS", "GPT", "GPTConfig", "MLPClassifier", "build", "config", "flops_per_token", "shape_spec"]

@@ -17,7 +17,9 @@ from torch import nn
 class GPTConfig:
     """num_layers: blocks; hidden: model width; num_heads: attention heads; ffn: MLP width
     (4x hidden when 0); vocab_size: tokens; seq_len: longest sequence; tied: LM head shares
-    the token embedding; dropout: kept 0 for exact parity."""
+    the token embedding; dropout: of attention probabilities and of each block's two residual
+    branches (kept 0 for exact parity); attention: "fused" (scaled_dot_product_attention) or
+    "math" (scores, softmax and dropout written out, as GPT-2 and Megatron-LM 2021 ran it)."""
 
     num_layers: int
     hidden: int
@@ -27,6 +29,7 @@ class GPTConfig:
     ffn: int = 0
     tied: bool = True
     dropout: float = 0.0
+    attention: str = "fused"
 
     @property
     def ffn_hidden(self) -> int:
@@ -44,26 +47,43 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.hidden // cfg.num_heads
+        self.dropout = cfg.dropout
         self.q = nn.Linear(cfg.hidden, cfg.hidden)
         self.k = nn.Linear(cfg.hidden, cfg.hidden)
         self.v = nn.Linear(cfg.hidden, cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.math = cfg.attention == "math"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.size()
         q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        if self.math:
+            causal = torch.full((t, t), float("-inf"), device=x.device).triu(1)  # -inf above the diagonal
+            scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1) + causal
+            probs = F.softmax(scores, dim=-1)
+            if self.dropout:
+                probs = F.dropout(probs, self.dropout, self.training)
+            y = probs @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        return _dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)), self.dropout, self.training)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout when asked for; at p=0 no op at all, so captured graphs stay as without it."""
+    return F.dropout(x, p, training) if p else x
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.dropout = cfg.dropout
         self.fc = nn.Linear(cfg.hidden, cfg.ffn_hidden)
         self.proj = nn.Linear(cfg.ffn_hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return _dropout(self.proj(F.gelu(self.fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):

@@ -26,10 +26,10 @@ from polyshard.graph.capture import shape_of
 from polyshard.layout import Axes, Layout
 from polyshard.planner.cost.comm import comm_seconds, partial_sum_bytes
 from polyshard.graph.regions import Recomputed, recomputed
-from polyshard.planner.cost.compute import forward_flops, op_overhead, passes
+from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
 from polyshard.planner.cost.memory import keeps_activation, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
-from polyshard.planner.plan import NodePlan, Plan
+from polyshard.planner.plan import DTYPES, NodePlan, Plan
 from polyshard.planner.rules import RuleContext, decide_all
 from polyshard.transitions import transition_bytes
 
@@ -132,9 +132,9 @@ class Program:
 
 
 def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int,
-                  rc: Recomputed = Recomputed(), offload: str = "none") -> Program:
-    """Candidates, costs (seconds per step at ``rows`` rows) and memory of every choice, under recompute
-    ``rc`` and optimizer-state ``offload``."""
+                  rc: Recomputed = Recomputed(), offload: str = "none", precision: str = "fp32") -> Program:
+    """Candidates, costs (seconds per step at ``rows`` rows, computing and communicating in
+    ``precision``) and memory of every choice, under recompute ``rc`` and optimizer-state ``offload``."""
     options, copied = candidates(gm, op_axes)
     modules = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)
@@ -146,13 +146,13 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
                 var_of[(n.name, i)] = len(var_of)
     node_cost, node_mem = np.zeros(len(var_of)), np.zeros(len(var_of))
     seen_params: set[int] = set()
-    rate = cluster.flops_per_s["float32"]
+    dtype, itemsize = DTYPES[precision]
     per_node: dict[str, tuple[list[float], list[float]]] = {}  # a twin costs what its twin does
     for n in nodes:
         if n.name in copied and not _shares_params(n, modules, seen_params):
             costs, mems = per_node[copied[n.name]]
         else:
-            costs = [_op_seconds(n, d, modules, op_axes, cluster, rows, rate, rc) for d in options[n.name]]
+            costs = [_op_seconds(n, d, modules, op_axes, cluster, rows, dtype, itemsize, rc) for d in options[n.name]]
             mems = [_op_memory(n, d, modules, rows, seen_params, rc, offload) for d in options[n.name]]
         per_node[n.name] = (costs, mems)
         for i, (c, m) in enumerate(zip(costs, mems)):
@@ -168,7 +168,7 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
             costs = per_edge.get((copied.get(u.name), copied.get(n.name)))  # the twin edge, inside a block
             if costs is None:
                 costs = np.array([[_edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster, rows,
-                                                 passes(n.name, rc)[1])
+                                                 passes(n.name, rc)[1], itemsize)
                                    for d in options[n.name]] for o in options[u.name]])
             per_edge[(u.name, n.name)] = costs
             key = (rep[u.name], rep[n.name])
@@ -190,14 +190,16 @@ def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
 
 def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory_limit_bytes: float,
           cutoff_s: float | None = None, time_limit_s: float = 30.0, recompute: str = "none",
-          recompute_comm: str = "keep", offload: str = "none") -> IntraOpResult:
+          recompute_comm: str = "keep", offload: str = "none", precision: str = "fp32") -> IntraOpResult:
     """The cheapest strategy per op for ``rows`` batch rows per device (``gm`` captured at one row),
-    with activations under ``recompute`` and optimizer state under ``offload`` (see :class:`Plan`).
+    with activations under ``recompute`` and optimizer state under ``offload`` (see :class:`Plan`),
+    computing and communicating in ``precision``.
 
     Pruned (no plan) when the LP bound shows nothing here costs less than ``cutoff_s``."""
     import highspy
 
-    program = build_program(gm, op_axes, cluster, rows, recomputed(gm, recompute, recompute_comm), offload)
+    program = build_program(gm, op_axes, cluster, rows, recomputed(gm, recompute, recompute_comm), offload,
+                            precision)
     options, rep, var_of = program.options, program.rep, program.var_of
     nodes = list(gm.graph.nodes)
     modules = dict(gm.named_modules())
@@ -250,14 +252,14 @@ def _shares_params(node: fx.Node, modules, seen: set[int]) -> bool:
     return node.op == "call_module" and any(id(p) in seen for p in modules[node.target].parameters(recurse=False))
 
 
-def _op_seconds(node, d: NodePlan, modules, axes, cluster, rows, rate, rc: Recomputed) -> float:
+def _op_seconds(node, d: NodePlan, modules, axes, cluster, rows, dtype, itemsize, rc: Recomputed) -> float:
     plan = Plan(op_axes=axes, nodes={node.name: d})
     compute_passes, comm_passes = passes(node.name, rc)
-    flops = compute_passes * forward_flops(node, plan, modules) * rows
-    sent = {a: b * rows for a, b in partial_sum_bytes(node, d, modules, 4, cluster.backend).items()}
+    compute = compute_passes * forward_seconds(node, plan, modules, cluster, dtype, itemsize) * rows
+    sent = {a: b * rows for a, b in partial_sum_bytes(node, d, modules, itemsize, cluster.backend).items()}
     transfer, latency = comm_seconds(sent, axes, cluster)
     overhead = op_overhead(d, cluster, compute_passes) if node.op.startswith("call_") else 0.0
-    return flops / rate + comm_passes * (transfer + latency) + overhead
+    return compute + comm_passes * (transfer + latency) + overhead
 
 
 def _op_memory(node, d: NodePlan, modules, rows, seen_params: set[int], rc: Recomputed, offload: str) -> float:
@@ -271,12 +273,12 @@ def _op_memory(node, d: NodePlan, modules, rows, seen_params: set[int], rc: Reco
     return total
 
 
-def _edge_seconds(u: fx.Node, src, dst, axes, cluster, rows, comm_passes: int) -> float:
+def _edge_seconds(u: fx.Node, src, dst, axes, cluster, rows, comm_passes: int, itemsize: int) -> float:
     """Redistributing ``u``'s value: in forward, in backward (the gradient the reverse way), and
     in recompute when the consumer's collectives run again."""
     if not isinstance(src, Layout) or dst is None or src == dst:
         return 0.0
-    sent = {a: b * rows for a, b in transition_bytes(src, dst, shape_of(u), 4, cluster.backend).items()}
+    sent = {a: b * rows for a, b in transition_bytes(src, dst, shape_of(u), itemsize, cluster.backend).items()}
     transfer, latency = comm_seconds(sent, axes, cluster)
     return comm_passes * (transfer + latency)
 

@@ -21,14 +21,16 @@ from polyshard.layout import Layout
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD
 from polyshard.planner.cost.memory import STATES, MemoryEstimate, keeps_activation, local_numel
 from polyshard.planner.cost.overlap import OpCost
+from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
-from polyshard.planner.plan import Plan
+from polyshard.planner.plan import DTYPES, Plan
 from polyshard.planner.schedules import schedule_actions, simulate
 from polyshard.planner.stages import min_max_partition, sum_load
 
 BUCKET_BYTES = 25 * 2**20  # the gradient bucket a stage holds without optimizer parallel (as estimate_memory)
-MICRO_PER_STAGE = 4  # micro-batch counts tried: up to this many per stage
-VIRTUAL_STAGES = 2  # chunks per rank tried under the interleaved schedule
+# Schedules of more micro-batches than this many per stage are simulated at this many, and the rest
+# added at the steady state's pace (each further group of pp micro-batches adds what the last did).
+SIMULATED_PER_STAGE = 4
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,9 @@ class PipelineCost:
 class Setup:
     """What one pipelined mesh runs under: pp stages, dp data-parallel ranks, rows per data-parallel
     replica per step, the optimizer-parallel level, precision and offload, the memory limit;
-    send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, modules): the
-    data-parallel communication of that many gradient bytes; offload_seconds(numel): the copy time;
+    send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, modules, overlap_s):
+    the data-parallel communication of that many gradient bytes left exposed beside overlap_s of
+    backward; update_seconds(numel): the optimizer step's (or offload's copies'); fixed: settings the user fixed;
     memo: results one search reuses (unit memory, simulated schedules)."""
 
     pp: int
@@ -195,34 +198,41 @@ class Setup:
     offload: str
     limit: float
     send: Callable[[np.ndarray], np.ndarray]
-    dp_seconds: Callable[[float, float], float]
-    offload_seconds: Callable[[float], float]
+    dp_seconds: Callable[[float, float, float], float]
+    update_seconds: Callable[[float], float]
+    fixed: Fixed = Fixed()
     memo: dict = dataclasses.field(default_factory=dict)
 
 
 def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> tuple[PipelineCost | None, float]:
-    """The fastest (micro-batch count, schedule) whose cuts let every stage fit, tried in the order
-    of their lower bounds until the bound loses to the best found or ``best_s``; and the lowest
-    bound of those not tried (inf when all were: then None means nothing fits)."""
+    """The fastest (micro-batch count, schedule, virtual stages) whose cuts let every stage fit,
+    tried in the order of their lower bounds until the bound loses to the best found or
+    ``best_s``; and the lowest bound of those not tried. inf when all were tried, and also when one
+    that could still win did not fit (then None means: nothing fits here, try what saves memory)."""
     state = _unit_state(units, setup)
     numel = sum(sum(g) for unit in units.groups for g in unit)
     options = sorted((_bound(units, setup, m, v, numel), m, schedule, v)
                      for m, schedule, v in _options(len(units), setup))
-    best = None
+    best, overflowed = None, False
     for bound, m, schedule, v in options:
         if bound >= min(best_s, best.step_s if best else float("inf")):
-            return best, bound
+            return best, float("inf") if overflowed and best is None else bound
         found = cost_pipeline(units, setup, state, m, schedule, v)
+        overflowed |= found is None
         if found is not None and (best is None or found.step_s < best.step_s):
             best = found
     return best, float("inf")
 
 
-def leanest_pipeline(units: Units, setup: Setup) -> PipelineCost:
-    """The time-balanced cuts under 1F1B with the most micro-batches, whatever their memory (to
-    tell by how much a mesh on which nothing fits misses)."""
-    m = max(m for m, _, _ in _options(len(units), setup))
-    return cost_pipeline(units, dataclasses.replace(setup, limit=float("inf")), _unit_state(units, setup), m, "1f1b", 1)
+def leanest_pipeline(units: Units, setup: Setup) -> PipelineCost | None:
+    """The time-balanced cuts under the allowed schedule with the most micro-batches, whatever their
+    memory (to tell by how much a mesh on which nothing fits misses); None when nothing is allowed."""
+    options = list(_options(len(units), setup))
+    if not options:
+        return None
+    m, schedule, v = max(options, key=lambda o: (o[0], o[1] == "1f1b"))
+    return cost_pipeline(units, dataclasses.replace(setup, limit=float("inf")), _unit_state(units, setup), m,
+                         schedule, v)
 
 
 def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
@@ -237,21 +247,23 @@ def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
 
 
 def _options(n: int, s: Setup):
-    """(micro-batches, schedule, virtual stages) to try: m divides the rows, at most 4 per stage."""
-    for m in range(1, min(s.rows, MICRO_PER_STAGE * s.pp) + 1):
-        if s.rows % m:
-            continue
-        yield m, "1f1b", 1
-        yield m, "gpipe", 1
-        if s.pp > 1 and n >= VIRTUAL_STAGES * s.pp and m % s.pp == 0:
-            yield m, "interleaved", VIRTUAL_STAGES
+    """(micro-batches, schedule, virtual stages) the fixed settings allow: m divides the rows (any
+    micro-batch size from 1 row to all of them); interleaving with 2 .. n/pp chunks per rank, m a
+    multiple of pp."""
+    for m in (m for m in range(1, s.rows + 1) if s.rows % m == 0):
+        candidates = [(m, "1f1b", 1), (m, "gpipe", 1)]
+        if s.pp > 1 and m % s.pp == 0:
+            candidates += [(m, "interleaved", v) for v in range(2, n // s.pp + 1)]
+        for m_, schedule, v in candidates:
+            if s.fixed.allows(m=m_, mbs=s.rows // m_, schedule=schedule, v=v):
+                yield m_, schedule, v
 
 
 def _bound(units: Units, s: Setup, m: int, v: int, numel: float) -> float:
-    """Equal stages' step: (m + (p-1)/v) x the mean stage's micro-batch, plus the least gradient
+    """Equal stages' step: (m + (p-1)/v) x the mean stage's micro-batch, plus the least exposed gradient
     communication (some stage holds at least the mean share of the ``numel`` parameters)."""
     mean = units.seconds(s.rows / m).sum() / s.pp
-    return (m + (s.pp - 1) / v) * mean + s.dp_seconds(numel / s.pp * _itemsize(s.precision), 0.0)
+    return (m + (s.pp - 1) / v) * mean + s.dp_seconds(numel / s.pp * _itemsize(s.precision), 0.0, float("inf"))
 
 
 def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, schedule: str,
@@ -300,8 +312,9 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     numel = max(sum(sum(g) for unit in units.groups[i:j] for g in unit)
                 for i, j in ((edges[c], edges[c + 1]) for c in range(chunks)))
     modules = max(units.modules[i:j].sum() for i, j in zip(edges, edges[1:]))
-    dp_comm = s.dp_seconds(numel * _itemsize(s.precision), modules)
-    compute += s.offload_seconds(numel)
+    # a stage's gradients sync in its last micro-batch's backward, beside the backwards still to run there
+    dp_comm = s.dp_seconds(numel * _itemsize(s.precision), modules, min(backward))
+    compute += s.update_seconds(numel)
     fullest = max(range(s.pp), key=lambda r: sum(stages[c].memory.total_bytes for c in range(r, chunks, s.pp)))
     memory = _sum_memory([stages[c].memory for c in range(fullest, chunks, s.pp)])
     return PipelineCost(schedule, m, v, tuple(units.starts[i] for i in cuts), compute, op_comm, p2p,
@@ -309,7 +322,14 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
 
 
 def _simulated(schedule: str, pp: int, m: int, v: int, forward: tuple, backward: tuple) -> tuple[float, list[float]]:
-    """The simulated span and each rank's busy seconds."""
+    """The simulated span and each rank's busy seconds; beyond SIMULATED_PER_STAGE micro-batches per
+    stage, the span grows at the steady state's pace (what the last micro-batch, or under interleaving
+    the last group of pp, added)."""
+    cap, group = SIMULATED_PER_STAGE * pp, pp if schedule == "interleaved" else 1
+    if m > cap:
+        (span, _), (before, _) = (_simulated(schedule, pp, k, v, forward, backward) for k in (cap, cap - group))
+        busy = [m * sum(forward[c] + backward[c] for c in range(r, len(forward), pp)) for r in range(pp)]
+        return span + (m - cap) / group * (span - before), busy
     times = simulate(schedule_actions(schedule, pp, m, v), list(forward), list(backward))
     busy = [0.0] * pp
     for t in times:
@@ -324,4 +344,4 @@ def _sum_memory(parts: list[MemoryEstimate]) -> MemoryEstimate:
 
 
 def _itemsize(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
+    return DTYPES[precision][1]

@@ -18,6 +18,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_LEVELS = (0, 1, 2, 3)
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 PRECISIONS = ("fp32", "bf16", "fp16")
+DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}  # precision -> (dtype, bytes)
 OFFLOADS = ("none", "host", "disk")
 
 

@@ -3,7 +3,23 @@
 from __future__ import annotations
 
 from polyshard.cluster import format_bytes
+from polyshard.models.gpt import GPTConfig, flops_per_token
 from polyshard.planner.plan import Plan
+
+
+def summary(plan: Plan, cfg: GPTConfig, num_devices: int) -> dict:
+    """The chosen candidate's figures as plain JSON: predicted seconds per step and their parts,
+    memory per device, the configuration in the ``--config`` spelling, and model TFLOP/s per device
+    (PaLM's 6N + 12 L H T FLOPs per token, polyshard.models.flops_per_token)."""
+    rep = plan.report
+    chosen = next(c for c in rep["candidates"] if c["mesh"] == rep["chosen"])
+    tokens = plan.global_batch * cfg.seq_len
+    return {"step_s": chosen["step_s"], "memory_bytes_per_device": chosen["memory"]["total"],
+            "config": rep["config"], "mesh": chosen["mesh"],
+            "breakdown": {k: chosen[k] for k in ("compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s")},
+            "memory": chosen["memory"], "limit_bytes": rep["limit_bytes"], "reserve_bytes": rep.get("reserve_bytes", 0),
+            "tokens_per_s": tokens / chosen["step_s"],
+            "model_tflops_per_device": flops_per_token(cfg) * tokens / chosen["step_s"] / num_devices / 1e12}
 
 
 def render(plan: Plan, layouts: int = 40) -> str:

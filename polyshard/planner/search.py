@@ -5,11 +5,14 @@ An integer program (polyshard.planner.intra_op) picks every op's strategy once p
 recompute mode, shared by every split on those axes: a pipeline stage runs its ops as that plan lays
 them out (polyshard.planner.pipeline chooses the cuts, micro-batches and schedule), and a split that
 holds the whole model is solved again under the memory limit where the shared plan does not fit.
-Each split is costed at every optimizer-parallel level and precision; the fastest that fits wins.
-Splits are tried from the most promising, and what a lower bound shows cannot win is not costed.
-Recompute and offload are tried only where memory is tight. Costs use one capture of the model at
-one row, scaled by the rows each split gives a device (compute, activations and their
-communication grow with rows; parameters do not).
+Each split is costed at every optimizer-parallel level, precision and micro-batch count (gradient
+accumulation when there is no pipeline); the fastest that fits wins. Splits are tried from the most
+promising, and what a lower bound shows cannot win is not costed: every bound is computed in the
+narrowest precision tried and with all data-parallel traffic hidden, so it is never above what it
+prunes. Recompute and offload are tried where memory is tight, also where a split fits only because
+nothing was costed yet. Costs use one capture of the model at one row, scaled by the rows each split
+gives a device (compute, activations and their communication grow with rows; parameters do not).
+A ``Fixed`` restricts the search to the settings a user gives (``polyshard cost --config``).
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ from polyshard.mesh import PIPELINE_AXIS
 from polyshard.planner.cost.comm import axis_link, collective_latency
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
+from polyshard.planner.cost.compute import optimizer_seconds
 from polyshard.planner.cost.overlap import op_costs
 from polyshard.planner.intra_op import IntraOpResult, solve
-from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, ideal_bubble, leanest_pipeline,
-                                        state_memory, unit_costs)
-from polyshard.planner.plan import OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
+from polyshard.planner.pipeline import (BUCKET_BYTES, PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
+                                        leanest_pipeline, state_memory, unit_costs)
+from polyshard.planner.config import Fixed
+from polyshard.planner.plan import DTYPES, OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
 from polyshard.planner.stages import assign_chunks, block_paths
 from polyshard.transitions import wire_bytes
 
@@ -43,6 +48,18 @@ from polyshard.transitions import wire_bytes
 _ROOMY = 0.9
 # Whole-model (recompute, offload) settings, in the order tried: the first costs no time.
 SETTINGS = tuple(itertools.product(RECOMPUTE_MODES, OFFLOADS))
+# Memory kept free on a GPU for what the model does not count: the CUDA context, NCCL's buffers and
+# the caching allocator's fragmentation (PyTorch's CUDA semantics notes; about 1-3 GiB in practice).
+GPU_RESERVE_SHARE, GPU_RESERVE_MIN_BYTES = 0.05, 2 * 2**30
+# Gradient accumulation counts tried per split without a pipeline: the fewest micro-batches that fit.
+ACCUMULATION_TRIES = 12
+
+
+def default_reserve_bytes(cluster: Cluster) -> int:
+    """Bytes of each device the plan leaves free: on GPUs the larger of 5% and 2 GiB; none on CPU."""
+    if cluster.device_type != "cuda":
+        return 0
+    return int(max(GPU_RESERVE_SHARE * cluster.memory_bytes, GPU_RESERVE_MIN_BYTES))
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,11 @@ class Candidate:
     pruned: bool = False  # not costed: a lower bound already lost (figures are lower bounds)
     memory_floor: bool = False  # memory is a lower bound, already over the limit (not estimated further)
     pipeline: PipelineCost | None = None  # a pipelined split's stages, micro-batches and schedule
+    accumulation: int = 1  # micro-batches per step without a pipeline (gradient accumulation)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.pipeline.micro_batches if self.pipeline else self.accumulation
 
     @property
     def pp(self) -> int:
@@ -89,10 +111,19 @@ class Candidate:
     def describe(self) -> str:
         p = self.pipeline
         extras = ([f"{p.schedule} m={p.micro_batches}" + f" v={p.virtual_stages}" * (p.virtual_stages > 1)] if p
-                  else []) + [f"recompute {self.recompute}"] * (self.recompute != "none") + \
+                  else [f"accumulate m={self.accumulation}"] * (self.accumulation > 1)) + \
+            [f"recompute {self.recompute}"] * (self.recompute != "none") + \
             [f"offload {self.offload}"] * (self.offload != "none") + [f"zero {self.zero}"] * (self.zero > 0) + \
             [self.precision] * (self.precision != "fp32")
         return ", ".join([_mesh_text(self.mesh), *extras])
+
+    def config(self, data_axes: tuple[str, ...] = ("dp",)) -> Fixed:
+        """This candidate's settings in the ``--config`` spelling."""
+        p = self.pipeline
+        return Fixed(dp=_data_size(self.mesh, data_axes), tp=_op_size(self.mesh, data_axes), pp=self.pp,
+                     mbs=self.rows // self.micro_batches, m=self.micro_batches, schedule=p.schedule if p else None,
+                     v=p.virtual_stages if p else None, zero=self.zero, recompute=self.recompute,
+                     precision=self.precision, offload=self.offload)
 
 
 def mesh_candidates(num_devices: int, blocks: int = 1) -> list[tuple[tuple[str, int], ...]]:
@@ -107,21 +138,31 @@ def mesh_candidates(num_devices: int, blocks: int = 1) -> list[tuple[tuple[str, 
 
 
 def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Cluster, global_batch: int,
-           memory_limit_bytes: float | None = None, meshes=None,
-           data_axes: tuple[str, ...] = ("dp",)) -> tuple[Plan, list[Candidate]]:
+           memory_limit_bytes: float | None = None, meshes=None, data_axes: tuple[str, ...] = ("dp",),
+           fixed: Fixed = Fixed(), reserve_bytes: float | None = None) -> tuple[Plan, list[Candidate]]:
     """The best plan over ``meshes`` (default: every dp x pp x tp split) and every candidate's costs.
 
     ``example_row``: inputs for one row (batch dim 1); ``global_batch``: rows per step in all;
-    ``data_axes``: the mesh axes that split the batch (``pp`` holds pipeline stages; the others split operators).
+    ``data_axes``: the mesh axes that split the batch (``pp`` holds pipeline stages; the others split operators);
+    ``fixed``: settings the plan must keep; ``reserve_bytes``: of the limit, what plans leave free
+    (default :func:`default_reserve_bytes`).
     """
-    limit = memory_limit_bytes or cluster.memory_bytes
-    costs = _Costs(capture(model, example_row), cluster, data_axes, global_batch, limit)
+    reserve = default_reserve_bytes(cluster) if reserve_bytes is None else reserve_bytes
+    limit = (memory_limit_bytes or cluster.memory_bytes) - reserve
+    if limit <= 0:
+        raise PolyshardError(f"the memory reserve of {format_bytes(reserve)} leaves nothing of the "
+                             f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the reserve")
+    costs = _Costs(capture(model, example_row), cluster, data_axes, global_batch, limit, fixed)
     candidates, plans, skipped = [], {}, []
     best_s = float("inf")
-    for mesh in costs.order(meshes or mesh_candidates(cluster.num_devices, len(costs.blocks))):
+    allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks))
+               if fixed.allows(dp=_data_size(m, data_axes), tp=_op_size(m, data_axes), pp=_pp(m))]
+    for mesh in costs.order(allowed):
         if global_batch % _data_size(mesh, data_axes):
             continue
         for setting in SETTINGS:
+            if not fixed.allows(recompute=setting[0], offload=setting[1]):
+                continue
             try:
                 found = costs.split(mesh, setting, best_s)
             except PolyshardError as exc:  # a pin that this split cannot hold
@@ -134,10 +175,12 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                     if candidate.memory.total_bytes <= limit:
                         best_s = min(best_s, candidate.step_s)
             # recompute and offload only buy memory, at the price of time: tried only where memory is tight
+            # (a split pruned on its time bound is pruned under every setting: they only add time)
             if found and min(c.memory.total_bytes if not c.pruned else 0 for c, _ in found) <= _ROOMY * limit:
                 break
     if not candidates:
-        why = "; ".join(skipped) or f"none divides the batch of {global_batch}"
+        why = "; ".join(skipped) or (f"none allowed by {fixed.text()} divides the batch of {global_batch}"
+                                     if fixed.text() else f"none divides the batch of {global_batch}")
         raise PolyshardError(f"no split of {cluster.num_devices} devices works: {why}")
     fitting = [c for c in candidates if c.memory.total_bytes <= limit and not c.pruned]
     if not fitting:
@@ -150,8 +193,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         )
     best = min(fitting, key=lambda c: c.step_s)
     ranked = sorted(candidates, key=lambda c: c.step_s)
-    plan = plans[best.key]
-    plan.global_batch, plan.report = global_batch, search_report(ranked, best, limit)
+    plan = dataclasses.replace(plans[best.key], global_batch=global_batch,
+                               report=search_report(ranked, best, limit, reserve, data_axes, cluster))
     return plan, ranked
 
 
@@ -159,8 +202,11 @@ class _Costs:
     """One search's model, cluster and limits, with what splits share: the integer program's plan
     per (operator axes, recompute), and that plan's costs per unit per precision."""
 
-    def __init__(self, gm, cluster: Cluster, data_axes: tuple[str, ...], global_batch: int, limit: float):
+    def __init__(self, gm, cluster: Cluster, data_axes: tuple[str, ...], global_batch: int, limit: float,
+                 fixed: Fixed = Fixed()):
         self.gm, self.cluster, self.data_axes, self.batch, self.limit = gm, cluster, data_axes, global_batch, limit
+        self.fixed = fixed
+        self.narrowest = "bf16" if _fast_half(cluster) and fixed.allows(precision="bf16") else "fp32"
         self.blocks = block_paths(gm)
         self.unit_of = assign_chunks(gm, self.blocks[1:])
         self.numel = sum(p.numel() for p in gm.parameters())
@@ -175,12 +221,14 @@ class _Costs:
                                              self.floor(m, "none")))
 
     def floor(self, mesh, offload: str) -> float:
-        """Seconds no plan on ``mesh`` saves: gradient communication and offload copies, as if every
-        weight were split over the operator and pipeline axes, in the narrowest precision tried."""
+        """Seconds no plan on ``mesh`` saves: gradient communication left exposed however much
+        backward hides, and offload copies, as if every weight were split over the operator and
+        pipeline axes, in the narrowest precision tried."""
         numel = self.numel / _op_size(mesh, self.data_axes) / _pp(mesh)
-        itemsize = 2 if _fast_half(self.cluster) and offload == "none" else 4
-        return _dp_seconds(itemsize * numel, mesh, self.data_axes, self.cluster) + \
-            offload_seconds(numel, offload, self.cluster)
+        itemsize = DTYPES[self.narrowest][1] if offload == "none" else 4
+        dp = _data_size(mesh, self.data_axes)
+        return min(_dp_seconds(itemsize * numel, mesh, self.data_axes, self.cluster, zero, overlap_s=float("inf"))
+                   + _update_seconds(numel, offload, zero, dp, self.narrowest, self.cluster) for zero in ZERO_LEVELS)
 
     def split(self, mesh, setting: tuple[str, str], best_s: float) -> list[tuple[Candidate, Plan | None]]:
         """One split under one (recompute, offload) setting, costed at every optimizer-parallel level
@@ -207,7 +255,7 @@ class _Costs:
                 self.numel / _op_size(mesh, self.data_axes) * device_bytes_per_param(offload) <= self.limit:
             try:  # the shared plan's fastest variant does not fit: the leanest strategies that do, if any
                 lean = solve(self.gm, op_axes, self.cluster, rows, self.limit, cutoff_s=best_s - floor,
-                             recompute=recompute, offload=offload)
+                             recompute=recompute, offload=offload, precision=self.narrowest)
             except PolyshardError:
                 return out
             if lean.plan is not None and lean.plan.nodes != solved.plan.nodes:
@@ -222,7 +270,7 @@ class _Costs:
         found = self._solved.get(key)
         if found is None or (found.plan is None and found.lower_bound_s < cutoff_s):
             found = self._solved[key] = solve(self.gm, op_axes, self.cluster, rows, float("inf"),
-                                              cutoff_s=cutoff_s, recompute=recompute)
+                                              cutoff_s=cutoff_s, recompute=recompute, precision=self.narrowest)
         return found
 
     def units(self, plan: Plan, mesh, precision: str) -> Units:
@@ -230,7 +278,7 @@ class _Costs:
         links = tuple(axis_link(mesh, n, self.cluster) for n, _ in plan.op_axes)
         key = (id(plan), links, precision)
         if key not in self._units:
-            dtype, itemsize = ("float32", 4) if precision == "fp32" else ("bfloat16", 2)
+            dtype, itemsize = DTYPES[precision]
             laid = dataclasses.replace(plan, mesh=mesh, precision=precision)
             units = unit_costs(self.gm, laid, op_costs(self.gm, laid, self.cluster, dtype, itemsize),
                                recomputed(self.gm, plan.recompute, plan.recompute_comm), self.unit_of,
@@ -239,25 +287,43 @@ class _Costs:
         return self._units[key][1]
 
     def _whole(self, base: Plan, gap: float, mesh, offload: str, rows: int) -> list[tuple[Candidate, Plan]]:
-        """A split that holds the whole model: its plan at every (optimizer-parallel level, precision)."""
+        """A split that holds the whole model: its plan at every (optimizer-parallel level, precision),
+        each with the fewest gradient-accumulation micro-batches that fit."""
         dp = _data_size(mesh, self.data_axes)
         out = []
-        for zero, precision in _variants(dp, offload, self.cluster):
+        for zero, precision in _variants(dp, offload, self.cluster, self.fixed):
             units = self.units(base, mesh, precision)
-            plan = dataclasses.replace(base, zero=zero, precision=precision, mesh=mesh, data_axes=self.data_axes)
+            plan = dataclasses.replace(base, zero=zero, precision=precision, offload=offload, mesh=mesh,
+                                       data_axes=self.data_axes)
             numel = sum(map(sum, units.model_groups))
-            compute = float(rows * units.compute_s.sum() + units.overhead_s.sum()) + \
-                offload_seconds(numel, offload, self.cluster)
-            op_comm = float(rows * units.comm_s.sum() + units.latency_s.sum())
-            dp_comm = _dp_seconds(numel * _itemsize(precision), mesh, self.data_axes, self.cluster, zero,
-                                  units.modules.sum())
-            memory = _memory_floor(units, zero, dp, precision, offload, rows)
-            exact = memory.total_bytes <= self.limit  # estimated in full only where it may fit
-            if exact:
-                memory = estimate_memory(self.gm, plan, data_world=dp, rows=rows)
-            out.append((Candidate(mesh, rows, compute, op_comm, dp_comm, memory, gap, recompute=base.recompute,
-                                  offload=offload, zero=zero, precision=precision, memory_floor=not exact), plan))
+            tries = [m for m in range(1, rows + 1) if rows % m == 0 and self.fixed.allows(m=m, mbs=rows // m)]
+            found = None
+            for m in tries[:ACCUMULATION_TRIES]:
+                found = self._accumulated(plan, units, mesh, rows, m, numel, gap)
+                if found[0].memory.total_bytes <= self.limit:
+                    break
+            if found is not None:
+                out.append(found)
         return out
+
+    def _accumulated(self, plan: Plan, units: Units, mesh, rows: int, m: int, numel: float,
+                     gap: float) -> tuple[Candidate, Plan]:
+        """``plan`` on ``rows`` rows run as ``m`` micro-batches, gradients synced in the last one's backward."""
+        plan = dataclasses.replace(plan, micro_batches=m)
+        dp = _data_size(mesh, self.data_axes)
+        compute = float(rows * units.compute_s.sum() + m * units.overhead_s.sum()) + \
+            _update_seconds(numel, plan.offload, plan.zero, dp, plan.precision, self.cluster)
+        op_comm = float(rows * units.comm_s.sum() + m * units.latency_s.sum())
+        backward = (1 - units.forward_share) * (compute + op_comm) / m
+        dp_comm = _dp_seconds(numel * DTYPES[plan.precision][1], mesh, self.data_axes, self.cluster, plan.zero,
+                              units.modules.sum(), backward)
+        memory = _memory_floor(units, plan.zero, dp, plan.precision, plan.offload, rows // m)
+        exact = memory.total_bytes <= self.limit  # estimated in full only where it may fit
+        if exact:
+            memory = estimate_memory(self.gm, plan, data_world=dp, rows=rows // m)
+        return Candidate(mesh, rows, compute, op_comm, dp_comm, memory, gap, recompute=plan.recompute,
+                         offload=plan.offload, zero=plan.zero, precision=plan.precision, memory_floor=not exact,
+                         accumulation=m), plan
 
     def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int,
                    best_s: float) -> list[tuple[Candidate, Plan | None]]:
@@ -266,13 +332,15 @@ class _Costs:
         dp, pp, base = _data_size(mesh, self.data_axes), _pp(mesh), solved.plan
         link = axis_link(mesh, PIPELINE_AXIS, self.cluster)
         out = []
-        for zero, precision in _variants(dp, offload, self.cluster):
+        for zero, precision in _variants(dp, offload, self.cluster, self.fixed):
             units = self.units(base, mesh, precision)
             setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
                           send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
-                          dp_seconds=lambda b, modules, zero=zero: _dp_seconds(b, mesh, self.data_axes, self.cluster,
-                                                                               zero, modules),
-                          offload_seconds=lambda numel: offload_seconds(numel, offload, self.cluster), memo=self._memo)
+                          dp_seconds=lambda b, modules, overlap, zero=zero: _dp_seconds(
+                              b, mesh, self.data_axes, self.cluster, zero, modules, overlap),
+                          update_seconds=lambda numel, zero=zero, precision=precision: _update_seconds(
+                              numel, offload, zero, dp, precision, self.cluster),
+                          fixed=self.fixed, memo=self._memo)
             found, bound = best_pipeline(units, setup, best_s)
             if found is None and bound < float("inf"):
                 out.append((Candidate(mesh, rows, bound, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0),
@@ -280,7 +348,10 @@ class _Costs:
                                       pruned=True), None))
                 continue
             p = found or leanest_pipeline(units, setup)
-            plan = dataclasses.replace(base, zero=zero, precision=precision, mesh=mesh, data_axes=self.data_axes,
+            if p is None:  # the fixed settings allow no schedule on this split
+                continue
+            plan = dataclasses.replace(base, zero=zero, precision=precision, offload=offload, mesh=mesh,
+                                       data_axes=self.data_axes,
                                        stage_boundaries=p.boundaries, schedule=p.schedule,
                                        micro_batches=p.micro_batches, virtual_stages=p.virtual_stages)
             out.append((Candidate(mesh, rows, p.compute_s, p.op_comm_s, p.dp_comm_s, p.memory, solved.gap,
@@ -300,20 +371,26 @@ def _memory_floor(units: Units, zero: int, dp: int, precision: str, offload: str
                                apart_bytes=min(activations, state.grads_bytes))
 
 
-def _variants(dp: int, offload: str, cluster: Cluster) -> list[tuple[int, str]]:
+def _update_seconds(numel: float, offload: str, zero: int, dp: int, precision: str, cluster: Cluster) -> float:
+    """Seconds of the optimizer step on ``numel`` local parameters (this rank's shard from level 1
+    on), or of the copies to and from where offload keeps the state (the host steps it)."""
+    if offload != "none":
+        return offload_seconds(numel, offload, cluster)
+    return optimizer_seconds(numel / (dp if zero else 1), precision, cluster)
+
+
+def _variants(dp: int, offload: str, cluster: Cluster, fixed: Fixed = Fixed()) -> list[tuple[int, str]]:
     """(optimizer-parallel level, precision) pairs to cost: levels only with data parallel, half
-    precision only where the device runs it faster; offloaded state stays whole and fp32."""
+    precision only where the device runs it faster (or where it is fixed); offloaded state stays
+    whole and fp32."""
     levels = ZERO_LEVELS if dp > 1 and offload == "none" else (0,)
-    fast_half = _fast_half(cluster) and offload == "none"
-    return [(z, p) for z in levels for p in ("fp32", "bf16")[:1 + fast_half]]
+    precisions = ("fp32", "bf16", "fp16") if offload == "none" and fixed.precision else \
+        ("fp32", "bf16")[:1 + (_fast_half(cluster) and offload == "none")]
+    return [(z, p) for z in levels for p in precisions if fixed.allows(zero=z, precision=p)]
 
 
 def _fast_half(cluster: Cluster) -> bool:
     return cluster.flops_per_s.get("bfloat16", 0.0) > cluster.flops_per_s["float32"]
-
-
-def _itemsize(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
 
 
 def _op_size(mesh, data_axes) -> int:
@@ -332,45 +409,67 @@ def _mesh_text(mesh) -> str:
     return " x ".join(f"{n}={s}" for n, s in mesh)
 
 
-def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0) -> float:
-    """Data-parallel communication per step (alpha-beta on the outermost data axis's link): the
-    gradient all-reduce (level 0), plus the parameters' all-gather after the step (level 1);
-    reduce-scatter and all-gather, the same bytes (level 2); and at level 3 the parameters gathered
-    in forward and again in backward, one collective per module each time."""
+def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0,
+                overlap_s: float = 0.0) -> float:
+    """Data-parallel communication per step left exposed (alpha-beta on the outermost data axis's link).
+
+    With B gradient bytes over n ranks, each level moves what the runtime (polyshard.runtime.zero)
+    issues: level 0 all-reduces the gradients, 2(n-1)/n B; level 1 all-reduces them and all-gathers
+    the stepped shards, 3(n-1)/n B; level 2 reduce-scatters and all-gathers, 2(n-1)/n B; level 3
+    all-gathers each module's parameters in forward and again in backward and reduce-scatters the
+    gradients, 3(n-1)/n B in 3 collectives per module. On GPUs the collectives issued during backward
+    (level 3: during forward too) run beside ``overlap_s`` of it and only the rest, and at least the
+    last bucket, is exposed; the all-gather after the optimizer step (levels 1, 2) is not hidden.
+    On CPU gloo runs on the cores that compute, so nothing hides (see cost/overlap.py)."""
     dp = _data_size(mesh, data_axes)
     if dp == 1:
         return 0.0
     link = axis_link(mesh, next(n for n, s in mesh if n in data_axes), cluster)
-    gather = wire_bytes("all_gather", grad_bytes, dp) / link.bandwidth_bytes_per_s
     latency = collective_latency(link, dp)
-    reduce = wire_bytes("all_reduce", grad_bytes, dp) / link.bandwidth_bytes_per_s + latency
-    return reduce + (gather + latency if zero == 1 else 2 * gather + 2 * modules * latency if zero == 3
-                     else 0.0)
+    pass_s = wire_bytes("reduce_scatter", grad_bytes, dp) / link.bandwidth_bytes_per_s  # (n-1)/n B once
+    during = {0: 2 * pass_s + latency, 1: 2 * pass_s + latency, 2: pass_s + latency,
+              3: 3 * pass_s + 3 * modules * latency}[zero]
+    after = pass_s + latency if zero in (1, 2) else 0.0
+    if cluster.device_type != "cuda":
+        return during + after
+    hidden = overlap_s * (1.5 if zero == 3 else 1)  # level 3 gathers ahead of forward too (about half of backward)
+    last_bucket = min(during, wire_bytes("all_reduce", BUCKET_BYTES, dp) / link.bandwidth_bytes_per_s + latency)
+    return max(during - hidden, last_bucket) + after
 
 
-def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: float) -> dict:
-    """JSON-able figures of every candidate split and the choice."""
+def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: float, reserve_bytes: float = 0.0,
+                  data_axes: tuple[str, ...] = ("dp",), cluster: Cluster | None = None) -> dict:
+    """JSON-able figures of every candidate split and the choice (plain Python numbers only)."""
     def row(c: Candidate) -> dict:
-        return {"mesh": c.describe(), "split": _mesh_text(c.mesh), "recompute": c.recompute, "offload": c.offload,
-                "zero": c.zero, "precision": c.precision, "pp": c.pp,
-                "rows": c.rows, "step_s": c.step_s, "compute_s": c.compute_s,
-                "op_comm_s": c.op_comm_s, "dp_comm_s": c.dp_comm_s, "p2p_s": c.p2p_s, "bubble_s": c.bubble_s,
-                "gap": c.gap, "memory": _memory_row(c.memory), "memory_floor": c.memory_floor,
-                "fits": c.memory.total_bytes <= limit_bytes and not c.pruned, "pruned": c.pruned,
+        return {"mesh": c.describe(), "split": _mesh_text(c.mesh), "config": c.config(data_axes).text(),
+                "recompute": c.recompute, "offload": c.offload, "zero": c.zero, "precision": c.precision, "pp": c.pp,
+                "rows": c.rows, "micro_batches": c.micro_batches, "step_s": float(c.step_s),
+                "compute_s": float(c.compute_s), "op_comm_s": float(c.op_comm_s), "dp_comm_s": float(c.dp_comm_s),
+                "p2p_s": float(c.p2p_s), "bubble_s": float(c.bubble_s), "gap": float(c.gap),
+                "memory": _memory_row(c.memory), "memory_floor": bool(c.memory_floor),
+                "fits": bool(c.memory.total_bytes <= limit_bytes and not c.pruned), "pruned": bool(c.pruned),
                 **({"pipeline": _pipeline_row(c.pipeline)} if c.pipeline else {})}
-    return {"chosen": chosen.describe(), "limit_bytes": limit_bytes, "candidates": [row(c) for c in candidates]}
+    return {"chosen": chosen.describe(), "config": chosen.config(data_axes).text(), "limit_bytes": float(limit_bytes),
+            "reserve_bytes": float(reserve_bytes), **({"cluster": _cluster_row(cluster)} if cluster else {}),
+            "candidates": [row(c) for c in candidates]}
+
+
+def _cluster_row(cluster: Cluster) -> dict:
+    return {"num_nodes": cluster.num_nodes, "devices_per_node": cluster.devices_per_node,
+            "device_name": cluster.device_name}
 
 
 def _memory_row(m: MemoryEstimate) -> dict:
-    return {"params": m.params_bytes, "grads": m.grads_bytes, "optimizer": m.optimizer_bytes,
-            "activations": m.activations_bytes, "buffers": m.buffers_bytes, "apart": m.apart_bytes,
-            "total": m.total_bytes}
+    return {k: float(v) for k, v in (("params", m.params_bytes), ("grads", m.grads_bytes),
+                                     ("optimizer", m.optimizer_bytes), ("activations", m.activations_bytes),
+                                     ("buffers", m.buffers_bytes), ("apart", m.apart_bytes),
+                                     ("total", m.total_bytes))}
 
 
 def _pipeline_row(p: PipelineCost) -> dict:
     pp = len({s.rank for s in p.stages})
     return {"schedule": p.schedule, "micro_batches": p.micro_batches, "virtual_stages": p.virtual_stages,
-            "boundaries": list(p.boundaries), "bubble": p.bubble,
+            "boundaries": list(p.boundaries), "bubble": float(p.bubble),
             "ideal_bubble": ideal_bubble(pp, p.micro_batches, p.virtual_stages),
-            "stages": [{"rank": s.rank, "first": s.first, "last": s.last, "forward_s": s.forward_s,
-                        "backward_s": s.backward_s, "memory": _memory_row(s.memory)} for s in p.stages]}
+            "stages": [{"rank": s.rank, "first": s.first, "last": s.last, "forward_s": float(s.forward_s),
+                        "backward_s": float(s.backward_s), "memory": _memory_row(s.memory)} for s in p.stages]}

@@ -13,18 +13,22 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 
-def step_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, batch, state_on_device: bool = True) -> dict:
-    """Peak bytes by category (and "total") over one training step of ``model`` on ``batch``, after
-    one untracked step so the optimizer state exists as it does in training."""
+def step_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, batch, state_on_device: bool = True,
+                    micro_batches: int = 1) -> dict:
+    """Peak bytes by category (and "total") over one training step of ``model`` on ``batch`` (run as
+    ``micro_batches`` accumulated micro-batches), after one untracked step so the optimizer state
+    exists as it does in training."""
     def step(tracked: bool):
-        loss = model(*batch)
-        loss.backward()
+        for micro in zip(*(t.chunk(micro_batches) for t in batch)):
+            (model(*micro) / micro_batches).backward()
+            if tracked:
+                tracker.reset_mod_stats()  # per-module figures only: the peak per device is kept
         if not tracked or state_on_device:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    step(tracked=False)
     tracker = MemTracker()
+    step(tracked=False)
     tracker.track_external(model, *([optimizer] if state_on_device else []))
     with tracker:
         step(tracked=True)

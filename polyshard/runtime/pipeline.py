@@ -26,8 +26,8 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture, shape_of
 from polyshard.graph.regions import marked_modules
 from polyshard.mesh import Mesh
-from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops, op_overhead
-from polyshard.planner.plan import NodePlan, Plan
+from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_seconds, op_overhead
+from polyshard.planner.plan import DTYPES, NodePlan, Plan
 from polyshard.planner.stages import assign_chunks, balanced_boundaries
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync, Pausable
 from polyshard.runtime.parallel import ParallelModule
@@ -195,18 +195,18 @@ def build_chunk(gm: fx.GraphModule, plan: Plan, split: Split, c: int, mesh: Mesh
 
 
 def chunk_seconds(gm: fx.GraphModule, plan: Plan, split: Split, cluster: Cluster) -> tuple[list[float], list[float]]:
-    """Predicted forward and backward seconds of each chunk: its ops' FLOPs at the device's rate plus
-    their fixed costs, backward doing the FLOPs twice over (as the cost model counts them)."""
+    """Predicted forward and backward seconds of each chunk: its ops' compute plus their fixed costs,
+    backward doing the work twice over (as the cost model counts them)."""
     modules = dict(gm.named_modules())
-    rate = cluster.flops_per_s["float32"]
+    dtype, itemsize = DTYPES[plan.precision]
     back = TRAIN_FLOPS_PER_FORWARD - 1
     forward, backward = [0.0] * split.chunks, [0.0] * split.chunks
     for node in gm.graph.nodes:
         c = split.chunk_of.get(node.name)
         if c is not None:
-            flops, entry = forward_flops(node, plan, modules), plan.nodes[node.name]
-            forward[c] += flops / rate + op_overhead(entry, cluster, 1)
-            backward[c] += back * flops / rate + op_overhead(entry, cluster, back)
+            seconds, entry = forward_seconds(node, plan, modules, cluster, dtype, itemsize), plan.nodes[node.name]
+            forward[c] += seconds + op_overhead(entry, cluster, 1)
+            backward[c] += back * seconds + op_overhead(entry, cluster, back)
     return forward, backward
 
 

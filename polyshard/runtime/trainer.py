@@ -167,9 +167,12 @@ def train(cfg: TrainConfig) -> list[dict]:
     lead = dist.get_rank() == 0
     model = models.build(model_name, seed=cfg.seed)
     pinned = apply_strategies(model, cfg.strategies) if cfg.strategies else []
-    micro = cfg.batch_size // mesh.num_data_shards // cfg.accum
-    if cfg.auto and cfg.batch_size % (mesh.num_data_shards * cfg.accum):
-        raise PolyshardError(f"the searched mesh {mesh} does not split --batch-size {cfg.batch_size} x --accum {cfg.accum}")
+    # without a pipeline, a plan's micro-batches are gradient accumulation, on top of --accum
+    accum = cfg.accum * (plan.micro_batches if plan is not None and mesh.pp == 1 else 1)
+    micro = cfg.batch_size // mesh.num_data_shards // accum
+    if cfg.batch_size % (mesh.num_data_shards * accum):
+        raise PolyshardError(f"the mesh {mesh} does not split --batch-size {cfg.batch_size} into {accum} "
+                             f"accumulated micro-batches per data-parallel rank")
     copies = "auto" if cfg.copies == "auto" else int(cfg.copies)
     settings = dict(cfg.settings)
     pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan,
@@ -204,14 +207,14 @@ def train(cfg: TrainConfig) -> list[dict]:
         t0 = time.perf_counter()
         x, y = pm.local_batch(*next(batches))
         loss_sum = torch.zeros(())
-        for i, (mx, my) in enumerate(zip(x.chunk(cfg.accum), y.chunk(cfg.accum))):
-            sync = i == cfg.accum - 1
+        for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+            sync = i == accum - 1
             with (pm.no_sync() if not sync else contextlib.nullcontext()):
                 if pipelined:
                     record = bool(cfg.timeline) and step == cfg.steps and sync
-                    loss = pm.train_step(mx, my, scale=1 / cfg.accum, record=record) / cfg.accum
+                    loss = pm.train_step(mx, my, scale=1 / accum, record=record) / accum
                 else:
-                    loss = pm(mx, my) / cfg.accum
+                    loss = pm(mx, my) / accum
                     (opt.scale_loss(loss) if isinstance(opt, ZeroOptimizer) else loss).backward()
             loss_sum += loss.detach().float()
         opt.step()

@@ -13,8 +13,12 @@ def test_multi_node_preset():
     assert (c.device_type, c.device_name, c.backend) == ("cuda", "A100-80G", "nccl")
     assert c.memory_bytes == 80 * 2**30
     assert c.flops_per_s["bfloat16"] == 312e12
-    assert c.intra_node == Link(300e9, 2e-6)
-    assert c.inter_node.bandwidth_bytes_per_s == 25e9
+    # NVLink 3 at 300 GB/s per direction and HDR at 25 GB/s, each at the share NCCL's bus bandwidth reaches
+    assert c.intra_node == Link(0.78 * 300e9, 2e-6)
+    assert c.inter_node.bandwidth_bytes_per_s == 0.92 * 25e9
+    h100 = Cluster.preset("2x8xH100-80G")
+    assert h100.inter_node.bandwidth_bytes_per_s == 0.92 * 50e9  # NDR 400 Gb/s per GPU
+    assert h100.memory_bandwidth_bytes_per_s == 0.87 * 3.35e12 and h100.matmul_efficiency == 0.78
 
 
 def test_single_node_preset_with_suffix():
@@ -110,7 +114,8 @@ def test_yaml_written_before_overheads_takes_its_device_types(tmp_path):
     path = tmp_path / "old.yaml"
     c = Cluster.preset("cpu-gloo:2")
     data = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(c)))
-    for key in ("op_overhead_s", "split_op_overhead_s", "host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s"):
+    for key in ("op_overhead_s", "split_op_overhead_s", "host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s",
+                "memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency"):
         del data[key]
     path.write_text(yaml.safe_dump(data))
     assert Cluster.from_yaml(path) == c

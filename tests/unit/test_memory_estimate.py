@@ -1,5 +1,6 @@
 """The planner's per-device memory estimate against memory measured in a real step, in one process."""
 
+import dataclasses
 import tempfile
 
 import pytest
@@ -30,11 +31,18 @@ def _measure(plan=None, recompute="none", offload="none"):
     pm.plan.offload = plan.offload if plan else offload
     with tempfile.TemporaryDirectory() as folder:
         opt = make_optimizer(pm, 1e-3, folder)
-        return step_peak_bytes(pm, opt, _batch(), state_on_device=pm.plan.offload == "none"), pm.plan
+        return step_peak_bytes(pm, opt, _batch(), state_on_device=pm.plan.offload == "none",
+                               micro_batches=pm.plan.micro_batches), pm.plan
 
 
 def _estimate(plan):
     return estimate_memory(capture(models.build("gpt-tiny", "meta"), _batch()), plan)
+
+
+def _estimate_at(plan, rows):
+    """The estimate at ``rows`` rows per micro-batch, as the search makes it (captured at one row)."""
+    meta = models.build("gpt-tiny", "meta")
+    return estimate_memory(capture(meta, meta.example_inputs(1)), plan, rows=rows)
 
 
 @pytest.mark.parametrize("recompute,offload", [("none", "none"), ("selective", "none"), ("full", "none"),
@@ -57,6 +65,14 @@ def test_under_a_limit_below_its_need_the_planner_makes_it_fit_and_it_does():
     limit = 0.75 * plain["total"]
     meta = models.build("gpt-tiny", "meta")
     plan, _ = search(meta, meta.example_inputs(1), Cluster.preset("cpu-gloo:1"), ROWS, limit, meshes=[(("dp", 1),)])
-    assert (plan.recompute, plan.offload) != ("none", "none")
+    assert (plan.recompute, plan.offload, plan.micro_batches) != ("none", "none", 1)
     measured, _ = _measure(plan=plan)
-    assert measured["total"] <= limit, (plan.recompute, plan.offload, measured, limit)
+    assert measured["total"] <= limit, (plan.recompute, plan.offload, plan.micro_batches, measured, limit)
+
+
+def test_accumulation_estimate_is_within_15_percent_of_the_measured_peak():
+    plain, plan = _measure()
+    accumulated, plan = _measure(plan=dataclasses.replace(plan, micro_batches=4))
+    estimate = _estimate_at(plan, ROWS // 4)
+    assert accumulated["total"] < plain["total"]
+    assert abs(estimate.total_bytes / accumulated["total"] - 1) <= 0.15, (estimate, accumulated)

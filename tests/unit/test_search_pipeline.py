@@ -11,6 +11,7 @@ from polyshard.errors import PolyshardError
 from polyshard.planner.pipeline import Setup, Units, best_pipeline, cost_pipeline, state_memory
 from polyshard.planner.plan import Plan
 from polyshard.planner.report import render
+from polyshard.planner.config import Fixed
 from polyshard.planner.search import mesh_candidates, search
 from polyshard.planner.stages import min_max_partition, sum_load
 from polyshard.runtime.pipeline import pipeline_split
@@ -32,8 +33,8 @@ def _units(seconds, activation_mib, param_numels, send_mib=0.0):
 
 def _setup(pp, rows, limit=float("inf"), send_s_per_mib=0.0):
     return Setup(pp=pp, dp=1, rows=rows, zero=0, precision="fp32", offload="none", limit=limit,
-                 send=lambda b: b / MiB * send_s_per_mib, dp_seconds=lambda b, modules: 0.0,
-                 offload_seconds=lambda numel: 0.0)
+                 send=lambda b: b / MiB * send_s_per_mib, dp_seconds=lambda b, modules, overlap: 0.0,
+                 update_seconds=lambda numel: 0.0)
 
 
 def test_min_max_partition_of_unequal_layers():
@@ -102,19 +103,21 @@ def test_meshes_offer_pipelines_up_to_the_blocks():
     assert {dict(m).get("pp", 1) for m in meshes} == {1, 2} and len(meshes) == 4 + 3
 
 
-def _gpt_search(limit=None, meshes=None, batch=64):
+def _gpt_search(limit=None, meshes=None, batch=64, fixed=Fixed()):
     model = models.build("gpt-small", "meta")
-    return model, search(model, model.example_inputs(1), Cluster.preset("cpu-gloo:4"), batch, limit, meshes=meshes)
+    return model, search(model, model.example_inputs(1), Cluster.preset("cpu-gloo:4"), batch, limit, meshes=meshes,
+                         fixed=fixed)
 
 
 def test_a_model_that_fits_only_pipelined_gets_a_consistent_pipeline_plan():
-    # gpt-small at 64 rows: a whole-model split needs 7.5 MiB at the least (dp=4, zero 3, full
-    # recompute: a quarter of the state, but every block's inputs for 16 rows); 4 stages of one
-    # block each, with micro-batches of 4 rows, need less than 6 MiB
+    # gpt-small at 64 rows: a whole-model split run as one micro-batch needs 7.5 MiB at the least
+    # (dp=4, zero 3, full recompute: a quarter of the state, but every block's inputs for 16 rows);
+    # 4 stages of one block each, with micro-batches of 4 rows, need less than 6 MiB
     limit = 6.5 * MiB
+    whole = [m for m in mesh_candidates(4, blocks=4) if "pp" not in dict(m)]
     with pytest.raises(PolyshardError, match="does not fit"):
-        _gpt_search(limit, [m for m in mesh_candidates(4, blocks=4) if "pp" not in dict(m)])
-    model, (plan, ranked) = _gpt_search(limit)
+        _gpt_search(limit, whole, fixed=Fixed(m=1))
+    model, (plan, ranked) = _gpt_search(limit, [m for m in mesh_candidates(4, blocks=4) if m not in whole])
     pp, dp = dict(plan.mesh)["pp"], dict(plan.mesh)["dp"]
     chosen = next(c for c in ranked if c.describe() == plan.report["chosen"])
     assert pp > 1 and chosen.memory.total_bytes <= limit and chosen.pipeline is not None

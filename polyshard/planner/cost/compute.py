@@ -1,15 +1,22 @@
-"""Forward FLOPs each op does on one rank, from its global shapes and the plan's layouts.
+"""Forward FLOPs and seconds each op takes on one rank, from its global shapes and the plan's layouts.
 
 Matrix products count 2 FLOPs per multiply-add (nanoGPT's estimate_mfu convention); attention
 counts its two products, 4*B*H*T*S*D; elementwise ops count one FLOP per output element.
-Training costs 3x forward (backward does two products per forward one); an op that recompute
-runs again in backward costs one forward more.
+Products run at the share of peak a large product reaches (``Cluster.matmul_efficiency``); every
+other op at the slower of its FLOPs at peak and the bytes it reads and writes over the memory
+bandwidth (the roofline model: LayerNorm, GELU or a residual add are bound by memory, not FLOPs).
+Training costs 3x forward (backward does two products per forward one, and reads and writes about
+twice the bytes); an op that recompute runs again in backward costs one forward more. Fused
+attention runs at its own share of peak (``Cluster.attention_efficiency``), and the optimizer step
+is memory-bound.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 
+import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
@@ -20,6 +27,11 @@ from polyshard.graph.regions import Recomputed
 from polyshard.planner.plan import NodePlan, Plan
 
 TRAIN_FLOPS_PER_FORWARD = 3
+_PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.baddbmm,
+             torch.addmm, F.linear, "matmul", "bmm")
+# Shape-only ops: no data moves.
+_FREE = {"view", "reshape", "transpose", "permute", "size", "expand", "unsqueeze", "flatten", "squeeze", "t",
+         operator.getitem, getattr}
 
 
 def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> float:
@@ -39,7 +51,65 @@ def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> f
     if node.target is F.scaled_dot_product_attention:
         q, k = (shape_of(n) for n in node.args[:2])
         return 4 * local / q[-1] * k[-2] * q[-1]
+    if node.target in (torch.matmul, operator.matmul, torch.bmm, torch.mm, "matmul", "bmm"):
+        a = shape_of(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        return 2 * local * a[-1] / _split(node, plan, node.args[0], -1) if a else local
     return local
+
+
+def forward_seconds(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], cluster: Cluster,
+                    dtype: str = "float32", itemsize: int = 4) -> float:
+    """Seconds of ``node``'s forward on this rank, fixed costs aside: the slower of its FLOPs (at the
+    achievable rate for products and attention, at peak for the rest) and its bytes over memory
+    bandwidth. A product of a thin inner dimension (attention scores of 64-128 wide heads) is bound
+    by the bytes it writes, not by its FLOPs."""
+    flops = forward_flops(node, plan, modules)
+    peak = cluster.flops_per_s[dtype]
+    if node.target is F.scaled_dot_product_attention:
+        peak *= cluster.attention_efficiency
+    elif _is_product(node, modules):
+        peak *= cluster.matmul_efficiency
+    bandwidth = cluster.memory_bandwidth_bytes_per_s
+    moved = forward_bytes(node, plan, modules, itemsize) if bandwidth else 0.0
+    return max(flops / peak, moved / bandwidth if bandwidth else 0.0)
+
+
+def optimizer_seconds(numel: float, precision: str, cluster: Cluster) -> float:
+    """Seconds of one optimizer step over ``numel`` local parameters: memory-bound, a fused AdamW
+    reads parameter, gradient and two moments and writes three of them back, 28 bytes in fp32 (half
+    precision adds the half gradient read and the half parameter written: 32)."""
+    bandwidth = cluster.memory_bandwidth_bytes_per_s
+    return numel * (28 if precision == "fp32" else 32) / bandwidth if bandwidth else 0.0
+
+
+def forward_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int) -> float:
+    """Bytes ``node``'s forward reads and writes on this rank: its tensor inputs, its parameters and
+    its output."""
+    if node.op in ("placeholder", "output", "get_attr") or node.target in _FREE or node.name not in plan.nodes:
+        return 0.0
+    entry, total = plan.nodes[node.name], 0.0
+    if node.op == "call_module":
+        for name, p in modules[node.target].named_parameters(recurse=False):
+            layout = entry.params.get(name)
+            shards = math.prod(layout.num_shards(d) for d in range(layout.ndim)) if layout is not None else 1
+            total += p.numel() / shards * itemsize
+    for value, layout in [(node, entry.output)] + [(i, entry.inputs.get(i.name)) for i in node.all_input_nodes]:
+        shape = shape_of(value)
+        if isinstance(layout, Layout) and shape is not None:
+            total += math.prod(shape) / math.prod(layout.num_shards(d) for d in range(layout.ndim)) * itemsize
+    return total
+
+
+def _is_product(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        return isinstance(modules[node.target], nn.Linear)
+    return node.target in _PRODUCTS
+
+
+def _split(node: fx.Node, plan: Plan, arg: fx.Node, dim: int) -> int:
+    """Pieces the contracted dim of ``arg`` comes in to ``node`` (1 when not split)."""
+    layout = plan.nodes[node.name].inputs.get(arg.name)
+    return layout.num_shards(dim % layout.ndim) if isinstance(layout, Layout) else 1
 
 
 def passes(name: str, recomputed: Recomputed) -> tuple[int, int]:
@@ -51,6 +121,8 @@ def passes(name: str, recomputed: Recomputed) -> tuple[int, int]:
 
 
 def op_overhead(entry: NodePlan, cluster: Cluster, compute_passes: int = TRAIN_FLOPS_PER_FORWARD) -> float:
-    """Fixed cost of one op per training step, however small: more when it runs on split tensors (DTensor)."""
-    per_step = cluster.op_overhead_s + (cluster.split_op_overhead_s if entry.impl != "local" else 0.0)
-    return per_step * compute_passes / TRAIN_FLOPS_PER_FORWARD
+    """Fixed cost of one op per training step, however small: more when it runs on split tensors
+    (DTensor's Python dispatch), except on GPUs, where the host dispatches ahead of the device
+    (kernels launch asynchronously) and only the launches cost device time."""
+    split = cluster.split_op_overhead_s if entry.impl != "local" and cluster.device_type != "cuda" else 0.0
+    return (cluster.op_overhead_s + split) * compute_passes / TRAIN_FLOPS_PER_FORWARD

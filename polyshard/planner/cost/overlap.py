@@ -20,12 +20,12 @@ from torch import fx
 from polyshard.cluster import Cluster
 from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes
 from polyshard.graph.regions import recomputed
-from polyshard.planner.cost.compute import forward_flops, op_overhead, passes
+from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
 from polyshard.planner.plan import Plan
 
 @dataclass(frozen=True)
 class OpCost:
-    """One op for the whole batch: compute_s (FLOPs at the device rate), comm_s (bytes over
+    """One op for the whole batch: compute_s (at the rates of polyshard.planner.cost.compute), comm_s (bytes over
     bandwidth); latency_s (the links' latency for its collectives) and overhead_s (dispatch and
     launch) are fixed costs that every copy pays again."""
 
@@ -39,17 +39,16 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
     """Training cost of every op in program order (forward, backward and recompute folded together)."""
     modules = dict(gm.named_modules())
     rc = recomputed(gm, plan.recompute, plan.recompute_comm)
-    rate = cluster.flops_per_s[dtype]
     out = []
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr") or node.name not in plan.nodes:
             continue
         compute_passes, comm_passes = passes(node.name, rc)
-        flops = compute_passes * forward_flops(node, plan, modules)
+        seconds = compute_passes * forward_seconds(node, plan, modules, cluster, dtype, itemsize)
         sent = node_comm_bytes(node, plan, modules, itemsize, cluster.backend)
         transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
-        out.append(OpCost(flops / rate, comm_passes * transfer, comm_passes * latency,
+        out.append(OpCost(seconds, comm_passes * transfer, comm_passes * latency,
                           op_overhead(plan.nodes[node.name], cluster, compute_passes)))
     return out
 

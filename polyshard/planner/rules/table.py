@@ -30,6 +30,7 @@ NON_TENSOR = {"size", "dim", "ndimension"}
 CREATION = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.ones_like,
             torch.zeros_like}
 VIEWS = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
+POSITIONAL = {"triu", "tril", torch.triu, torch.tril}
 
 
 def decide_all(node: fx.Node, ctx: RuleContext) -> list[Decision]:
@@ -86,6 +87,8 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
         return _elementwise(node, ctx)
     if target in VIEWS:
         return _view(node, ctx)
+    if target in POSITIONAL:  # the value depends on where an element sits: whole tensors only
+        return _replicated(node, ctx)
     if target in ("transpose", torch.transpose, "permute", torch.permute):
         return _permute(node, ctx)
     if target is F.scaled_dot_product_attention:

@@ -1,0 +1,153 @@
+"""The planner against published hand-tuned runs: same model shape, devices and global batch.
+
+    python bench/bench_published.py                 # every row (a few minutes on 2 cores)
+    python bench/bench_published.py --rows 1.7B,GPT-3-175B@384 --json
+
+Per row: the published configuration priced by polyshard's cost model (its dp / tp / pp, global
+batch, full recompute, its optimizer sharding; the micro-batch count and schedule left to the
+search, as the papers do not all give them), the planner's own pick with nothing fixed, and the
+reported throughput. TFLOP/s per GPU are counted the papers' way (Narayanan et al. 2021, eq. 3:
+96 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward included), so a row's three figures
+compare step times. Goals: the pick costs no more than the published configuration; the published
+configuration's prediction is within 15% of the reported figure; each row plans in under 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from polyshard import models  # noqa: E402
+from polyshard.cluster import Cluster  # noqa: E402
+from polyshard.planner.config import Fixed  # noqa: E402
+from polyshard.planner.search import search  # noqa: E402
+
+ERROR_GOAL, PLANNING_GOAL_S = 0.15, 10.0
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published run: model shape, A100-80GB count (8 per node), global batch in sequences,
+    its dp x tp x pp, micro-batch size when the source gives it, ZeRO level, reported TFLOP/s per GPU,
+    and its dropout (0.1 on attention probabilities and residual branches, as Megatron-LM's defaults)."""
+
+    name: str
+    source: str
+    layers: int
+    hidden: int
+    heads: int
+    gpus: int
+    batch: int
+    tp: int
+    pp: int
+    tflops: float
+    vocab: int = 51200
+    seq: int = 2048
+    mbs: int | None = None
+    zero: int = 0
+    dropout: float = 0.1
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.tp // self.pp
+
+    def model(self) -> str:
+        """The GPT these runs trained: attention written out (scores, softmax, dropout), no flash attention."""
+        return (f"gpt:layers={self.layers},hidden={self.hidden},heads={self.heads},seq={self.seq},vocab={self.vocab},"
+                f"attention=math,dropout={self.dropout}")
+
+    def flops_per_step(self) -> float:
+        """Narayanan et al. 2021, eq. 3 (full recompute): 96 B s l h^2 (1 + s/6h + V/16lh)."""
+        b, s, l, h, v = self.batch, self.seq, self.layers, self.hidden, self.vocab
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+_SC21 = "Megatron-LM, Narayanan et al. SC'21, Table 1"
+_SC21_T2 = "Megatron-LM, Narayanan et al. SC'21, Table 2 (PTD-P)"
+_MTNLG = "MT-NLG 530B, Smith et al. 2022 (iteration 60.1 / 50.2 / 44.4 s)"
+RUNS = (
+    Run("1.7B", _SC21, 24, 2304, 24, 32, 512, 1, 1, 137),
+    Run("3.6B", _SC21, 30, 3072, 32, 64, 512, 2, 1, 138),
+    Run("7.5B", _SC21, 36, 4096, 32, 128, 512, 4, 1, 142),
+    Run("18.4B", _SC21, 40, 6144, 48, 256, 1024, 8, 1, 135),
+    Run("39.1B", _SC21, 48, 8192, 64, 512, 1536, 8, 2, 138),
+    Run("76.1B", _SC21, 60, 10240, 80, 1024, 1792, 8, 4, 140),
+    Run("145.6B", _SC21, 80, 12288, 96, 1536, 2304, 8, 8, 148),
+    Run("310.1B", _SC21, 96, 16384, 128, 1920, 2160, 8, 16, 155),
+    Run("529.6B", _SC21, 105, 20480, 128, 2520, 2520, 8, 35, 163),
+    Run("1T", _SC21, 128, 25600, 160, 3072, 3072, 8, 64, 163),
+    Run("GPT-3-175B@384", _SC21_T2, 96, 12288, 96, 384, 1536, 8, 12, 153, mbs=1),
+    Run("GPT-3-175B@768", _SC21_T2, 96, 12288, 96, 768, 1536, 8, 12, 149, mbs=1),
+    Run("GPT-3-175B@1536", _SC21_T2, 96, 12288, 96, 1536, 1536, 8, 12, 141, mbs=1),
+    Run("MT-NLG-530B@2240", _MTNLG, 105, 20480, 128, 2240, 1920, 8, 35, 126, mbs=1, zero=1),
+    Run("MT-NLG-530B@2800", _MTNLG, 105, 20480, 128, 2800, 1920, 8, 35, 121, mbs=1, zero=1),
+    Run("MT-NLG-530B@3360", _MTNLG, 105, 20480, 128, 3360, 1920, 8, 35, 113, mbs=1, zero=1),
+    Run("BLOOM-176B", "BLOOM, BigScience 2022 (about 150 TFLOP/s)", 70, 14336, 112, 384, 2048, 4, 12, 150,
+        vocab=250880, mbs=2, zero=1, dropout=0.0),
+)
+
+
+def price(run: Run, fixed: Fixed) -> tuple[dict, float]:
+    """The search's best candidate under ``fixed`` as a report row, and the seconds the search took."""
+    start = time.perf_counter()
+    model = models.build(run.model(), device="meta")
+    cluster = Cluster.preset(f"{run.gpus // 8}x8xA100-80G")
+    plan, _ = search(model, model.example_inputs(1), cluster, run.batch, fixed=fixed)
+    chosen = next(c for c in plan.report["candidates"] if c["mesh"] == plan.report["chosen"])
+    return chosen, time.perf_counter() - start
+
+
+def why_faster(pick: dict, published: dict) -> str:
+    """The term that differs most between two candidates, in the published one's favour or not."""
+    terms = ("compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s")
+    gains = {t.removesuffix("_s"): published[t] - pick[t] for t in terms}
+    term = max(gains, key=gains.get)
+    return f"{term} -{gains[term]:.2f}s" if gains[term] > 0 else "same"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    p.add_argument("--json", action="store_true", help="also print one JSON line per row")
+    args = p.parse_args(argv)
+    names = set(filter(None, args.rows.split(",")))
+    rows = [r for r in RUNS if not names or r.name in names]
+    print(f"{'run':<18} {'GPUs':>5} {'published config':<26} {'reported':>8} {'pred':>6} {'err':>6}   "
+          f"{'pick':<44} {'pred':>6} {'vs pub':>7} {'why':<18} {'plan s':>6}")
+    results = []
+    for run in rows:
+        base = Fixed(dp=run.dp, tp=run.tp, pp=run.pp, mbs=run.mbs, zero=run.zero, recompute="full", precision="bf16")
+        published, _ = price(run, base)
+        pick, seconds = price(run, Fixed())
+        flops = run.flops_per_step() / run.gpus / 1e12
+        pub_tflops, pick_tflops = flops / published["step_s"], flops / pick["step_s"]
+        err = pub_tflops / run.tflops - 1
+        row = {"run": run.name, "source": run.source, "gpus": run.gpus, "reported_tflops": run.tflops,
+               "published_config": published["config"], "published_tflops": round(pub_tflops, 1),
+               "published_error": round(err, 3), "pick_config": pick["config"], "pick_tflops": round(pick_tflops, 1),
+               "pick_speedup": round(published["step_s"] / pick["step_s"], 3), "why": why_faster(pick, published),
+               "planning_s": round(seconds, 2)}
+        results.append(row)
+        short = f"dp={run.dp},tp={run.tp},pp={run.pp}" + f",zero={run.zero}" * (run.zero > 0)
+        print(f"{run.name:<18} {run.gpus:>5} {short:<26} {run.tflops:>8.0f} {pub_tflops:>6.0f} {err:>+6.0%}   "
+              f"{pick['mesh'][:44]:<44} {pick_tflops:>6.0f} {row['pick_speedup']:>6.2f}x {row['why']:<18} "
+              f"{seconds:>6.1f}", flush=True)
+        if args.json:
+            print(json.dumps(row), flush=True)
+    ok_pick = sum(r["pick_speedup"] >= 1 - 1e-9 for r in results)
+    ok_err = sum(abs(r["published_error"]) <= ERROR_GOAL for r in results)
+    ok_time = sum(r["planning_s"] < PLANNING_GOAL_S for r in results)
+    n = len(results)
+    print(f"pick no slower than published: {ok_pick}/{n}; published predicted within {ERROR_GOAL:.0%} of reported: "
+          f"{ok_err}/{n} (median |error| {sorted(abs(r['published_error']) for r in results)[n // 2]:.1%}); "
+          f"planned in < {PLANNING_GOAL_S:.0f} s: {ok_time}/{n}")
+
+
+if __name__ == "__main__":
+    main()

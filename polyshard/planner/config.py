@@ -1,0 +1,77 @@
+"""A training configuration in one line, as people write them (``dp=8,tp=8,pp=16,mbs=1,zero=1``):
+the settings a user fixes for the search, and the spelling every plan is reported in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from polyshard.errors import PolyshardError
+from polyshard.planner.plan import OFFLOADS, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, ZERO_LEVELS, check_choice
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Settings the search must keep; None leaves one to the search.
+
+    dp / tp / pp: data-parallel replicas, operator-parallel ranks, pipeline stages; mbs: rows per
+    micro-batch; m: micro-batches per step (pipeline micro-batches, or gradient accumulation when
+    pp=1); schedule: pipeline schedule; v: virtual stages per rank (interleaved); zero: optimizer
+    parallel level; recompute: none / selective / full; precision: fp32 / bf16 / fp16; offload:
+    where the optimizer state lives."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    mbs: int | None = None
+    m: int | None = None
+    schedule: str | None = None
+    v: int | None = None
+    zero: int | None = None
+    recompute: str | None = None
+    precision: str | None = None
+    offload: str | None = None
+
+    @staticmethod
+    def parse(text: str) -> Fixed:
+        """``key=value`` pairs joined by commas, keys as the fields are named."""
+        known = {f.name for f in fields(Fixed)}
+        values: dict[str, object] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or not value:
+                raise PolyshardError(f"--config entry {part!r} is not KEY=VALUE (e.g. 'tp=8')")
+            if key not in known:
+                raise PolyshardError(f"--config key {key!r} is unknown; keys: {', '.join(sorted(known))}")
+            if key in values:
+                raise PolyshardError(f"--config sets {key!r} twice")
+            values[key] = value if key in _CHOICES else _positive(key, value)
+        fixed = Fixed(**values)
+        fixed.check()
+        return fixed
+
+    def check(self) -> None:
+        """Raise a PolyshardError for a value no plan can hold."""
+        for key, allowed in _CHOICES.items():
+            if getattr(self, key) is not None:
+                check_choice(f"--config {key}", getattr(self, key), allowed)
+        if self.zero is not None and self.zero not in ZERO_LEVELS:
+            raise PolyshardError(f"--config zero must be one of {ZERO_LEVELS}; got {self.zero}")
+        if self.v is not None and self.v > 1 and self.schedule not in (None, "interleaved"):
+            raise PolyshardError(f"--config v={self.v} needs schedule=interleaved, not {self.schedule!r}")
+
+    def allows(self, **settings) -> bool:
+        """Whether every given setting agrees with what is fixed."""
+        return all(getattr(self, k) is None or getattr(self, k) == v for k, v in settings.items())
+
+    def text(self) -> str:
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) is not None)
+
+
+_CHOICES = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "precision": PRECISIONS, "offload": OFFLOADS}
+
+
+def _positive(key: str, value: str) -> int:
+    if not value.isdigit() or (int(value) < 1 and key != "zero"):
+        raise PolyshardError(f"--config {key}={value!r} must be a {'whole number' if key == 'zero' else 'positive integer'}")
+    return int(value)
