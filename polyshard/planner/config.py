@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from polyshard.errors import PolyshardError
-from polyshard.planner.plan import OFFLOADS, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, ZERO_LEVELS, check_choice
+from polyshard.planner.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES, ZERO_LEVELS,
+                                   check_choice)
 
 
 @dataclass(frozen=True)
@@ -16,8 +17,9 @@ class Fixed:
     dp / tp / pp: data-parallel replicas, operator-parallel ranks, pipeline stages; mbs: rows per
     micro-batch; m: micro-batches per step (pipeline micro-batches, or gradient accumulation when
     pp=1); schedule: pipeline schedule; v: virtual stages per rank (interleaved); zero: optimizer
-    parallel level; recompute: none / selective / full; precision: fp32 / bf16 / fp16; offload:
-    where the optimizer state lives."""
+    parallel level; recompute: none / selective / full; recompute_comm: keep the results of
+    collectives in recomputed regions or issue them again (recompute); precision: fp32 / bf16 /
+    fp16; offload: where the optimizer state lives."""
 
     dp: int | None = None
     tp: int | None = None
@@ -28,6 +30,7 @@ class Fixed:
     v: int | None = None
     zero: int | None = None
     recompute: str | None = None
+    recompute_comm: str | None = None
     precision: str | None = None
     offload: str | None = None
 
@@ -68,7 +71,8 @@ class Fixed:
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) is not None)
 
 
-_CHOICES = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "precision": PRECISIONS, "offload": OFFLOADS}
+_CHOICES = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "recompute_comm": RECOMPUTE_COMMS,
+            "precision": PRECISIONS, "offload": OFFLOADS}
 
 
 def _positive(key: str, value: str) -> int:

@@ -25,12 +25,15 @@ from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
 from polyshard.planner.plan import DTYPES, Plan
 from polyshard.planner.schedules import schedule_actions, simulate
-from polyshard.planner.stages import min_max_partition, sum_load
+from polyshard.planner.stages import min_max_partition
 
 BUCKET_BYTES = 25 * 2**20  # the gradient bucket a stage holds without optimizer parallel (as estimate_memory)
 # Schedules of more micro-batches than this many per stage are simulated at this many, and the rest
 # added at the steady state's pace (each further group of pp micro-batches adds what the last did).
 SIMULATED_PER_STAGE = 4
+# The outer knobs tried unless fixed: micro-batches of up to this many rows (published runs use 1-4),
+# or up to this many micro-batches per stage; chunks per rank under interleaving.
+MAX_MICRO_ROWS, MAX_MICRO_PER_STAGE, VIRTUAL_STAGES = 8, 2, (2, 3, 4, 6, 8)
 
 
 @dataclass(frozen=True)
@@ -114,12 +117,13 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
                  model_groups=tuple(model_groups), **fields)
 
 
-def state_memory(groups, zero: int, dp: int, precision: str, offload: str, optimizer: str = "adamw",
-                 threshold_bytes: int = 64 * 1024) -> MemoryEstimate:
+def state_memory(groups, zero: int, dp: int, precision: str, offload: str, accumulating: bool = False,
+                 optimizer: str = "adamw", threshold_bytes: int = 64 * 1024) -> MemoryEstimate:
     """Parameters, gradients and optimizer state of these parameter groups (local sizes, by module),
     as :func:`polyshard.planner.cost.memory.estimate_memory` counts them; no activations."""
     itemsize = 4 if precision == "fp32" else 2
-    held = state_bytes_per_rank(groups or [0], zero, dp, threshold_bytes, itemsize, optimizer_states=1)
+    held = state_bytes_per_rank(groups or [0], zero, dp, threshold_bytes, itemsize, optimizer_states=1,
+                                accumulating=accumulating)
     state = held["optimizer"] / itemsize * 4 * (STATES[optimizer] + (precision != "fp32"))
     buffers = min(BUCKET_BYTES, held["params"]) if dp > 1 and zero == 0 else 0.0
     on_device = state if offload == "none" else 0.0
@@ -185,9 +189,9 @@ class PipelineCost:
 class Setup:
     """What one pipelined mesh runs under: pp stages, dp data-parallel ranks, rows per data-parallel
     replica per step, the optimizer-parallel level, precision and offload, the memory limit;
-    send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, modules, overlap_s):
-    the data-parallel communication of that many gradient bytes left exposed beside overlap_s of
-    backward; update_seconds(numel): the optimizer step's (or offload's copies'); fixed: settings the user fixed;
+    send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, modules, overlap_s, m):
+    the data-parallel communication of that many gradient bytes over m micro-batches left exposed
+    beside overlap_s of backward; update_seconds(numel): the optimizer step's (or offload's copies'); fixed: settings the user fixed;
     memo: results one search reuses (unit memory, simulated schedules)."""
 
     pp: int
@@ -198,7 +202,7 @@ class Setup:
     offload: str
     limit: float
     send: Callable[[np.ndarray], np.ndarray]
-    dp_seconds: Callable[[float, float, float], float]
+    dp_seconds: Callable[[float, float, float, int], float]
     update_seconds: Callable[[float], float]
     fixed: Fixed = Fixed()
     memo: dict = dataclasses.field(default_factory=dict)
@@ -213,11 +217,15 @@ def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> t
     numel = sum(sum(g) for unit in units.groups for g in unit)
     options = sorted((_bound(units, setup, m, v, numel), m, schedule, v)
                      for m, schedule, v in _options(len(units), setup))
-    best, overflowed = None, False
+    best, overflowed, fitted = None, False, set()
     for bound, m, schedule, v in options:
         if bound >= min(best_s, best.step_s if best else float("inf")):
             return best, float("inf") if overflowed and best is None else bound
+        if schedule == "gpipe" and m in fitted:  # 1F1B ran the same work in no more memory: GPipe cannot gain
+            continue
         found = cost_pipeline(units, setup, state, m, schedule, v)
+        if found is not None and schedule == "1f1b":
+            fitted.add(m)
         overflowed |= found is None
         if found is not None and (best is None or found.step_s < best.step_s):
             best = found
@@ -236,10 +244,11 @@ def leanest_pipeline(units: Units, setup: Setup) -> PipelineCost | None:
 
 
 def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
-    """Each unit's parameter memory; the gradient bucket is counted once per stage instead."""
+    """Each unit's parameter memory; the gradient bucket is counted once per stage instead. A stage
+    accumulates its gradients over the micro-batches, whole until the last (counted so for every m)."""
     out = []
     for groups in units.groups:
-        key = (groups, s.zero, s.dp, s.precision, s.offload)  # repeated blocks hold alike
+        key = (groups, s.zero, s.dp, s.precision, s.offload, True)  # repeated blocks hold alike
         if key not in s.memo:
             s.memo[key] = dataclasses.replace(state_memory(groups, *key[1:]), buffers_bytes=0.0)
         out.append(s.memo[key])
@@ -247,23 +256,29 @@ def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
 
 
 def _options(n: int, s: Setup):
-    """(micro-batches, schedule, virtual stages) the fixed settings allow: m divides the rows (any
-    micro-batch size from 1 row to all of them); interleaving with 2 .. n/pp chunks per rank, m a
-    multiple of pp."""
+    """(micro-batches, schedule, virtual stages) to try, bounded: m divides the rows, with micro-batches
+    of at most MAX_MICRO_ROWS rows or at most MAX_MICRO_PER_STAGE per stage; interleaving with
+    2, 3, 4, 6 or 8 chunks per rank (at most n/pp), m a multiple of pp. What the user fixes is tried
+    whatever these bounds say."""
+    f = s.fixed
     for m in (m for m in range(1, s.rows + 1) if s.rows % m == 0):
+        if f.m is None and f.mbs is None and s.rows // m > MAX_MICRO_ROWS and m > MAX_MICRO_PER_STAGE * s.pp:
+            continue
         candidates = [(m, "1f1b", 1), (m, "gpipe", 1)]
         if s.pp > 1 and m % s.pp == 0:
-            candidates += [(m, "interleaved", v) for v in range(2, n // s.pp + 1)]
+            chunks = [f.v] if f.v is not None else [v for v in VIRTUAL_STAGES if v <= n // s.pp]
+            candidates += [(m, "interleaved", v) for v in chunks if 1 < v <= n // s.pp]
         for m_, schedule, v in candidates:
-            if s.fixed.allows(m=m_, mbs=s.rows // m_, schedule=schedule, v=v):
+            if f.allows(m=m_, mbs=s.rows // m_, schedule=schedule, v=v):
                 yield m_, schedule, v
 
 
 def _bound(units: Units, s: Setup, m: int, v: int, numel: float) -> float:
     """Equal stages' step: (m + (p-1)/v) x the mean stage's micro-batch, plus the least exposed gradient
-    communication (some stage holds at least the mean share of the ``numel`` parameters)."""
+    communication and optimizer step (some stage holds at least the mean share of the ``numel`` parameters)."""
     mean = units.seconds(s.rows / m).sum() / s.pp
-    return (m + (s.pp - 1) / v) * mean + s.dp_seconds(numel / s.pp * _itemsize(s.precision), 0.0, float("inf"))
+    return (m + (s.pp - 1) / v) * mean + s.dp_seconds(numel / s.pp * _itemsize(s.precision), 0.0, float("inf"), 1) + \
+        s.update_seconds(numel / s.pp)
 
 
 def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, schedule: str,
@@ -273,21 +288,34 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     n, chunks, rows = len(units), s.pp * v, s.rows / m
     seconds = units.seconds(rows)
     send = np.concatenate([[0.0], s.send(units.send_bytes[1:] * rows), [0.0]])  # per cut 0..n: the ends send nothing
-    time = sum_load(seconds)
-    fixed = sum_load([st.total_bytes for st in state])
-    acts = sum_load(units.activation_bytes * rows)
+    start, end = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")  # every unit range [i, j)
+    time_of = np.concatenate([[0.0], np.cumsum(seconds)])
+    time = time_of[end] - time_of[start] + send[end] + send[start]  # sends: activations out, gradients back in
+    fixed_of = np.concatenate([[0.0], np.cumsum([st.total_bytes for st in state])])
+    acts_of = np.concatenate([[0.0], np.cumsum(units.activation_bytes * rows)])
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
     bucket = BUCKET_BYTES if s.dp > 1 and s.zero == 0 else 0.0
     rerun = units.rerun_bytes.max() * rows  # one micro-batch's recomputed block, alive in its backward
+    base, acts = fixed_of[end] - fixed_of[start] + rerun + bucket, acts_of[end] - acts_of[start]
+    allowed: dict[float, np.ndarray] = {}  # by activations in flight: chunks sharing it share the mask
 
     def load(k, i, j):
-        sends = send[j] + send[i]  # activations forward across its last cut, gradients back across its first
-        memory = fixed(k, i, j) + acts(k, i, j) * held[k] + rerun + bucket
-        return np.where(memory <= s.limit / v, time(k, i, j) + sends, np.inf)
+        if held[k] not in allowed:
+            allowed[held[k]] = base + acts * held[k] <= s.limit / v
+        return np.where(allowed[held[k]], time, np.inf)
 
-    slowest, cuts = min_max_partition(load, n, chunks)
-    if not np.isfinite(slowest):
-        return None
+    # The time-balanced cuts ignore memory and the optimizer level: where they fit they are the answer,
+    # and the levels and schedules that share them need no program of their own.
+    free = ("cuts", id(units), chunks, rows, send.tobytes())
+    if free not in s.memo:
+        s.memo[free] = min_max_partition(lambda k, i, j: time, n, chunks)[1]
+    edges = [0, *s.memo[free], n]
+    if len(edges) == chunks + 1 and all(load(k, 0, 0)[edges[k], edges[k + 1]] < np.inf for k in range(chunks)):
+        cuts = list(s.memo[free])
+    else:
+        slowest, cuts = min_max_partition(load, n, chunks)
+        if not np.isfinite(slowest):
+            return None
     edges = [0, *cuts, n]
     share = units.forward_share
     forward, backward, stages = [], [], []
@@ -313,7 +341,7 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
                 for i, j in ((edges[c], edges[c + 1]) for c in range(chunks)))
     modules = max(units.modules[i:j].sum() for i, j in zip(edges, edges[1:]))
     # a stage's gradients sync in its last micro-batch's backward, beside the backwards still to run there
-    dp_comm = s.dp_seconds(numel * _itemsize(s.precision), modules, min(backward))
+    dp_comm = s.dp_seconds(numel * _itemsize(s.precision), modules, min(backward), m)
     compute += s.update_seconds(numel)
     fullest = max(range(s.pp), key=lambda r: sum(stages[c].memory.total_bytes for c in range(r, chunks, s.pp)))
     memory = _sum_memory([stages[c].memory for c in range(fullest, chunks, s.pp)])

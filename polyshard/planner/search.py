@@ -255,7 +255,8 @@ class _Costs:
                 self.numel / _op_size(mesh, self.data_axes) * device_bytes_per_param(offload) <= self.limit:
             try:  # the shared plan's fastest variant does not fit: the leanest strategies that do, if any
                 lean = solve(self.gm, op_axes, self.cluster, rows, self.limit, cutoff_s=best_s - floor,
-                             recompute=recompute, offload=offload, precision=self.narrowest)
+                             recompute=recompute, offload=offload, precision=self.narrowest,
+                             recompute_comm=self.fixed.recompute_comm or "keep")
             except PolyshardError:
                 return out
             if lean.plan is not None and lean.plan.nodes != solved.plan.nodes:
@@ -270,7 +271,8 @@ class _Costs:
         found = self._solved.get(key)
         if found is None or (found.plan is None and found.lower_bound_s < cutoff_s):
             found = self._solved[key] = solve(self.gm, op_axes, self.cluster, rows, float("inf"),
-                                              cutoff_s=cutoff_s, recompute=recompute, precision=self.narrowest)
+                                              cutoff_s=cutoff_s, recompute=recompute, precision=self.narrowest,
+                                              recompute_comm=self.fixed.recompute_comm or "keep")
         return found
 
     def units(self, plan: Plan, mesh, precision: str) -> Units:
@@ -316,8 +318,8 @@ class _Costs:
         op_comm = float(rows * units.comm_s.sum() + m * units.latency_s.sum())
         backward = (1 - units.forward_share) * (compute + op_comm) / m
         dp_comm = _dp_seconds(numel * DTYPES[plan.precision][1], mesh, self.data_axes, self.cluster, plan.zero,
-                              units.modules.sum(), backward)
-        memory = _memory_floor(units, plan.zero, dp, plan.precision, plan.offload, rows // m)
+                              units.modules.sum(), backward, m)
+        memory = _memory_floor(units, plan.zero, dp, plan.precision, plan.offload, rows // m, m > 1)
         exact = memory.total_bytes <= self.limit  # estimated in full only where it may fit
         if exact:
             memory = estimate_memory(self.gm, plan, data_world=dp, rows=rows // m)
@@ -336,8 +338,8 @@ class _Costs:
             units = self.units(base, mesh, precision)
             setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
                           send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
-                          dp_seconds=lambda b, modules, overlap, zero=zero: _dp_seconds(
-                              b, mesh, self.data_axes, self.cluster, zero, modules, overlap),
+                          dp_seconds=lambda b, modules, overlap, m, zero=zero: _dp_seconds(
+                              b, mesh, self.data_axes, self.cluster, zero, modules, overlap, m),
                           update_seconds=lambda numel, zero=zero, precision=precision: _update_seconds(
                               numel, offload, zero, dp, precision, self.cluster),
                           fixed=self.fixed, memo=self._memo)
@@ -347,6 +349,8 @@ class _Costs:
                                       recompute=base.recompute, offload=offload, zero=zero, precision=precision,
                                       pruned=True), None))
                 continue
+            if found is None and best_s < float("inf"):
+                continue  # nothing fits here, and a plan that fits is known: how far this misses is not news
             p = found or leanest_pipeline(units, setup)
             if p is None:  # the fixed settings allow no schedule on this split
                 continue
@@ -362,10 +366,11 @@ class _Costs:
         return out
 
 
-def _memory_floor(units: Units, zero: int, dp: int, precision: str, offload: str, rows: int) -> MemoryEstimate:
+def _memory_floor(units: Units, zero: int, dp: int, precision: str, offload: str, rows: int,
+                  accumulating: bool = False) -> MemoryEstimate:
     """Less than or equal to what estimate_memory finds: its parameter state, and of activations
     and gradients at least the larger (all kept activations are alive as backward starts)."""
-    state = state_memory(units.model_groups, zero, dp, precision, offload)
+    state = state_memory(units.model_groups, zero, dp, precision, offload, accumulating)
     activations = units.activation_bytes.sum() * rows
     return dataclasses.replace(state, activations_bytes=activations,
                                apart_bytes=min(activations, state.grads_bytes))
@@ -410,16 +415,18 @@ def _mesh_text(mesh) -> str:
 
 
 def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0,
-                overlap_s: float = 0.0) -> float:
+                overlap_s: float = 0.0, micro_batches: int = 1) -> float:
     """Data-parallel communication per step left exposed (alpha-beta on the outermost data axis's link).
 
     With B gradient bytes over n ranks, each level moves what the runtime (polyshard.runtime.zero)
     issues: level 0 all-reduces the gradients, 2(n-1)/n B; level 1 all-reduces them and all-gathers
     the stepped shards, 3(n-1)/n B; level 2 reduce-scatters and all-gathers, 2(n-1)/n B; level 3
     all-gathers each module's parameters in forward and again in backward and reduce-scatters the
-    gradients, 3(n-1)/n B in 3 collectives per module. On GPUs the collectives issued during backward
-    (level 3: during forward too) run beside ``overlap_s`` of it and only the rest, and at least the
-    last bucket, is exposed; the all-gather after the optimizer step (levels 1, 2) is not hidden.
+    gradients, 3(n-1)/n B in 3 collectives per module; over m accumulated micro-batches level 3
+    gathers in each one's forward and backward, (2m+1)(n-1)/n B. On GPUs the collectives issued during
+    backward (level 3: during every forward and backward) run beside ``overlap_s`` of the last
+    backward and only the rest, and at least the last bucket, is exposed; the all-gather after the
+    optimizer step (levels 1, 2) is not hidden.
     On CPU gloo runs on the cores that compute, so nothing hides (see cost/overlap.py)."""
     dp = _data_size(mesh, data_axes)
     if dp == 1:
@@ -427,12 +434,13 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     link = axis_link(mesh, next(n for n, s in mesh if n in data_axes), cluster)
     latency = collective_latency(link, dp)
     pass_s = wire_bytes("reduce_scatter", grad_bytes, dp) / link.bandwidth_bytes_per_s  # (n-1)/n B once
+    passes_3 = 2 * micro_batches + 1
     during = {0: 2 * pass_s + latency, 1: 2 * pass_s + latency, 2: pass_s + latency,
-              3: 3 * pass_s + 3 * modules * latency}[zero]
+              3: passes_3 * (pass_s + modules * latency)}[zero]
     after = pass_s + latency if zero in (1, 2) else 0.0
     if cluster.device_type != "cuda":
         return during + after
-    hidden = overlap_s * (1.5 if zero == 3 else 1)  # level 3 gathers ahead of forward too (about half of backward)
+    hidden = overlap_s * (1.5 * micro_batches if zero == 3 else 1)  # level 3: beside every forward (half a backward)
     last_bucket = min(during, wire_bytes("all_reduce", BUCKET_BYTES, dp) / link.bandwidth_bytes_per_s + latency)
     return max(during - hidden, last_bucket) + after
 

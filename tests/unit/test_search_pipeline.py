@@ -33,7 +33,7 @@ def _units(seconds, activation_mib, param_numels, send_mib=0.0):
 
 def _setup(pp, rows, limit=float("inf"), send_s_per_mib=0.0):
     return Setup(pp=pp, dp=1, rows=rows, zero=0, precision="fp32", offload="none", limit=limit,
-                 send=lambda b: b / MiB * send_s_per_mib, dp_seconds=lambda b, modules, overlap: 0.0,
+                 send=lambda b: b / MiB * send_s_per_mib, dp_seconds=lambda b, modules, overlap, m: 0.0,
                  update_seconds=lambda numel: 0.0)
 
 

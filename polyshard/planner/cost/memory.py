@@ -112,7 +112,8 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, data_world: int = 1, rows: i
              for n in gm.graph.nodes if n.op == "call_module"]
     numel = sum(local_numel(params[name].shape, layout) for name, layout in plan.params.items() if name in params)
     held = state_bytes_per_rank([u for u in units if u] or [0], plan.zero, data_world, plan.zero_threshold_bytes,
-                                itemsize, optimizer_states=1, bucket_bytes=bucket_bytes)
+                                itemsize, optimizer_states=1, bucket_bytes=bucket_bytes,
+                                accumulating=plan.micro_batches > 1)
     scale = numel / max(sum(map(sum, units)), 1)  # parameters used outside modules (rare) count like the rest
     param_bytes, grad_bytes = held["params"] * scale, held["grads"] * scale
     state = held["optimizer"] / itemsize * state_per_element * scale

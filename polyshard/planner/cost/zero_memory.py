@@ -10,7 +10,8 @@ sharded (each at least ``threshold_bytes``), W those that stay whole, N ranks, k
     2      W + P~        W + P~/N      k (W + P~/N)
     3      W + P~/N      W + P~/N      k (W + P~/N)
 
-where P~ is P padded per bucket (level 3: per module) to a multiple of N elements. No communication buffer
+where P~ is P padded per bucket (level 3: per module) to a multiple of N elements. Gradients accumulated over
+several micro-batches are held whole (W + P~) until the last one reduces them, at every level. No communication buffer
 outlives a step: the all-reduced gradient buffer becomes the gradient, level 3's gathered parameters are freed.
 """
 
@@ -51,12 +52,13 @@ def padded(numel: int, world: int) -> int:
 
 def state_bytes_per_rank(param_numels: Sequence[int | Sequence[int]], level: int, world: int,
                          threshold_bytes: int, itemsize: int = 4, optimizer_states: int = 2,
-                         bucket_bytes: int = 25 * 2**20) -> dict[str, int]:
+                         bucket_bytes: int = 25 * 2**20, accumulating: bool = False) -> dict[str, int]:
     """Predicted bytes of parameters, gradients, optimizer state and buffers one rank holds after a step.
 
     ``param_numels``: this rank's parameter sizes in forward order, grouped by the module that uses them
     (level 3 gathers one module's parameters at a time); a plain int is a module of one parameter.
-    ``optimizer_states``: per-element state tensors (AdamW: 2, SGD with momentum: 1, LAMB: 2).
+    ``optimizer_states``: per-element state tensors (AdamW: 2, SGD with momentum: 1, LAMB: 2);
+    ``accumulating``: gradients are accumulated over micro-batches, whole until the last one.
     """
     if level not in (0, 1, 2, 3):
         raise PolyshardError(f"ZeRO level must be 0, 1, 2 or 3, got {level!r}")
@@ -76,6 +78,6 @@ def state_bytes_per_rank(param_numels: Sequence[int | Sequence[int]], level: int
     total_full = sum(full)
     shard = total_full // world
     params = whole + (shard if level == 3 else total_full)
-    grads = whole + (total_full if level <= 1 else shard)
+    grads = whole + (total_full if level <= 1 or accumulating else shard)
     return {"params": params * itemsize, "grads": grads * itemsize,
             "optimizer": optimizer_states * (whole + shard) * itemsize, "buffers": 0}

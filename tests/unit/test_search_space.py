@@ -1,0 +1,110 @@
+"""The search's bounds, the settings a user fixes, and the cost terms the published comparison rests on."""
+
+import math
+
+import pytest
+import torch
+
+from polyshard import models
+from polyshard.cluster import Cluster
+from polyshard.errors import PolyshardError
+from polyshard.planner.config import Fixed
+from polyshard.planner.search import _dp_seconds, default_reserve_bytes, search
+from polyshard.transitions import wire_bytes
+
+
+def _search(name, cluster, batch, fixed=Fixed(), limit=None):
+    model = models.build(name, "meta")
+    return search(model, model.example_inputs(1), Cluster.preset(cluster), batch, limit, fixed=fixed)
+
+
+def _settings(c) -> Fixed:
+    """Everything a candidate decided, as a Fixed that prices it alone."""
+    k = c.config()
+    return Fixed(dp=k.dp, tp=k.tp, pp=k.pp, zero=c.zero, precision=c.precision, recompute=c.recompute,
+                 offload=c.offload)
+
+
+@pytest.mark.parametrize("name,cluster,batch", [("gpt-small", "cpu-gloo:4", 16), ("gpt-tiny", "8xA100-80G", 16),
+                                                ("gpt-small", "2x4xH100-80G", 32)])
+def test_every_pruned_bound_is_below_what_the_split_costs(name, cluster, batch):
+    _, ranked = _search(name, cluster, batch)
+    pruned = [c for c in ranked if c.pruned]
+    assert pruned, "no candidate was pruned: the test checks nothing"
+    for c in pruned:
+        _, alone = _search(name, cluster, batch, _settings(c))
+        costed = [a for a in alone if not a.pruned]
+        assert costed and c.step_s <= min(a.step_s for a in costed) * (1 + 1e-9), c.describe()
+
+
+def test_fixed_settings_are_kept_and_the_rest_chosen():
+    plan, ranked = _search("gpt-small", "cpu-gloo:4", 16, Fixed(dp=2, pp=2, m=4, zero=1))
+    config = dict(kv.split("=") for kv in plan.report["config"].split(","))
+    assert (config["dp"], config["pp"], config["m"], config["zero"], config["tp"]) == ("2", "2", "4", "1", "1")
+    assert config["mbs"] == "2" and config["schedule"] in ("1f1b", "gpipe", "interleaved")
+    assert all(c.config().dp == 2 and c.pp == 2 for c in ranked)
+
+
+def test_config_spelling_round_trips_and_refuses_nonsense():
+    text = "dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,recompute=full,precision=bf16"
+    assert Fixed.parse(text).text() == "dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,recompute=full,precision=bf16"
+    for bad, needle in (("tp=0", "positive"), ("tq=2", "unknown"), ("tp", "KEY=VALUE"), ("tp=2,tp=4", "twice"),
+                        ("schedule=zigzag", "schedule"), ("zero=5", "zero"), ("v=2,schedule=1f1b", "interleaved")):
+        with pytest.raises(PolyshardError, match=needle):
+            Fixed.parse(bad)
+
+
+def test_a_configuration_no_split_allows_is_refused():
+    with pytest.raises(PolyshardError, match="tp=3"):
+        _search("gpt-small", "cpu-gloo:4", 16, Fixed(tp=3))
+
+
+def test_gpu_plans_leave_a_reserve():
+    cluster = Cluster.preset("8xA100-80G")
+    assert default_reserve_bytes(cluster) == 4 * 2**30 and default_reserve_bytes(Cluster.preset("cpu-gloo:2")) == 0
+    plan, _ = _search("gpt-tiny", "8xA100-80G", 8)
+    assert plan.report["limit_bytes"] == 76 * 2**30 and plan.report["reserve_bytes"] == 4 * 2**30
+
+
+def test_zero_levels_move_what_the_runtime_issues():
+    cluster = Cluster.preset("cpu-gloo:4")  # nothing hides on CPU: the whole traffic is charged
+    mesh, grad = (("dp", 4),), 4e6
+    link = cluster.intra_node
+    one_pass = wire_bytes("reduce_scatter", grad, 4) / link.bandwidth_bytes_per_s  # (n-1)/n of the bytes
+    latency = link.latency_s * 3
+    seconds = [_dp_seconds(grad, mesh, ("dp",), cluster, zero, modules=5) for zero in range(4)]
+    assert seconds[0] == pytest.approx(2 * one_pass + latency)  # all-reduce
+    assert seconds[1] == pytest.approx(3 * one_pass + 2 * latency)  # all-reduce, then all-gather of the shards
+    assert seconds[2] == pytest.approx(2 * one_pass + 2 * latency)  # reduce-scatter, all-gather
+    assert seconds[3] == pytest.approx(3 * one_pass + 15 * latency)  # per module: gather twice, reduce-scatter
+    accumulated = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=5, micro_batches=4)
+    assert accumulated == pytest.approx(9 * (one_pass + 5 * latency))  # gathered in each micro-batch's passes
+
+
+def test_gpu_data_parallel_traffic_hides_behind_backward_but_the_last_bucket():
+    cluster = Cluster.preset("2x8xA100-80G")
+    mesh, grad = (("dp", 16), ("tp", 1)), 4e9
+    exposed = _dp_seconds(grad, mesh, ("dp",), cluster, 0, overlap_s=0.0)
+    assert _dp_seconds(grad, mesh, ("dp",), cluster, 0, overlap_s=exposed / 2) == pytest.approx(exposed / 2)
+    tail = _dp_seconds(grad, mesh, ("dp",), cluster, 0, overlap_s=math.inf)
+    assert 0 < tail < exposed / 50
+
+
+def test_model_shapes_and_written_out_attention():
+    cfg = models.config("gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200")
+    assert round(cfg.num_params() / 1e9, 1) == 174.6  # GPT-3 175B as Megatron-LM counts it
+    assert models.config(models.shape_spec(cfg)) == cfg
+    assert models.config("gpt-small", seq_len=32).seq_len == 32
+    for bad in ("gpt:layers=2,hidden=30,heads=4", "gpt:layers=2,heads=4", "gpt:layers=2,hidden=32,heads=4,dropout=2",
+                "gpt:layers=2,hidden=32,heads=4,attention=flash", "gpt:depth=2,hidden=32,heads=4"):
+        with pytest.raises(PolyshardError, match="model shape"):
+            models.config(bad)
+    spec = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64"
+    fused, math_ = models.build(spec, seed=3), models.build(spec + ",attention=math", seed=3)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    a, b = fused(x, x), math_(x, x)
+    a.backward()
+    b.backward()
+    assert torch.allclose(a, b, rtol=1e-6)
+    for (name, p), q in zip(fused.named_parameters(), math_.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
