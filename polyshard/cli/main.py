@@ -104,8 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--layouts", type=int, default=40, help="parameter layouts to list (default 40)")
     ex.add_argument("--timeline", default="", help="for a pipelined plan: draw its predicted schedule (which stage "
                     "runs which micro-batch's forward and backward, when) into this PNG")
-    ex.add_argument("--cluster", default="", help="the cluster to time the timeline on: NODESxDEVICESxTYPE, "
-                    "cpu-gloo:N or a YAML file (default cpu-gloo with the plan's device count)")
+    ex.add_argument("--cluster", default="", help="time the timeline with the cost model's compute on this cluster "
+                    "(NODESxDEVICESxTYPE, cpu-gloo:N or a YAML file) instead of the plan's predicted stage times")
     ex.set_defaults(handler=_explain)
 
     r = sub.add_parser("run", help="run your own script on N processes (torchrun)",
@@ -223,29 +223,65 @@ def _explain(args) -> int:
 
 
 def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
-    """The plan's schedule simulated with the cost model's stage times, drawn into ``path``."""
+    """The plan's schedule, simulated with the stage times its search predicted (the same step and
+    bubble as its table), or for a plan without them with the cost model's compute on ``cluster_spec``
+    (default: the cluster the plan was made for), drawn into ``path``."""
     import math
 
-    from polyshard import models
-    from polyshard.cluster import Cluster
-    from polyshard.runtime.pipeline import predict_timings
+    from polyshard.planner.schedules import schedule_actions, simulate
     from polyshard.runtime.timeline import draw_timeline
 
     pp = dict(plan.mesh).get("pp", 1)
     if pp < 2:
         raise PolyshardError("--timeline draws a pipeline, and this plan's mesh has no pp axis of 2 or more stages")
-    if plan.model not in models.CONFIGS or plan.global_batch < 1:
-        raise PolyshardError("--timeline needs the plan's model and global batch (plans from `polyshard plan` have them)")
-    devices = math.prod(s for _, s in plan.mesh)
-    cluster = Cluster.load(cluster_spec or f"cpu-gloo:{devices}")
-    rows = plan.global_batch // math.prod(s for n, s in plan.mesh if n in plan.data_axes)
-    model = models.build(plan.model, device="meta")
-    times = predict_timings(model, model.example_inputs(rows), plan, pp, cluster)
+    chosen = _chosen_pipeline(plan)
+    if chosen is not None and not cluster_spec:
+        stages = chosen["pipeline"]["stages"]
+        times = simulate(schedule_actions(plan.schedule, pp, plan.micro_batches, plan.virtual_stages),
+                         [s["forward_s"] for s in stages], [s["backward_s"] for s in stages])
+        source = f"the plan's predicted stage times (step {chosen['step_s'] * 1e3:.4g} ms with the data-parallel " \
+                 "sync and optimizer step)"
+    else:
+        from polyshard import models
+        from polyshard.cluster import Cluster
+        from polyshard.runtime.pipeline import predict_timings
+
+        if plan.global_batch < 1:
+            raise PolyshardError("--timeline needs the plan's model and global batch (plans from `polyshard plan` "
+                                 "have them)")
+        devices = math.prod(s for _, s in plan.mesh)
+        cluster = Cluster.load(cluster_spec or _plan_cluster(plan) or f"cpu-gloo:{devices}")
+        rows = plan.global_batch // math.prod(s for n, s in plan.mesh if n in plan.data_axes)
+        if rows % plan.micro_batches:
+            raise PolyshardError(f"the plan's {plan.micro_batches} micro-batches do not divide its {rows} rows per "
+                                 "data-parallel replica; fix micro_batches in the plan file")
+        model = models.build(plan.model or "gpt-small", device="meta")
+        times = predict_timings(model, model.example_inputs(rows // plan.micro_batches), plan, pp, cluster)
+        source = f"compute on {cluster.num_devices}x {cluster.device_name}"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     bubble = draw_timeline(path, predicted=times, title=f"{plan.model}: {plan.schedule}, {pp} stages, "
                                                           f"{plan.micro_batches} micro-batches")["predicted"]
-    print(f"timeline: {path} (predicted bubble {bubble:.1%}; (p-1)/(m+p-1) = "
-          f"{(pp - 1) / (plan.micro_batches * plan.virtual_stages + pp - 1):.1%})")
+    span = max(t.end_s for t in times) - min(t.start_s for t in times)
+    print(f"timeline: {path}: schedule {span * 1e3:.6g} ms from {source}; predicted bubble {bubble:.1%}, "
+          f"(p-1)/(vm+p-1) = "
+          f"{(pp - 1) / (plan.micro_batches * plan.virtual_stages + pp - 1):.1%}")
+
+
+def _chosen_pipeline(plan) -> dict | None:
+    """The report's chosen candidate, when it has per-chunk stage times for the plan's schedule."""
+    rep = plan.report or {}
+    chosen = next((c for c in rep.get("candidates", ()) if c["mesh"] == rep.get("chosen")), None)
+    p = (chosen or {}).get("pipeline")
+    if p is None or (p["schedule"], p["micro_batches"], p["virtual_stages"]) != \
+            (plan.schedule, plan.micro_batches, plan.virtual_stages):
+        return None
+    return chosen
+
+
+def _plan_cluster(plan) -> str:
+    """The preset the plan was made for, from its report ('' when unknown)."""
+    c = (plan.report or {}).get("cluster")
+    return f"{c['num_nodes']}x{c['devices_per_node']}x{c['device_name']}" if c and c["device_name"] != "cpu" else ""
 
 
 def _run(args) -> int:

@@ -179,6 +179,7 @@ class PipelineCost:
     bubble: float
     stages: tuple[Stage, ...]
     memory: MemoryEstimate
+    span_s: float = 0.0  # the simulated schedule, first start to last end (the step less data-parallel sync and update)
 
     @property
     def step_s(self) -> float:
@@ -346,7 +347,7 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     fullest = max(range(s.pp), key=lambda r: sum(stages[c].memory.total_bytes for c in range(r, chunks, s.pp)))
     memory = _sum_memory([stages[c].memory for c in range(fullest, chunks, s.pp)])
     return PipelineCost(schedule, m, v, tuple(units.starts[i] for i in cuts), compute, op_comm, p2p,
-                        span - busy[rank], dp_comm, 1 - sum(busy) / (s.pp * span), tuple(stages), memory)
+                        span - busy[rank], dp_comm, 1 - sum(busy) / (s.pp * span), tuple(stages), memory, span)
 
 
 def _simulated(schedule: str, pp: int, m: int, v: int, forward: tuple, backward: tuple) -> tuple[float, list[float]]:

@@ -179,8 +179,10 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
             if found and min(c.memory.total_bytes if not c.pruned else 0 for c, _ in found) <= _ROOMY * limit:
                 break
     if not candidates:
-        why = "; ".join(skipped) or (f"none allowed by {fixed.text()} divides the batch of {global_batch}"
-                                     if fixed.text() else f"none divides the batch of {global_batch}")
+        why = "; ".join(skipped) or (f"none allowed by {fixed.text()} holds a plan (the data-parallel size must "
+                                     f"divide the batch of {global_batch}, optimizer levels above 0 need dp > 1, "
+                                     "offload needs zero=0 and fp32)" if fixed.text()
+                                     else f"none divides the batch of {global_batch}")
         raise PolyshardError(f"no split of {cluster.num_devices} devices works: {why}")
     fitting = [c for c in candidates if c.memory.total_bytes <= limit and not c.pruned]
     if not fitting:
@@ -477,7 +479,7 @@ def _memory_row(m: MemoryEstimate) -> dict:
 def _pipeline_row(p: PipelineCost) -> dict:
     pp = len({s.rank for s in p.stages})
     return {"schedule": p.schedule, "micro_batches": p.micro_batches, "virtual_stages": p.virtual_stages,
-            "boundaries": list(p.boundaries), "bubble": float(p.bubble),
+            "boundaries": list(p.boundaries), "bubble": float(p.bubble), "span_s": float(p.span_s),
             "ideal_bubble": ideal_bubble(pp, p.micro_batches, p.virtual_stages),
             "stages": [{"rank": s.rank, "first": s.first, "last": s.last, "forward_s": float(s.forward_s),
                         "backward_s": float(s.backward_s), "memory": _memory_row(s.memory)} for s in p.stages]}

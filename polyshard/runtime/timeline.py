@@ -12,6 +12,7 @@ from polyshard.errors import PolyshardError
 from polyshard.runtime.schedules import ActionTime
 
 COLORS = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#9bd3a8")}  # per kind: even, odd chunks
+LABELLED_ACTIONS = 400
 
 
 def bubble_fraction(times: Sequence[ActionTime]) -> float:
@@ -29,6 +30,7 @@ def draw_timeline(path: str | Path, predicted: Sequence[ActionTime] | None = Non
     fraction by name ("predicted", "measured")."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     panels = {name: times for name, times in (("predicted", predicted), ("measured", measured)) if times}
     if not panels:
@@ -37,18 +39,26 @@ def draw_timeline(path: str | Path, predicted: Sequence[ActionTime] | None = Non
     fig = Figure(figsize=(11, 0.6 + (0.5 * stages + 0.9) * len(panels)))
     FigureCanvasAgg(fig)
     bubbles = {}
-    for ax, (name, times) in zip(fig.subplots(len(panels), 1, squeeze=False)[:, 0], panels.items()):
+    axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True)[:, 0]  # one time scale for every panel
+    for ax, (name, times) in zip(axes, panels.items()):
         bubbles[name] = bubble_fraction(times)
         origin = min(t.start_s for t in times)
+        sparse = len(times) <= LABELLED_ACTIONS  # boxes of long schedules are too thin for outlines and labels
         for t in times:
             start, width = (t.start_s - origin) * 1e3, (t.end_s - t.start_s) * 1e3
             ax.broken_barh([(start, width)], (t.stage - 0.4, 0.8), facecolors=COLORS[t.kind][t.chunk // stages % 2],
-                           edgecolor="black", linewidth=0.4)
-            ax.text(start + width / 2, t.stage, f"{t.kind}{t.micro}", ha="center", va="center", fontsize=7)
+                           edgecolor="black", linewidth=0.4 if sparse else 0.0)
+            if sparse:
+                ax.text(start + width / 2, t.stage, f"{t.kind}{t.micro}", ha="center", va="center", fontsize=7)
         ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
         ax.set_ylim(stages - 0.5, -0.5)
         ax.set_xlabel("ms")
-        ax.set_title(f"{name}: bubble {bubbles[name]:.1%}", fontsize=10)
+        span_ms = (max(t.end_s for t in times) - origin) * 1e3
+        ax.set_title(f"{name}: {span_ms:.1f} ms, bubble {bubbles[name]:.1%}", fontsize=10)
+    axes[0].legend(handles=[Patch(facecolor=COLORS["F"][0], label="forward (label: micro-batch)"),
+                            Patch(facecolor=COLORS["B"][0], label="backward"),
+                            Patch(facecolor=COLORS["F"][1], label="next virtual stage (lighter)")],
+                   loc="upper right", fontsize=7, ncol=3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

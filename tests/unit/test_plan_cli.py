@@ -1,0 +1,88 @@
+"""`polyshard plan`, `cost` and `explain` in one process: JSON for scripts, fixed settings, round trips."""
+
+import json
+
+import pytest
+
+from polyshard import models
+from polyshard.cli.main import main
+from polyshard.planner.plan import Plan
+
+SHAPE = "gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1024"
+
+
+def _run(capsys, *args) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_json_has_the_figures_scripts_compare(capsys):
+    code, out, _ = _run(capsys, "plan", "--model", SHAPE, "--cluster", "2x8xA100-80G", "--global-batch", "64", "--json")
+    assert code == 0
+    result = json.loads(out)  # one JSON object and nothing else on stdout
+    assert result["step_s"] > 0 and 0 < result["memory_bytes_per_device"] <= result["limit_bytes"]
+    assert set(result["breakdown"]) == {"compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s"}
+    config = dict(kv.split("=") for kv in result["config"].split(","))
+    assert int(config["dp"]) * int(config["tp"]) * int(config["pp"]) == 16
+    assert result["model_tflops_per_device"] > 0 and result["planning_s"] < 60
+
+
+def test_cost_prices_the_given_configuration_and_says_what_it_chose(capsys):
+    args = ("--model", SHAPE, "--cluster", "2x8xA100-80G", "--global-batch", "64")
+    code, out, _ = _run(capsys, "cost", *args, "--config", "tp=8,pp=2,recompute=full", "--json")
+    assert code == 0
+    given = json.loads(out)
+    config = dict(kv.split("=") for kv in given["config"].split(","))
+    assert (config["tp"], config["pp"], config["dp"], config["recompute"], config["zero"]) == ("8", "2", "1", "full", "0")
+    code, _, err = _run(capsys, "cost", *args, "--config", "tp=8,pp=2,zero=1")
+    assert code == 2 and "optimizer levels above 0 need dp > 1" in err
+    _, out, _ = _run(capsys, "plan", *args, "--json")
+    assert json.loads(out)["step_s"] <= given["step_s"]  # the free search does no worse than any configuration
+    code, out, _ = _run(capsys, "cost", *args, "--config", "tp=8,pp=2")
+    assert code == 0 and "kept tp=8,pp=2; the search chose dp=1," in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--config", "tp=3"), "tp=3"),
+    (("--config", "pipes=2"), "unknown"),
+    (("--model", "gpt:layers=2"), "needs hidden"),
+    (("--global-batch", "-4"), "at least 1"),
+])
+def test_bad_planning_input_is_one_clear_error(capsys, args, needle):
+    base = {"--model": SHAPE, "--cluster": "8xA100-80G", "--global-batch": "16"}
+    base.update(dict(zip(args[::2], args[1::2])))
+    code, _, err = _run(capsys, "cost" if "--config" in base else "plan", *[x for kv in base.items() for x in kv],
+                        *([] if "--config" in base else []))
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", list(models.CONFIGS))
+def test_plan_file_round_trips_through_explain(capsys, tmp_path, name):
+    # every preset model on a cluster where some splits do not fit; the plan file is written and read back
+    path = tmp_path / "p.json"
+    cluster = "4x8xA100-80G" if models.CONFIGS[name].num_params() > 5e9 else "8xH100-80G"
+    code, out, err = _run(capsys, "plan", "--model", name, "--cluster", cluster, "--out", str(path))
+    if code == 2:
+        assert "does not fit" in err  # too large for this cluster: said so, nothing written
+        assert not path.exists()
+        return
+    assert code == 0 and path.is_file()
+    plan = Plan.from_json(path.read_text())
+    assert plan.model == name and plan.report["config"]
+    code, shown, _ = _run(capsys, "explain", str(path))
+    assert code == 0 and plan.report["chosen"] in shown
+
+
+def test_explain_timeline_matches_the_plans_step(capsys, tmp_path):
+    path, png = tmp_path / "p.json", tmp_path / "t.png"
+    code, _, _ = _run(capsys, "cost", "--model", SHAPE, "--cluster", "8xA100-80G", "--global-batch", "32",
+                      "--config", "pp=4,m=8,schedule=1f1b", "--out", str(path))
+    assert code == 0
+    plan = Plan.from_json(path.read_text())
+    chosen = next(c for c in plan.report["candidates"] if c["mesh"] == plan.report["chosen"])
+    code, out, _ = _run(capsys, "explain", str(path), "--timeline", str(png))
+    assert code == 0 and png.stat().st_size > 1000
+    drawn_ms = float(out.split("timeline: ")[1].split(": schedule ")[1].split(" ms")[0])
+    assert drawn_ms == pytest.approx(chosen["pipeline"]["span_s"] * 1e3, rel=1e-3)
+    assert f"step {chosen['step_s'] * 1e3:.4g} ms" in out
