@@ -16,6 +16,7 @@ configuration's prediction is within 15% of the reported figure; each row plans 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -53,6 +54,7 @@ class Run:
     mbs: int | None = None
     zero: int = 0
     dropout: float = 0.1
+    node_link_gbps: float = 0.0  # inter-node line rate per node where it is not one 200 Gb/s HDR NIC per GPU
 
     @property
     def dp(self) -> int:
@@ -89,8 +91,9 @@ RUNS = (
     Run("MT-NLG-530B@2240", _MTNLG, 105, 20480, 128, 2240, 1920, 8, 35, 126, mbs=1, zero=1),
     Run("MT-NLG-530B@2800", _MTNLG, 105, 20480, 128, 2800, 1920, 8, 35, 121, mbs=1, zero=1),
     Run("MT-NLG-530B@3360", _MTNLG, 105, 20480, 128, 3360, 1920, 8, 35, 113, mbs=1, zero=1),
+    # Jean Zay's A100 nodes: 4 Omni-Path links of 100 Gb/s per node of 8 GPUs (BLOOM paper, hardware section)
     Run("BLOOM-176B", "BLOOM, BigScience 2022 (about 150 TFLOP/s)", 70, 14336, 112, 384, 2048, 4, 12, 150,
-        vocab=250880, mbs=2, zero=1, dropout=0.0),
+        vocab=250880, mbs=2, zero=1, dropout=0.0, node_link_gbps=400),
 )
 
 
@@ -99,6 +102,10 @@ def price(run: Run, fixed: Fixed) -> tuple[dict, float]:
     start = time.perf_counter()
     model = models.build(run.model(), device="meta")
     cluster = Cluster.preset(f"{run.gpus // 8}x8xA100-80G")
+    if run.node_link_gbps:  # the preset's efficiency share and latency, this machine's line rate per GPU
+        share = cluster.inter_node.bandwidth_bytes_per_s / 25e9
+        cluster = dataclasses.replace(cluster, inter_node=dataclasses.replace(
+            cluster.inter_node, bandwidth_bytes_per_s=share * run.node_link_gbps / 8 / 8 * 1e9))
     plan, _ = search(model, model.example_inputs(1), cluster, run.batch, fixed=fixed)
     chosen = next(c for c in plan.report["candidates"] if c["mesh"] == plan.report["chosen"])
     return chosen, time.perf_counter() - start

@@ -252,11 +252,8 @@ def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
         devices = math.prod(s for _, s in plan.mesh)
         cluster = Cluster.load(cluster_spec or _plan_cluster(plan) or f"cpu-gloo:{devices}")
         rows = plan.global_batch // math.prod(s for n, s in plan.mesh if n in plan.data_axes)
-        if rows % plan.micro_batches:
-            raise PolyshardError(f"the plan's {plan.micro_batches} micro-batches do not divide its {rows} rows per "
-                                 "data-parallel replica; fix micro_batches in the plan file")
         model = models.build(plan.model or "gpt-small", device="meta")
-        times = predict_timings(model, model.example_inputs(rows // plan.micro_batches), plan, pp, cluster)
+        times = predict_timings(model, model.example_inputs(rows), plan, pp, cluster)  # cut into micro-batches there
         source = f"compute on {cluster.num_devices}x {cluster.device_name}"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     bubble = draw_timeline(path, predicted=times, title=f"{plan.model}: {plan.schedule}, {pp} stages, "

@@ -241,7 +241,7 @@ def leanest_pipeline(units: Units, setup: Setup) -> PipelineCost | None:
         return None
     m, schedule, v = max(options, key=lambda o: (o[0], o[1] == "1f1b"))
     return cost_pipeline(units, dataclasses.replace(setup, limit=float("inf")), _unit_state(units, setup), m,
-                         schedule, v)
+                         schedule, v, simulated=False)
 
 
 def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
@@ -283,9 +283,11 @@ def _bound(units: Units, s: Setup, m: int, v: int, numel: float) -> float:
 
 
 def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, schedule: str,
-                  v: int) -> PipelineCost | None:
+                  v: int, simulated: bool = True) -> PipelineCost | None:
     """This (m, schedule)'s fastest cuts whose every stage fits (``state``: each unit's parameter
-    memory), simulated; None when no cuts fit."""
+    memory), simulated; None when no cuts fit. ``simulated=False`` times the schedule by the
+    equal-stage formula instead, (m + (p-1)/v) x the busiest rank's micro-batch (for a split that
+    does not fit, whose memory is what matters)."""
     n, chunks, rows = len(units), s.pp * v, s.rows / m
     seconds = units.seconds(rows)
     send = np.concatenate([[0.0], s.send(units.send_bytes[1:] * rows), [0.0]])  # per cut 0..n: the ends send nothing
@@ -329,9 +331,13 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
         memory = _sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, activations, bucket)])
         stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[-1], backward[-1], memory))
     key = (schedule, s.pp, m, v, tuple(forward), tuple(backward))  # cuts that differ only in memory time alike
-    if key not in s.memo:
-        s.memo[key] = _simulated(*key)
-    span, busy = s.memo[key]
+    if not simulated:
+        busy = [m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp)]
+        span = max(busy) * (1 + (s.pp - 1) / (v * m))
+    else:
+        if key not in s.memo:
+            s.memo[key] = _simulated(*key)
+        span, busy = s.memo[key]
     rank = max(range(s.pp), key=busy.__getitem__)
     mine = [c for c in range(chunks) if c % s.pp == rank]
     ranges = [(edges[c], edges[c + 1]) for c in mine]

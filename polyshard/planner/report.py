@@ -50,10 +50,11 @@ def render(plan: Plan, layouts: int = 40) -> str:
                                   chosen["memory"], rep["limit_bytes"]))
         plain = next((c for c in rep["candidates"] if c.get("split") == chosen.get("split")
                       and (c.get("recompute"), c.get("offload", "none"), c.get("zero", 0), c.get("precision", "fp32"))
-                      == ("none", "none", 0, "fp32") and not c.get("pruned")), None)
+                      == ("none", "none", 0, "fp32") and ("pipeline" in c or c.get("micro_batches", 1) == 1)
+                      and not c.get("pruned")), None)
         if plain is not None and plain is not chosen:
-            lines.append(_memory_line("  plain (no recompute, offload, optimizer parallel, fp32)", plain["memory"],
-                                      rep["limit_bytes"]))
+            lines.append(_memory_line("  plain (no recompute, offload, optimizer parallel, accumulation, fp32)",
+                                      plain["memory"], rep["limit_bytes"]))
         if "pipeline" in chosen:
             lines.extend(_stage_table(chosen, rep["limit_bytes"]))
     lines.append(f"mesh: {' x '.join(f'{n}={s}' for n, s in plan.mesh) or 'one device'}; parameter layouts:")

@@ -190,8 +190,9 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         raise PolyshardError(
             f"the model does not fit: the leanest split ({least.describe()}) needs "
             f"{'at least ' * least.memory_floor}{format_bytes(least.memory.total_bytes)} per device, "
-            f"{format_bytes(least.memory.total_bytes - limit)} over the {format_bytes(limit)} limit; "
-            "add devices, shrink the batch, or raise --memory-limit"
+            f"{format_bytes(least.memory.total_bytes - limit)} over the {format_bytes(limit)} limit"
+            + (f" ({format_bytes(limit + reserve)} less a {format_bytes(reserve)} reserve)" if reserve else "")
+            + "; add devices, shrink the batch, or raise --memory-limit"
         )
     best = min(fitting, key=lambda c: c.step_s)
     ranked = sorted(candidates, key=lambda c: c.step_s)
