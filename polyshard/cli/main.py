@@ -96,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     co.add_argument("--config", required=True, help="e.g. 'dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,"
                     "recompute=full,precision=bf16'")
     co.add_argument("--out", default="", help="write the priced plan here as JSON")
+    co.add_argument("--compare", action="store_true", help="also search with nothing fixed and show the pick beside "
+                    "this configuration, term by term")
     co.set_defaults(handler=_plan)
 
     ex = sub.add_parser("explain", help="show a plan file again, with why its choice won",
@@ -169,7 +171,7 @@ def _plan(args) -> int:
     from polyshard import models
     from polyshard.cluster import Cluster, parse_bytes
     from polyshard.planner.config import Fixed
-    from polyshard.planner.report import render, summary
+    from polyshard.planner.report import compare, render, summary
     from polyshard.planner.search import search
 
     cluster = Cluster.load(args.cluster)
@@ -193,9 +195,13 @@ def _plan(args) -> int:
     plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, reserve_bytes=reserve)
     plan.model = args.model if args.seq_len is None else models.shape_spec(cfg)
     seconds = time.perf_counter() - start
+    pick = None
+    if getattr(args, "compare", False):
+        pick, _ = search(model, model.example_inputs(1), cluster, batch, limit, reserve_bytes=reserve)
     if args.json:
         print(json.dumps({**summary(plan, cfg, cluster.num_devices), "planning_s": round(seconds, 3),
-                          "fixed": fixed.text()}))
+                          "fixed": fixed.text(),
+                          **({"pick": summary(pick, cfg, cluster.num_devices)} if pick else {})}))
     else:
         print(f"planned {args.model} on {cluster.num_devices} devices ({args.cluster}), global batch {batch} "
               f"x {cfg.seq_len} tokens, in {seconds:.1f} s")
@@ -204,6 +210,8 @@ def _plan(args) -> int:
             chosen = [kv for kv in plan.report["config"].split(",") if kv.split("=")[0] not in kept]
             print(f"kept {fixed.text()}; the search chose {','.join(chosen) or 'nothing else'}")
         print(render(plan))
+        if pick is not None:
+            print(compare(summary(plan, cfg, cluster.num_devices), summary(pick, cfg, cluster.num_devices)))
     if args.out:
         Path(args.out).write_text(plan.to_json())
         if not args.json:

@@ -22,6 +22,20 @@ def summary(plan: Plan, cfg: GPTConfig, num_devices: int) -> dict:
             "model_tflops_per_device": flops_per_token(cfg) * tokens / chosen["step_s"] / num_devices / 1e12}
 
 
+def compare(given: dict, pick: dict) -> str:
+    """Two :func:`summary` figures side by side, term by term: a configuration and the search's pick."""
+    rows = [("step", given["step_s"], pick["step_s"])] + \
+        [(k.removesuffix("_s").replace("_", " "), given["breakdown"][k], pick["breakdown"][k]) for k in given["breakdown"]]
+    lines = [f"given {given['config']}", f"pick  {pick['config']}",
+             f"  {'term':<10} {'given':>12} {'pick':>12} {'pick - given':>13}"]
+    lines += [f"  {name:<10} {_ms(a)} {_ms(b)} {(b - a) * 1e3:>+11.1f}ms" for name, a, b in rows]
+    lines.append(f"  {'memory':<10} {format_bytes(given['memory_bytes_per_device']):>12} "
+                 f"{format_bytes(pick['memory_bytes_per_device']):>12}")
+    lines.append(f"the pick's steps are {given['step_s'] / pick['step_s']:.2f}x as fast" if pick["step_s"] < given["step_s"]
+                 else "the given configuration is as fast as the pick")
+    return "\n".join(lines)
+
+
 def render(plan: Plan, layouts: int = 40) -> str:
     """The plan as a person reads it: candidates, why the choice won, memory, parameter layouts."""
     rep = plan.report

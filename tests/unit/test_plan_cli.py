@@ -43,6 +43,18 @@ def test_cost_prices_the_given_configuration_and_says_what_it_chose(capsys):
     assert code == 0 and "kept tp=8,pp=2; the search chose dp=1," in out
 
 
+def test_cost_compare_shows_the_pick_beside_the_configuration_term_by_term(capsys):
+    args = ("--model", SHAPE, "--cluster", "8xA100-80G", "--global-batch", "32", "--config", "tp=8,recompute=full")
+    code, out, _ = _run(capsys, "cost", *args, "--compare")
+    assert code == 0
+    table = out.split("given dp=")[1]
+    for term in ("step", "compute", "op comm", "dp comm", "p2p", "bubble", "memory"):
+        assert f"\n  {term} " in table
+    code, out, _ = _run(capsys, "cost", *args, "--compare", "--json")
+    result = json.loads(out)
+    assert result["pick"]["step_s"] <= result["step_s"] and "tp=8" in result["config"]
+
+
 @pytest.mark.parametrize("args,needle", [
     (("--config", "tp=3"), "tp=3"),
     (("--config", "pipes=2"), "unknown"),
