@@ -10,7 +10,8 @@ accumulation when there is no pipeline); the fastest that fits wins. Splits are 
 promising, and what a lower bound shows cannot win is not costed: every bound is computed in the
 narrowest precision tried and with all data-parallel traffic hidden, so it is never above what it
 prunes. Recompute and offload are tried where memory is tight, also where a split fits only because
-nothing was costed yet. Costs use one capture of the model at one row, scaled by the rows each split
+nothing was costed yet. An operator split of k ways is first bounded by the unsplit program's
+bound / k (no op gets faster than its work split evenly), so hopeless splits need no program. Costs use one capture of the model at one row, scaled by the rows each split
 gives a device (compute, activations and their communication grow with rows; parameters do not).
 A ``Fixed`` restricts the search to the settings a user gives (``polyshard cost --config``).
 """
@@ -160,8 +161,9 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     for mesh in costs.order(allowed):
         if global_batch % _data_size(mesh, data_axes):
             continue
+        hopeless: set[str] = set()  # offloads whose time bound already lost on this split
         for setting in SETTINGS:
-            if not fixed.allows(recompute=setting[0], offload=setting[1]):
+            if not fixed.allows(recompute=setting[0], offload=setting[1]) or setting[1] in hopeless:
                 continue
             try:
                 found = costs.split(mesh, setting, best_s)
@@ -174,9 +176,14 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                     plans[candidate.key] = plan
                     if candidate.memory.total_bytes <= limit:
                         best_s = min(best_s, candidate.step_s)
+            if found and all(c.pruned for c, _ in found):
+                # recompute only adds time, and so does offload: what lost without them loses with them
+                if setting[1] == "none":
+                    break
+                hopeless.add(setting[1])
+                continue
             # recompute and offload only buy memory, at the price of time: tried only where memory is tight
-            # (a split pruned on its time bound is pruned under every setting: they only add time)
-            if found and min(c.memory.total_bytes if not c.pruned else 0 for c, _ in found) <= _ROOMY * limit:
+            if found and min(c.memory.total_bytes for c, _ in found if not c.pruned) <= _ROOMY * limit:
                 break
     if not candidates:
         why = "; ".join(skipped) or (f"none allowed by {fixed.text()} holds a plan (the data-parallel size must "
@@ -246,6 +253,13 @@ class _Costs:
         op_axes = tuple((n, s) for n, s in mesh if n not in self.data_axes and n != PIPELINE_AXIS and s > 1)
         rows = self.batch // _data_size(mesh, self.data_axes)
         floor = self.floor(mesh, offload)
+        split_ways = math.prod(n for _, n in op_axes)
+        if split_ways > 1 and best_s < float("inf"):  # before a program of its own: the unsplit one's bound / ways
+            whole = self.solved((), recompute, rows / _pp(mesh), float("inf"))
+            if whole.lower_bound_s / split_ways + floor >= best_s:
+                return [(Candidate(mesh, rows, whole.lower_bound_s / split_ways, 0.0, floor,
+                                   MemoryEstimate(0, 0, 0, 0, 0), recompute=recompute, offload=offload,
+                                   pruned=True), None)]
         solved = self.solved(op_axes, recompute, rows / _pp(mesh), best_s - floor)
         if solved.plan is None:
             return [(Candidate(mesh, rows, solved.lower_bound_s, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),

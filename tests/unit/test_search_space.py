@@ -108,3 +108,22 @@ def test_model_shapes_and_written_out_attention():
     assert torch.allclose(a, b, rtol=1e-6)
     for (name, p), q in zip(fused.named_parameters(), math_.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("cluster,limit_mib", [("cpu-gloo:4", 6.5), ("8xA100-80G", 4096 + 6)])
+def test_the_free_pick_is_no_slower_than_any_setting_fixed(cluster, limit_mib):
+    # under a tight limit the search must still reach every (recompute, offload, level) that might win;
+    # a setting that lost on its time bound must not stop the others being tried
+    limit = limit_mib * 2**20
+    usable = limit - default_reserve_bytes(Cluster.preset(cluster))
+    free, ranked = _search("gpt-small", cluster, 64, limit=limit)
+    best = min(c.step_s for c in ranked if c.describe() == free.report["chosen"])
+    for recompute in ("none", "selective", "full"):
+        for offload in ("none", "host"):
+            try:
+                _, alone = _search("gpt-small", cluster, 64, Fixed(recompute=recompute, offload=offload), limit)
+            except PolyshardError:
+                continue  # nothing fits with this setting
+            fitting = [c for c in alone if not c.pruned and c.memory.total_bytes <= usable]
+            if fitting:
+                assert best <= min(c.step_s for c in fitting) * (1 + 1e-9), (recompute, offload)
