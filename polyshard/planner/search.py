@@ -182,8 +182,10 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                     break
                 hopeless.add(setting[1])
                 continue
-            # recompute and offload only buy memory, at the price of time: tried only where memory is tight
-            if found and min(c.memory.total_bytes for c, _ in found if not c.pruned) <= _ROOMY * limit:
+            # recompute and offload only buy memory, at the price of time: once a setting without offload
+            # fits with room, the settings after it (more recompute, or offload on top) cannot be faster
+            if found and setting[1] == "none" and \
+                    min(c.memory.total_bytes for c, _ in found if not c.pruned) <= _ROOMY * limit:
                 break
     if not candidates:
         why = "; ".join(skipped) or (f"none allowed by {fixed.text()} holds a plan (the data-parallel size must "

@@ -1,5 +1,6 @@
 """The search's bounds, the settings a user fixes, and the cost terms the published comparison rests on."""
 
+import dataclasses
 import math
 
 import pytest
@@ -112,8 +113,7 @@ def test_model_shapes_and_written_out_attention():
 
 @pytest.mark.parametrize("cluster,limit_mib", [("cpu-gloo:4", 6.5), ("8xA100-80G", 4096 + 6)])
 def test_the_free_pick_is_no_slower_than_any_setting_fixed(cluster, limit_mib):
-    # under a tight limit the search must still reach every (recompute, offload, level) that might win;
-    # a setting that lost on its time bound must not stop the others being tried
+    # under a tight limit the search must reach every (recompute, offload) that might win
     limit = limit_mib * 2**20
     usable = limit - default_reserve_bytes(Cluster.preset(cluster))
     free, ranked = _search("gpt-small", cluster, 64, limit=limit)
@@ -127,3 +127,15 @@ def test_the_free_pick_is_no_slower_than_any_setting_fixed(cluster, limit_mib):
             fitting = [c for c in alone if not c.pruned and c.memory.total_bytes <= usable]
             if fitting:
                 assert best <= min(c.step_s for c in fitting) * (1 + 1e-9), (recompute, offload)
+
+
+def test_offload_that_fits_with_room_does_not_stop_recompute_being_tried():
+    # host copies at 1 MB/s: offload fits with room but takes seconds; full recompute fits and is fast
+    model = models.build("gpt-small", "meta")
+    slow = dataclasses.replace(Cluster.preset("cpu-gloo:1"), host_bandwidth_bytes_per_s=1e6)
+    _, plain = search(model, model.example_inputs(1), slow, 4, fixed=Fixed(m=1))
+    limit = 0.97 * plain[0].memory.total_bytes
+    plan, ranked = search(model, model.example_inputs(1), slow, 4, limit, fixed=Fixed(m=1))
+    hosted = [c for c in ranked if c.offload == "host" and not c.pruned]
+    assert hosted and min(c.memory.total_bytes for c in hosted) <= 0.9 * limit  # offload alone fits, with room
+    assert (plan.recompute, plan.offload) == ("full", "none")
