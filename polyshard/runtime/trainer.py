@@ -33,6 +33,11 @@ from polyshard.runtime.timeline import draw_timeline
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
 
+# The mesh axes `polyshard train` knows, by role (the Python API takes any names, see polyshard.init).
+TRAIN_AXES = {"dp": "data parallel (splits each batch)", "tp": "operator parallel (splits layers' weights)",
+              "pp": "pipeline stages"}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """model: a name from polyshard.models; mesh: e.g. "dp=2,tp=2"; steps: optimizer steps;
@@ -89,6 +94,10 @@ def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
         shape = dict(plan.mesh) or {"dp": world_size}
     else:
         shape = parse_mesh(cfg.mesh) if cfg.mesh else {"dp": world_size}
+        unknown = [name for name in shape if name not in TRAIN_AXES]
+        if unknown:
+            roles = "; ".join(f"{name}: {role}" for name, role in TRAIN_AXES.items())
+            raise PolyshardError(f"--mesh axis {unknown[0]!r} has no role in `polyshard train`; its axes are {roles}")
     check_mesh(shape, world_size)
     data = 1 if cfg.auto else shape.get("dp", 1)  # --auto: the search picks a split that divides the batch
     for flag, value in (("--steps", cfg.steps), ("--batch-size", cfg.batch_size), ("--accum", cfg.accum),

@@ -23,6 +23,7 @@ def test_models_lists_every_named_config():
 @pytest.mark.parametrize("flags,needle", [
     (["--nproc", "4", "--mesh", "dp=3"], "mesh dp=3 holds 3 devices but the world has 4"),
     (["--nproc", "2", "--mesh", "dp=2,tp"], "'tp' is not NAME=SIZE"),
+    (["--nproc", "2", "--mesh", "foo=2"], "--mesh axis 'foo' has no role"),
     (["--model", "nope"], "--model 'nope' is unknown"),
     (["--nproc", "4", "--batch-size", "6"], "--batch-size 6 must split into dp=4"),
     (["--steps", "0"], "--steps must be at least 1"),
