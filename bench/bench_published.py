@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from polyshard import models  # noqa: E402
 from polyshard.cluster import Cluster  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
+from polyshard.planner.report import chosen_row  # noqa: E402
 from polyshard.planner.search import search  # noqa: E402
 
 ERROR_GOAL, PLANNING_GOAL_S = 0.15, 10.0
@@ -107,8 +108,7 @@ def price(run: Run, fixed: Fixed) -> tuple[dict, float]:
         cluster = dataclasses.replace(cluster, inter_node=dataclasses.replace(
             cluster.inter_node, bandwidth_bytes_per_s=share * run.node_link_gbps / 8 / 8 * 1e9))
     plan, _ = search(model, model.example_inputs(1), cluster, run.batch, fixed=fixed)
-    chosen = next(c for c in plan.report["candidates"] if c["mesh"] == plan.report["chosen"])
-    return chosen, time.perf_counter() - start
+    return chosen_row(plan.report), time.perf_counter() - start
 
 
 def why_faster(pick: dict, published: dict) -> str:

@@ -274,8 +274,9 @@ def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
 
 def _chosen_pipeline(plan) -> dict | None:
     """The report's chosen candidate, when it has per-chunk stage times for the plan's schedule."""
-    rep = plan.report or {}
-    chosen = next((c for c in rep.get("candidates", ()) if c["mesh"] == rep.get("chosen")), None)
+    from polyshard.planner.report import chosen_row
+
+    chosen = chosen_row(plan.report or {})
     p = (chosen or {}).get("pipeline")
     if p is None or (p["schedule"], p["micro_batches"], p["virtual_stages"]) != \
             (plan.schedule, plan.micro_batches, plan.virtual_stages):

@@ -192,8 +192,9 @@ class Setup:
     replica per step, the optimizer-parallel level, precision and offload, the memory limit;
     send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, modules, overlap_s, m):
     the data-parallel communication of that many gradient bytes over m micro-batches left exposed
-    beside overlap_s of backward; update_seconds(numel): the optimizer step's (or offload's copies'); fixed: settings the user fixed;
-    memo: results one search reuses (unit memory, simulated schedules)."""
+    beside overlap_s of backward; update_seconds(numel): the optimizer step's (or offload's copies')
+    seconds; fixed: settings the user fixed; memo: results one search reuses (unit memory, simulated
+    schedules, time-balanced cuts)."""
 
     pp: int
     dp: int
@@ -249,9 +250,9 @@ def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
     accumulates its gradients over the micro-batches, whole until the last (counted so for every m)."""
     out = []
     for groups in units.groups:
-        key = (groups, s.zero, s.dp, s.precision, s.offload, True)  # repeated blocks hold alike
+        key = (groups, s.zero, s.dp, s.precision, s.offload)  # repeated blocks hold alike
         if key not in s.memo:
-            s.memo[key] = dataclasses.replace(state_memory(groups, *key[1:]), buffers_bytes=0.0)
+            s.memo[key] = dataclasses.replace(state_memory(groups, *key[1:], accumulating=True), buffers_bytes=0.0)
         out.append(s.memo[key])
     return out
 
@@ -313,7 +314,8 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     if free not in s.memo:
         s.memo[free] = min_max_partition(lambda k, i, j: time, n, chunks)[1]
     edges = [0, *s.memo[free], n]
-    if len(edges) == chunks + 1 and all(load(k, 0, 0)[edges[k], edges[k + 1]] < np.inf for k in range(chunks)):
+    if len(edges) == chunks + 1 and all(base[i, j] + acts[i, j] * held[k] <= s.limit / v
+                                        for k, (i, j) in enumerate(zip(edges, edges[1:]))):
         cuts = list(s.memo[free])
     else:
         slowest, cuts = min_max_partition(load, n, chunks)
@@ -330,14 +332,14 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
         activations = units.activation_bytes[i:j].sum() * rows * held[c] + rerun
         memory = _sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, activations, bucket)])
         stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[-1], backward[-1], memory))
-    key = (schedule, s.pp, m, v, tuple(forward), tuple(backward))  # cuts that differ only in memory time alike
-    if not simulated:
-        busy = [m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp)]
-        span = max(busy) * (1 + (s.pp - 1) / (v * m))
-    else:
+    if simulated:
+        key = (schedule, s.pp, m, v, tuple(forward), tuple(backward))  # cuts that differ only in memory time alike
         if key not in s.memo:
             s.memo[key] = _simulated(*key)
         span, busy = s.memo[key]
+    else:
+        busy = [m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp)]
+        span = max(busy) * (1 + (s.pp - 1) / (v * m))
     rank = max(range(s.pp), key=busy.__getitem__)
     mine = [c for c in range(chunks) if c % s.pp == rank]
     ranges = [(edges[c], edges[c + 1]) for c in mine]

@@ -7,12 +7,17 @@ from polyshard.models.gpt import GPTConfig, flops_per_token
 from polyshard.planner.plan import Plan
 
 
+def chosen_row(report: dict) -> dict | None:
+    """The chosen candidate's row of a search report (None for a plan made without a search)."""
+    return next((c for c in report.get("candidates", ()) if c["mesh"] == report.get("chosen")), None)
+
+
 def summary(plan: Plan, cfg: GPTConfig, num_devices: int) -> dict:
     """The chosen candidate's figures as plain JSON: predicted seconds per step and their parts,
     memory per device, the configuration in the ``--config`` spelling, and model TFLOP/s per device
     (PaLM's 6N + 12 L H T FLOPs per token, polyshard.models.flops_per_token)."""
     rep = plan.report
-    chosen = next(c for c in rep["candidates"] if c["mesh"] == rep["chosen"])
+    chosen = chosen_row(rep)
     tokens = plan.global_batch * cfg.seq_len
     return {"step_s": chosen["step_s"], "memory_bytes_per_device": chosen["memory"]["total"],
             "config": rep["config"], "mesh": chosen["mesh"],
@@ -55,7 +60,7 @@ def render(plan: Plan, layouts: int = 40) -> str:
             lines.append(f"{mark} {c['mesh']:<{width}} {_ms(c['step_s'])} {_ms(c['compute_s'])} {_ms(c['op_comm_s'])} "
                          f"{_ms(c['dp_comm_s'])} {memory:>11} {c.get('gap', 0):>6.1%}")
         fitting = [c for c in rep["candidates"] if c["fits"]]
-        chosen = next(c for c in rep["candidates"] if c["mesh"] == rep["chosen"])
+        chosen = chosen_row(rep)
         runner = next((c for c in fitting if c is not chosen), None)
         if runner:
             lines.append(f"chosen {chosen['mesh']}: {runner['mesh']} (runner-up) predicts "

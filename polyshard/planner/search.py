@@ -11,8 +11,9 @@ promising, and what a lower bound shows cannot win is not costed: every bound is
 narrowest precision tried and with all data-parallel traffic hidden, so it is never above what it
 prunes. Recompute and offload are tried where memory is tight, also where a split fits only because
 nothing was costed yet. An operator split of k ways is first bounded by the unsplit program's
-bound / k (no op gets faster than its work split evenly), so hopeless splits need no program. Costs use one capture of the model at one row, scaled by the rows each split
-gives a device (compute, activations and their communication grow with rows; parameters do not).
+bound / k (no op gets faster than its work split evenly), so hopeless splits need no program.
+Costs use one capture of the model at one row, scaled by the rows each split gives a device
+(compute, activations and their communication grow with rows; parameters do not).
 A ``Fixed`` restricts the search to the settings a user gives (``polyshard cost --config``).
 """
 

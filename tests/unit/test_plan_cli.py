@@ -7,6 +7,7 @@ import pytest
 from polyshard import models
 from polyshard.cli.main import main
 from polyshard.planner.plan import Plan
+from polyshard.planner.report import chosen_row
 
 SHAPE = "gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1024"
 
@@ -92,7 +93,7 @@ def test_explain_timeline_matches_the_plans_step(capsys, tmp_path):
                       "--config", "pp=4,m=8,schedule=1f1b", "--out", str(path))
     assert code == 0
     plan = Plan.from_json(path.read_text())
-    chosen = next(c for c in plan.report["candidates"] if c["mesh"] == plan.report["chosen"])
+    chosen = chosen_row(plan.report)
     code, out, _ = _run(capsys, "explain", str(path), "--timeline", str(png))
     assert code == 0 and png.stat().st_size > 1000
     drawn_ms = float(out.split("timeline: ")[1].split(": schedule ")[1].split(" ms")[0])
