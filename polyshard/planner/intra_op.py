@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,7 +63,9 @@ def candidates(gm: fx.GraphModule, op_axes: Axes) -> tuple[dict[str, list[NodePl
     modules = dict(gm.named_modules())
     ctx = RuleContext(op_axes, modules, {}, {}, lambda msg: None)
     nodes = list(gm.graph.nodes)
-    twins = _twins(nodes)
+    twins = _TWINS.get(gm)
+    if twins is None:
+        twins = _TWINS[gm] = _twins(nodes)
     values: dict[str, list] = {}
     out: dict[str, list[NodePlan]] = {}
     copied: dict[str, str] = {}
@@ -87,6 +90,9 @@ def candidates(gm: fx.GraphModule, op_axes: Axes) -> tuple[dict[str, list[NodePl
 
 def _same(a: list, b: list) -> bool:
     return a is b or a == b  # a copied node shares its twin's list: most checks end at `is`
+
+
+_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: every split enumerates the same blocks
 
 
 def _twins(nodes: list[fx.Node]) -> dict[str, fx.Node]:
@@ -131,10 +137,36 @@ class Program:
     conflicts: list[tuple[tuple[str, int], tuple[str, int]]]
 
 
+@dataclass(frozen=True)
+class Terms:
+    """A :class:`Program` for any row count: every cost and byte count is a per-row part plus a
+    fixed part (collective latencies, per-op overheads, parameters), so one enumeration serves
+    every split that shares the operator axes."""
+
+    options: dict[str, list[NodePlan]]
+    rep: dict[str, str]
+    var_of: dict[tuple[str, int], int]
+    cost: tuple[np.ndarray, np.ndarray]  # (per row, fixed) per column
+    mem: tuple[np.ndarray, np.ndarray]
+    edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
+    conflicts: list[tuple[tuple[str, int], tuple[str, int]]]
+
+    def at(self, rows: float) -> Program:
+        return Program(self.options, self.rep, self.var_of, rows * self.cost[0] + self.cost[1],
+                       rows * self.mem[0] + self.mem[1], {k: rows * a + b for k, (a, b) in self.edges.items()},
+                       self.conflicts)
+
+
 def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int,
                   rc: Recomputed = Recomputed(), offload: str = "none", precision: str = "fp32") -> Program:
     """Candidates, costs (seconds per step at ``rows`` rows, computing and communicating in
     ``precision``) and memory of every choice, under recompute ``rc`` and optimizer-state ``offload``."""
+    return program_terms(gm, op_axes, cluster, rc, offload, precision).at(rows)
+
+
+def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recomputed = Recomputed(),
+                  offload: str = "none", precision: str = "fp32") -> Terms:
+    """:func:`build_program`'s data with rows left open."""
     options, copied = candidates(gm, op_axes)
     modules = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)
@@ -144,37 +176,40 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
         if rep[n.name] == n.name:
             for i in range(len(options[n.name])):
                 var_of[(n.name, i)] = len(var_of)
-    node_cost, node_mem = np.zeros(len(var_of)), np.zeros(len(var_of))
+    cost, mem = (np.zeros(len(var_of)), np.zeros(len(var_of))), (np.zeros(len(var_of)), np.zeros(len(var_of)))
     seen_params: set[int] = set()
     dtype, itemsize = DTYPES[precision]
-    per_node: dict[str, tuple[list[float], list[float]]] = {}  # a twin costs what its twin does
+    per_node: dict[str, tuple[list, list]] = {}  # a twin costs what its twin does
     for n in nodes:
         if n.name in copied and not _shares_params(n, modules, seen_params):
             costs, mems = per_node[copied[n.name]]
         else:
-            costs = [_op_seconds(n, d, modules, op_axes, cluster, rows, dtype, itemsize, rc) for d in options[n.name]]
-            mems = [_op_memory(n, d, modules, rows, seen_params, rc, offload) for d in options[n.name]]
+            costs = [_op_seconds(n, d, modules, op_axes, cluster, dtype, itemsize, rc) for d in options[n.name]]
+            mems = [_op_memory(n, d, modules, seen_params, rc, offload) for d in options[n.name]]
         per_node[n.name] = (costs, mems)
         for i, (c, m) in enumerate(zip(costs, mems)):
             v = var_of[(rep[n.name], i)]
-            node_cost[v] += c
-            node_mem[v] += m
+            for total, part in ((cost, c), (mem, m)):
+                total[0][v] += part[0]
+                total[1][v] += part[1]
         if n.op == "call_module":
             seen_params.update(id(p) for p in modules[n.target].parameters(recurse=False))
-    edges: dict[tuple[str, str], np.ndarray] = {}
+    edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
     per_edge: dict[tuple[str, str], np.ndarray] = {}
     for n in nodes:
         for u in n.all_input_nodes:
             costs = per_edge.get((copied.get(u.name), copied.get(n.name)))  # the twin edge, inside a block
             if costs is None:
-                costs = np.array([[_edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster, rows,
+                costs = np.array([[_edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster,
                                                  passes(n.name, rc)[1], itemsize)
-                                   for d in options[n.name]] for o in options[u.name]])
+                                   for d in options[n.name]] for o in options[u.name]]).reshape(
+                    len(options[u.name]), len(options[n.name]), 2)
             per_edge[(u.name, n.name)] = costs
             key = (rep[u.name], rep[n.name])
-            edges[key] = edges.get(key, 0) + costs
+            found = edges.get(key, (0, 0))
+            edges[key] = (found[0] + costs[..., 0], found[1] + costs[..., 1])
     conflicts = list(_shared_param_conflicts(nodes, options, rep, modules))
-    return Program(options, rep, var_of, node_cost, node_mem, edges, conflicts)
+    return Terms(options, rep, var_of, cost, mem, edges, conflicts)
 
 
 def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
@@ -190,16 +225,18 @@ def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
 
 def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory_limit_bytes: float,
           cutoff_s: float | None = None, time_limit_s: float = 30.0, recompute: str = "none",
-          recompute_comm: str = "keep", offload: str = "none", precision: str = "fp32") -> IntraOpResult:
+          recompute_comm: str = "keep", offload: str = "none", precision: str = "fp32",
+          terms: Terms | None = None) -> IntraOpResult:
     """The cheapest strategy per op for ``rows`` batch rows per device (``gm`` captured at one row),
     with activations under ``recompute`` and optimizer state under ``offload`` (see :class:`Plan`),
     computing and communicating in ``precision``.
 
-    Pruned (no plan) when the LP bound shows nothing here costs less than ``cutoff_s``."""
+    Pruned (no plan) when the LP bound shows nothing here costs less than ``cutoff_s``; ``terms``:
+    :func:`program_terms` of the same arguments, where the caller keeps them for other row counts."""
     import highspy
 
-    program = build_program(gm, op_axes, cluster, rows, recomputed(gm, recompute, recompute_comm), offload,
-                            precision)
+    terms = terms or program_terms(gm, op_axes, cluster, recomputed(gm, recompute, recompute_comm), offload, precision)
+    program = terms.at(rows)
     options, rep, var_of = program.options, program.rep, program.var_of
     nodes = list(gm.graph.nodes)
     modules = dict(gm.named_modules())
@@ -252,35 +289,34 @@ def _shares_params(node: fx.Node, modules, seen: set[int]) -> bool:
     return node.op == "call_module" and any(id(p) in seen for p in modules[node.target].parameters(recurse=False))
 
 
-def _op_seconds(node, d: NodePlan, modules, axes, cluster, rows, dtype, itemsize, rc: Recomputed) -> float:
+def _op_seconds(node, d: NodePlan, modules, axes, cluster, dtype, itemsize, rc: Recomputed) -> tuple[float, float]:
+    """(seconds per row, fixed seconds) of one op."""
     plan = Plan(op_axes=axes, nodes={node.name: d})
     compute_passes, comm_passes = passes(node.name, rc)
-    compute = compute_passes * forward_seconds(node, plan, modules, cluster, dtype, itemsize) * rows
-    sent = {a: b * rows for a, b in partial_sum_bytes(node, d, modules, itemsize, cluster.backend).items()}
-    transfer, latency = comm_seconds(sent, axes, cluster)
+    compute = compute_passes * forward_seconds(node, plan, modules, cluster, dtype, itemsize)
+    transfer, latency = comm_seconds(partial_sum_bytes(node, d, modules, itemsize, cluster.backend), axes, cluster)
     overhead = op_overhead(d, cluster, compute_passes) if node.op.startswith("call_") else 0.0
-    return compute + comm_passes * (transfer + latency) + overhead
+    return compute + comm_passes * transfer, comm_passes * latency + overhead
 
 
-def _op_memory(node, d: NodePlan, modules, rows, seen_params: set[int], rc: Recomputed, offload: str) -> float:
-    total = 0.0
+def _op_memory(node, d: NodePlan, modules, seen_params: set[int], rc: Recomputed, offload: str) -> tuple[float, float]:
+    """(bytes per row, fixed bytes) of one op: its kept activation, its parameters' state."""
+    fixed = 0.0
     for name, p in (modules[node.target].named_parameters(recurse=False) if node.op == "call_module" else []):
         if id(p) not in seen_params and name in d.params:
-            total += local_numel(p.shape, d.params[name]) * device_bytes_per_param(offload)
+            fixed += local_numel(p.shape, d.params[name]) * device_bytes_per_param(offload)
     shape = shape_of(node)
-    if isinstance(d.output, Layout) and shape is not None and keeps_activation(node, rc):
-        total += local_numel(shape, d.output) * 4 * rows
-    return total
+    kept = isinstance(d.output, Layout) and shape is not None and keeps_activation(node, rc)
+    return (local_numel(shape, d.output) * 4 if kept else 0.0), fixed
 
 
-def _edge_seconds(u: fx.Node, src, dst, axes, cluster, rows, comm_passes: int, itemsize: int) -> float:
-    """Redistributing ``u``'s value: in forward, in backward (the gradient the reverse way), and
-    in recompute when the consumer's collectives run again."""
+def _edge_seconds(u: fx.Node, src, dst, axes, cluster, comm_passes: int, itemsize: int) -> tuple[float, float]:
+    """(seconds per row, fixed seconds) of redistributing ``u``'s value: in forward, in backward
+    (the gradient the reverse way), and in recompute when the consumer's collectives run again."""
     if not isinstance(src, Layout) or dst is None or src == dst:
-        return 0.0
-    sent = {a: b * rows for a, b in transition_bytes(src, dst, shape_of(u), itemsize, cluster.backend).items()}
-    transfer, latency = comm_seconds(sent, axes, cluster)
-    return comm_passes * (transfer + latency)
+        return 0.0, 0.0
+    transfer, latency = comm_seconds(transition_bytes(src, dst, shape_of(u), itemsize, cluster.backend), axes, cluster)
+    return comm_passes * transfer, comm_passes * latency
 
 
 def _representatives(nodes: list[fx.Node], options, copied: dict[str, str]) -> dict[str, str]:

@@ -9,6 +9,7 @@ as that plan lays them out), so one integer program serves every pipeline depth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,8 +30,9 @@ from polyshard.planner.stages import min_max_partition
 
 BUCKET_BYTES = 25 * 2**20  # the gradient bucket a stage holds without optimizer parallel (as estimate_memory)
 # Schedules of more micro-batches than this many per stage are simulated at this many, and the rest
-# added at the steady state's pace (each further group of pp micro-batches adds what the last did).
-SIMULATED_PER_STAGE = 4
+# added at the steady state's pace (each further micro-batch, or group of pp interleaved, adds what the
+# last did): 1F1B is steady from pp on, interleaving once v x pp forwards have filled the pipe.
+SIMULATED_PER_STAGE = {"gpipe": 2, "1f1b": 2, "interleaved": 3}
 # The outer knobs tried unless fixed: micro-batches of up to this many rows (published runs use 1-4),
 # or up to this many micro-batches per stage; chunks per rank under interleaving.
 MAX_MICRO_ROWS, MAX_MICRO_PER_STAGE, VIRTUAL_STAGES = 8, 2, (2, 3, 4, 6, 8)
@@ -219,15 +221,20 @@ def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> t
     numel = sum(sum(g) for unit in units.groups for g in unit)
     options = sorted((_bound(units, setup, m, v, numel), m, schedule, v)
                      for m, schedule, v in _options(len(units), setup))
-    best, overflowed, fitted = None, False, set()
+    best, overflowed, tried, overflow_at = None, False, set(), {}
     for bound, m, schedule, v in options:
         if bound >= min(best_s, best.step_s if best else float("inf")):
             return best, float("inf") if overflowed and best is None else bound
-        if schedule == "gpipe" and m in fitted:  # 1F1B ran the same work in no more memory: GPipe cannot gain
+        if schedule == "gpipe" and m in tried:  # 1F1B ran the same work in no more memory: GPipe cannot gain
+            continue
+        if m <= overflow_at.get((schedule, v), 0):  # fewer, larger micro-batches hold no less per stage
+            overflowed = True
             continue
         found = cost_pipeline(units, setup, state, m, schedule, v)
-        if found is not None and schedule == "1f1b":
-            fitted.add(m)
+        if schedule == "1f1b":
+            tried.add(m)
+        if found is None:
+            overflow_at[(schedule, v)] = max(m, overflow_at.get((schedule, v), 0))
         overflowed |= found is None
         if found is not None and (best is None or found.step_s < best.step_s):
             best = found
@@ -276,10 +283,11 @@ def _options(n: int, s: Setup):
 
 
 def _bound(units: Units, s: Setup, m: int, v: int, numel: float) -> float:
-    """Equal stages' step: (m + (p-1)/v) x the mean stage's micro-batch, plus the least exposed gradient
-    communication and optimizer step (some stage holds at least the mean share of the ``numel`` parameters)."""
-    mean = units.seconds(s.rows / m).sum() / s.pp
-    return (m + (s.pp - 1) / v) * mean + s.dp_seconds(numel / s.pp * _itemsize(s.precision), 0.0, float("inf"), 1) + \
+    """Equal stages' step: (m + (p-1)/v) x the mean stage's micro-batch, or if more, m x the slowest unit's
+    (whichever rank holds it runs it m times); plus the least exposed gradient communication and optimizer
+    step (some stage holds at least the mean share of the ``numel`` parameters)."""
+    seconds = units.seconds(s.rows / m)
+    return max((m + (s.pp - 1) / v) * seconds.sum() / s.pp, m * seconds.max()) + s.dp_seconds(numel / s.pp * _itemsize(s.precision), 0.0, float("inf"), 1) + \
         s.update_seconds(numel / s.pp)
 
 
@@ -301,18 +309,18 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     bucket = BUCKET_BYTES if s.dp > 1 and s.zero == 0 else 0.0
     rerun = units.rerun_bytes.max() * rows  # one micro-batch's recomputed block, alive in its backward
     base, acts = fixed_of[end] - fixed_of[start] + rerun + bucket, acts_of[end] - acts_of[start]
-    allowed: dict[float, np.ndarray] = {}  # by activations in flight: chunks sharing it share the mask
+    fitting: dict[float, np.ndarray] = {}  # time where a range fits, by activations in flight (chunks share it)
 
     def load(k, i, j):
-        if held[k] not in allowed:
-            allowed[held[k]] = base + acts * held[k] <= s.limit / v
-        return np.where(allowed[held[k]], time, np.inf)
+        if held[k] not in fitting:
+            fitting[held[k]] = np.where(base + acts * held[k] <= s.limit / v, time, np.inf)
+        return fitting[held[k]][i, j]
 
     # The time-balanced cuts ignore memory and the optimizer level: where they fit they are the answer,
     # and the levels and schedules that share them need no program of their own.
     free = ("cuts", id(units), chunks, rows, send.tobytes())
     if free not in s.memo:
-        s.memo[free] = min_max_partition(lambda k, i, j: time, n, chunks)[1]
+        s.memo[free] = min_max_partition(lambda k, i, j: time[i, j], n, chunks)[1]
     edges = [0, *s.memo[free], n]
     if len(edges) == chunks + 1 and all(base[i, j] + acts[i, j] * held[k] <= s.limit / v
                                         for k, (i, j) in enumerate(zip(edges, edges[1:]))):
@@ -362,16 +370,19 @@ def _simulated(schedule: str, pp: int, m: int, v: int, forward: tuple, backward:
     """The simulated span and each rank's busy seconds; beyond SIMULATED_PER_STAGE micro-batches per
     stage, the span grows at the steady state's pace (what the last micro-batch, or under interleaving
     the last group of pp, added)."""
-    cap, group = SIMULATED_PER_STAGE * pp, pp if schedule == "interleaved" else 1
+    cap, group = SIMULATED_PER_STAGE[schedule] * pp, pp if schedule == "interleaved" else 1
     if m > cap:
         (span, _), (before, _) = (_simulated(schedule, pp, k, v, forward, backward) for k in (cap, cap - group))
         busy = [m * sum(forward[c] + backward[c] for c in range(r, len(forward), pp)) for r in range(pp)]
         return span + (m - cap) / group * (span - before), busy
-    times = simulate(schedule_actions(schedule, pp, m, v), list(forward), list(backward))
+    times = simulate(_actions(schedule, pp, m, v), list(forward), list(backward))
     busy = [0.0] * pp
     for t in times:
         busy[t.stage] += t.end_s - t.start_s
     return max(t.end_s for t in times) - min(t.start_s for t in times), busy
+
+
+_actions = functools.lru_cache(maxsize=64)(schedule_actions)  # one list per schedule shape, read only
 
 
 def _sum_memory(parts: list[MemoryEstimate]) -> MemoryEstimate:

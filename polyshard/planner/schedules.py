@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from polyshard.errors import PolyshardError
 from polyshard.planner.plan import SCHEDULES, check_choice
@@ -34,8 +35,7 @@ class Action:
         return Action(int(match[1]), match[2], int(match[3]))
 
 
-@dataclass(frozen=True)
-class ActionTime:
+class ActionTime(NamedTuple):
     """When an action ran (seconds from the step's start) on pipeline ``stage``, measured or simulated."""
 
     stage: int
@@ -108,32 +108,34 @@ def simulate(actions: list[list[Action]], forward_s: list[float], backward_s: li
     about once however many stages and micro-batches there are."""
     last = len(forward_s) - 1
     stage_of = {a.chunk: s for s, todo in enumerate(actions) for a in todo}
-    done: dict[tuple[int, str, int], float] = {}
+    micros = 1 + max((a.micro for todo in actions for a in todo), default=0)
+    done = {"F": [[None] * micros for _ in forward_s], "B": [[None] * micros for _ in forward_s]}
+    seconds = {"F": forward_s, "B": backward_s}
     free = [0.0] * len(actions)
     nxt = [0] * len(actions)
     out = []
     visit = deque(range(len(actions)))
     while visit:
         s = visit.popleft()
-        todo = actions[s]
-        while nxt[s] < len(todo):
-            a = todo[nxt[s]]
-            if a.kind == "F":  # after the previous chunk's forward
-                ready = done.get((a.chunk - 1, "F", a.micro)) if a.chunk > 0 else 0.0
+        todo, at = actions[s], nxt[s]
+        while at < len(todo):
+            chunk, kind, micro = (a := todo[at]).chunk, a.kind, a.micro
+            if kind == "F":  # after the previous chunk's forward
+                ready = done["F"][chunk - 1][micro] if chunk > 0 else 0.0
             else:  # after its own forward and the next chunk's backward
-                own = done.get((a.chunk, "F", a.micro))
-                after = done.get((a.chunk + 1, "B", a.micro)) if a.chunk < last else 0.0
+                own = done["F"][chunk][micro]
+                after = done["B"][chunk + 1][micro] if chunk < last else 0.0
                 ready = None if own is None or after is None else max(own, after)
             if ready is None:
                 break
             start = max(free[s], ready)
-            free[s] = start + (forward_s if a.kind == "F" else backward_s)[a.chunk]
-            done[(a.chunk, a.kind, a.micro)] = free[s]
-            out.append(ActionTime(s, a.chunk, a.kind, a.micro, start, free[s]))
-            nxt[s] += 1
-            waiter = stage_of.get(a.chunk + 1 if a.kind == "F" else a.chunk - 1)
+            free[s] = done[kind][chunk][micro] = start + seconds[kind][chunk]
+            out.append(ActionTime(s, chunk, kind, micro, start, free[s]))
+            at += 1
+            waiter = stage_of.get(chunk + 1 if kind == "F" else chunk - 1)
             if waiter is not None and waiter != s:
                 visit.append(waiter)
+        nxt[s] = at
     if any(n < len(todo) for n, todo in zip(nxt, actions)):
         stuck = ", ".join(f"stage {s}: {todo[nxt[s]]}" for s, todo in enumerate(actions) if nxt[s] < len(todo))
         raise PolyshardError(f"pipeline schedule deadlocks; waiting: {stuck}")

@@ -20,6 +20,8 @@ A ``Fixed`` restricts the search to the settings a user gives (``polyshard cost 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import itertools
 import math
 from dataclasses import dataclass
@@ -38,11 +40,11 @@ from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
 from polyshard.planner.cost.compute import optimizer_seconds
 from polyshard.planner.cost.overlap import op_costs
-from polyshard.planner.intra_op import IntraOpResult, solve
+from polyshard.planner.intra_op import IntraOpResult, Terms, program_terms, solve
 from polyshard.planner.pipeline import (BUCKET_BYTES, PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
                                         leanest_pipeline, state_memory, unit_costs)
 from polyshard.planner.config import Fixed
-from polyshard.planner.plan import DTYPES, OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
+from polyshard.planner.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
 from polyshard.planner.stages import assign_chunks, block_paths
 from polyshard.transitions import wire_bytes
 
@@ -128,17 +130,38 @@ class Candidate:
                      precision=self.precision, offload=self.offload)
 
 
-def mesh_candidates(num_devices: int, blocks: int = 1) -> list[tuple[tuple[str, int], ...]]:
+def mesh_candidates(num_devices: int, blocks: int = 1, devices_per_node: int | None = None) -> list[tuple[tuple[str, int], ...]]:
     """Every (dp, pp, tp) factorisation with at most ``blocks`` pipeline stages (a stage holds whole
-    repeated blocks): pp outermost so stages talk over the slowest links, tp innermost on the fastest."""
+    repeated blocks): pp outermost so stages talk over the slowest links, tp innermost on the fastest.
+    Given ``devices_per_node``, tp divides a node or spans whole nodes (as Alpa's submesh shapes): any
+    other size puts some of its groups across two nodes, on the slow link, for no gain in splitting."""
     out = []
     for pp in (p for p in range(1, min(num_devices, max(blocks, 1)) + 1) if num_devices % p == 0):
         for tp in (t for t in range(1, num_devices // pp + 1) if num_devices // pp % t == 0):
+            if devices_per_node and devices_per_node % tp and tp % devices_per_node:
+                continue
             dp = num_devices // pp // tp
             out.append((("dp", dp), ("tp", tp)) if pp == 1 else ((PIPELINE_AXIS, pp), ("dp", dp), ("tp", tp)))
     return out
 
 
+def _paused_cycle_collection(fn):
+    """Run ``fn`` with Python's cyclic garbage collector off: a search makes millions of short-lived
+    objects and no garbage cycles, and the collector's passes over the captured graph cost about a
+    fifth of its time at cluster scale."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+    return run
+
+
+@_paused_cycle_collection
 def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Cluster, global_batch: int,
            memory_limit_bytes: float | None = None, meshes=None, data_axes: tuple[str, ...] = ("dp",),
            fixed: Fixed = Fixed(), reserve_bytes: float | None = None) -> tuple[Plan, list[Candidate]]:
@@ -157,7 +180,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     costs = _Costs(capture(model, example_row), cluster, data_axes, global_batch, limit, fixed)
     candidates, plans, skipped = [], {}, []
     best_s = float("inf")
-    allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks))
+    allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks),
+                                                    None if fixed.tp else cluster.devices_per_node)
                if fixed.allows(dp=_data_size(m, data_axes), tp=_op_size(m, data_axes), pp=_pp(m))]
     for mesh in costs.order(allowed):
         if global_batch % _data_size(mesh, data_axes):
@@ -223,15 +247,18 @@ class _Costs:
         self.blocks = block_paths(gm)
         self.unit_of = assign_chunks(gm, self.blocks[1:])
         self.numel = sum(p.numel() for p in gm.parameters())
+        self.recompute_comm = fixed.recompute_comm or "keep"
         self._solved: dict[tuple, IntraOpResult] = {}
+        self._terms: dict[tuple, Terms] = {}
+        self.recomputed = functools.cache(functools.partial(recomputed, gm))
         self._units: dict[tuple, tuple[Plan, Units]] = {}
         self._memo: dict = {}  # what pipelined splits share (see Setup)
 
     def order(self, meshes) -> list:
         """Splits whose operator axes fill one node first (they are likely best, and bound the rest),
-        then by their least data-parallel communication."""
+        then the shallowest pipelines (the least bubble), then by their least data-parallel communication."""
         return sorted(meshes, key=lambda m: (abs(math.log(_op_size(m, self.data_axes) / self.cluster.devices_per_node)),
-                                             self.floor(m, "none")))
+                                             _pp(m), self.floor(m, "none")))
 
     def floor(self, mesh, offload: str) -> float:
         """Seconds no plan on ``mesh`` saves: gradient communication left exposed however much
@@ -248,7 +275,7 @@ class _Costs:
         and precision that applies (no plan when a bound shows it cannot beat ``best_s``; nothing
         when the recompute mode frees nothing here)."""
         recompute, offload = setting
-        if recompute != "none" and not recomputed(self.gm, recompute).rerun:
+        if recompute != "none" and not self.recomputed(recompute, self.recompute_comm).rerun:
             return []
         if _pp(mesh) > max(len(self.blocks), 1):
             raise PolyshardError(f"{_pp(mesh)} pipeline stages need as many repeated blocks (children of a "
@@ -270,13 +297,15 @@ class _Costs:
         if _pp(mesh) > 1:
             return self._pipelined(solved, mesh, offload, rows, best_s)
         out = self._whole(solved.plan, solved.gap, mesh, offload, rows)
+        if not out:  # the fixed settings allow no level or precision here (level 1 and more need dp > 1)
+            return out
         fastest = min((c for c, _ in out), key=lambda c: c.step_s)
         if fastest.memory.total_bytes > self.limit and fastest.step_s < best_s and \
                 self.numel / _op_size(mesh, self.data_axes) * device_bytes_per_param(offload) <= self.limit:
             try:  # the shared plan's fastest variant does not fit: the leanest strategies that do, if any
                 lean = solve(self.gm, op_axes, self.cluster, rows, self.limit, cutoff_s=best_s - floor,
                              recompute=recompute, offload=offload, precision=self.narrowest,
-                             recompute_comm=self.fixed.recompute_comm or "keep")
+                             recompute_comm=self.recompute_comm, terms=self.terms(op_axes, recompute, offload))
             except PolyshardError:
                 return out
             if lean.plan is not None and lean.plan.nodes != solved.plan.nodes:
@@ -292,8 +321,18 @@ class _Costs:
         if found is None or (found.plan is None and found.lower_bound_s < cutoff_s):
             found = self._solved[key] = solve(self.gm, op_axes, self.cluster, rows, float("inf"),
                                               cutoff_s=cutoff_s, recompute=recompute, precision=self.narrowest,
-                                              recompute_comm=self.fixed.recompute_comm or "keep")
+                                              recompute_comm=self.recompute_comm,
+                                              terms=self.terms(op_axes, recompute, "none"))
         return found
+
+    def terms(self, op_axes, recompute: str, offload: str) -> Terms:
+        """The integer program on ``op_axes`` with rows left open: enumerated once, solved per row count."""
+        key = (op_axes, recompute, offload)
+        if key not in self._terms:
+            self._terms[key] = program_terms(self.gm, op_axes, self.cluster,
+                                             self.recomputed(recompute, self.recompute_comm), offload,
+                                             self.narrowest)
+        return self._terms[key]
 
     def units(self, plan: Plan, mesh, precision: str) -> Units:
         """``plan``'s costs and memory per unit in ``precision``, its collectives on ``mesh``'s links."""
@@ -303,7 +342,7 @@ class _Costs:
             dtype, itemsize = DTYPES[precision]
             laid = dataclasses.replace(plan, mesh=mesh, precision=precision)
             units = unit_costs(self.gm, laid, op_costs(self.gm, laid, self.cluster, dtype, itemsize),
-                               recomputed(self.gm, plan.recompute, plan.recompute_comm), self.unit_of,
+                               self.recomputed(plan.recompute, plan.recompute_comm), self.unit_of,
                                tuple(self.blocks) or ("",), itemsize)
             self._units[key] = plan, units  # the plan kept alive, so its id stays its own
         return self._units[key][1]
@@ -405,12 +444,15 @@ def _update_seconds(numel: float, offload: str, zero: int, dp: int, precision: s
 
 
 def _variants(dp: int, offload: str, cluster: Cluster, fixed: Fixed = Fixed()) -> list[tuple[int, str]]:
-    """(optimizer-parallel level, precision) pairs to cost: levels only with data parallel, half
-    precision only where the device runs it faster (or where it is fixed); offloaded state stays
-    whole and fp32."""
+    """(optimizer-parallel level, precision) pairs to cost, less the dominated ones unless fixed:
+    levels only with data parallel, and not level 1 (level 2 sends less and holds no more); bf16
+    instead of fp32 where the device runs it faster (mixed precision holds no more bytes per
+    parameter, and half the activations); offloaded state stays whole and fp32."""
     levels = ZERO_LEVELS if dp > 1 and offload == "none" else (0,)
-    precisions = ("fp32", "bf16", "fp16") if offload == "none" and fixed.precision else \
-        ("fp32", "bf16")[:1 + (_fast_half(cluster) and offload == "none")]
+    if fixed.zero is None:
+        levels = tuple(z for z in levels if z != 1)
+    half = _fast_half(cluster) and offload == "none"
+    precisions = PRECISIONS if offload == "none" and fixed.precision else ("bf16",) if half else ("fp32",)
     return [(z, p) for z in levels for p in precisions if fixed.allows(zero=z, precision=p)]
 
 

@@ -51,24 +51,27 @@ def min_max_partition(load: Load, units: int, parts: int) -> tuple[float, list[i
     """(largest part's load, starts of parts 2..) of the contiguous split of ``units`` units into
     ``parts`` non-empty parts that minimises the largest part's load; (inf, []) when none is allowed.
 
-    Dynamic program over (units taken, parts made), one numpy pass per part; ties go to the
-    earliest cut."""
+    Dynamic program over (units taken, parts made), one numpy pass per part over the band of
+    starts and ends that leave every part a unit; ties go to the earliest cut."""
     if not 1 <= parts <= units:
         return float("inf"), []
-    start, end = np.meshgrid(np.arange(units + 1), np.arange(units + 1), indexing="ij")
+    width = units - parts + 1  # part k ends somewhere in k+1 .. k+width
+    offsets = np.arange(width)
     best = np.full(units + 1, np.inf)
     best[0] = 0.0
     picks = []
     for k in range(parts):
-        cost = np.where(start < end, np.maximum(best[:, None], load(k, start, end)), np.inf)
+        start, end = np.broadcast_arrays(k + offsets[:, None], k + 1 + offsets[None, :])
+        cost = np.where(start < end, np.maximum(best[start], load(k, start, end)), np.inf)
         pick = cost.argmin(axis=0)
-        best = cost[pick, np.arange(units + 1)]
-        picks.append(pick)
+        best = np.full(units + 1, np.inf)
+        best[k + 1:k + 1 + width] = cost[pick, offsets]
+        picks.append(k + pick)  # the start of part k, by its end - (k + 1)
     if not np.isfinite(best[units]):
         return float("inf"), []
     cuts, j = [], units
-    for pick in reversed(picks[1:]):
-        j = int(pick[j])
+    for k in range(parts - 1, 0, -1):
+        j = int(picks[k][j - k - 1])
         cuts.append(j)
     return float(best[units]), cuts[::-1]
 

@@ -44,6 +44,34 @@ def test_min_max_partition_of_unequal_layers():
     assert min_max_partition(sum_load([1, 2]), 2, 3) == (float("inf"), [])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_min_max_partition_matches_brute_force_with_per_part_limits(seed):
+    """Random loads, and a per-part cap on a second quantity (as memory per stage): the dynamic
+    program's optimum and cuts equal the best of every contiguous split (ties to the earliest cuts)."""
+    rng = np.random.default_rng(seed)
+    units = int(rng.integers(3, 9))
+    parts = int(rng.integers(1, units + 1))
+    load, size = rng.uniform(1, 5, units), rng.uniform(1, 5, units)
+    caps = rng.uniform(4, 12, parts)
+    prefix, mass = np.concatenate([[0], np.cumsum(load)]), np.concatenate([[0], np.cumsum(size)])
+
+    def part_load(k, i, j):
+        return np.where(mass[j] - mass[i] <= caps[k], prefix[j] - prefix[i], np.inf)
+
+    best = (float("inf"), [])
+    for cuts in itertools.combinations(range(1, units), parts - 1):
+        edges = [0, *cuts, units]
+        worst = max(float(part_load(k, np.array(a), np.array(b))) for k, (a, b) in enumerate(zip(edges, edges[1:])))
+        if worst < best[0]:
+            best = (worst, list(cuts))
+    found = min_max_partition(part_load, units, parts)
+    assert found[0] == pytest.approx(best[0])
+    if np.isfinite(best[0]):
+        edges = [0, *found[1], units]
+        assert max(float(part_load(k, np.array(a), np.array(b)))
+                   for k, (a, b) in enumerate(zip(edges, edges[1:]))) == pytest.approx(best[0])
+
+
 @pytest.mark.parametrize("pp, limit_mib", [(2, 48), (3, 40), (4, 40), (2, 40)])
 def test_stage_cuts_match_brute_force_under_the_memory_limit(pp, limit_mib):
     """Unequal layers, and memory that holds pp - s micro-batches on stage s (1F1B): the cuts

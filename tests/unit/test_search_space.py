@@ -10,7 +10,8 @@ from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.planner.config import Fixed
-from polyshard.planner.search import _dp_seconds, default_reserve_bytes, search
+from polyshard.planner.cost.comm import axis_link
+from polyshard.planner.search import _dp_seconds, default_reserve_bytes, mesh_candidates, search
 from polyshard.transitions import wire_bytes
 
 
@@ -139,3 +140,24 @@ def test_offload_that_fits_with_room_does_not_stop_recompute_being_tried():
     hosted = [c for c in ranked if c.offload == "host" and not c.pruned]
     assert hosted and min(c.memory.total_bytes for c in hosted) <= 0.9 * limit  # offload alone fits, with room
     assert (plan.recompute, plan.offload) == ("full", "none")
+
+
+@pytest.mark.parametrize("fixed", [Fixed(zero=z) for z in range(4)] + [Fixed(precision=p) for p in ("fp32", "fp16")])
+def test_variants_the_search_skips_as_dominated_are_never_faster(fixed):
+    # the free search tries no level 1 (level 2 sends less, holds no more) and no fp32 where bf16 is faster
+    free, ranked = _search("gpt-small", "8xA100-80G", 64)
+    best = min(c.step_s for c in ranked if c.describe() == free.report["chosen"])
+    _, alone = _search("gpt-small", "8xA100-80G", 64, fixed)
+    usable = Cluster.preset("8xA100-80G").memory_bytes - default_reserve_bytes(Cluster.preset("8xA100-80G"))
+    fitting = [c for c in alone if not c.pruned and c.memory.total_bytes <= usable]
+    assert fitting and best <= min(c.step_s for c in fitting) * (1 + 1e-9)
+
+
+def test_tensor_axes_divide_a_node_or_span_whole_nodes():
+    tps = {dict(m)["tp"] for m in mesh_candidates(48, 1, devices_per_node=8)}
+    assert tps == {1, 2, 4, 8, 16, 24, 48}
+    cluster = Cluster.preset("6x8xA100-80G")
+    # an axis of 6 on 8-device nodes puts some of its groups across two nodes: the slow link
+    assert axis_link((("dp", 8), ("tp", 6)), "tp", cluster) == cluster.inter_node
+    assert axis_link((("dp", 12), ("tp", 4)), "tp", cluster) == cluster.intra_node
+    assert axis_link((("dp", 12), ("tp", 4)), "dp", cluster) == cluster.inter_node

@@ -17,7 +17,9 @@ from polyshard.transitions import transition_bytes, wire_bytes
 
 
 def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster) -> Link:
-    """The link class an axis's collectives cross (inner axes are consecutive ranks).
+    """The link class an axis's collectives cross (inner axes are consecutive ranks): the intra-node
+    link only when the axis and the axes inside it span a whole divisor of a node, so that no group
+    straddles two nodes.
 
     A part of an axis (``tp:0`` of a refined ``tp``) is taken to ride its whole axis's link."""
     base = axis.split(":")[0]
@@ -26,7 +28,7 @@ def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster) -> Link:
         span *= size
         if name == base:
             break
-    return cluster.intra_node if span <= cluster.devices_per_node else cluster.inter_node
+    return cluster.intra_node if cluster.devices_per_node % span == 0 else cluster.inter_node
 
 
 def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int,
