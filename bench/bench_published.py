@@ -130,8 +130,9 @@ def main(argv=None) -> None:
           f"{'pick':<44} {'pred':>6} {'vs pub':>7} {'why':<18} {'plan s':>6}")
     results = []
     for run in rows:
-        base = Fixed(dp=run.dp, tp=run.tp, pp=run.pp, mbs=run.mbs, zero=run.zero, recompute="full",
-                     recompute_comm="recompute", precision="bf16")  # Megatron-LM reruns a layer's all-reduces
+        base = Fixed(dp=run.dp, tp=run.tp, pp=run.pp, sp=0 if run.tp > 1 else None, mbs=run.mbs, zero=run.zero,
+                     recompute="full", recompute_comm="recompute",  # Megatron-LM reruns a layer's all-reduces
+                     precision="bf16")  # and had no sequence parallel before 2022
         published, _ = price(run, base)
         pick, seconds = price(run, Fixed())
         flops = run.flops_per_step() / run.gpus / 1e12

@@ -14,7 +14,9 @@ from polyshard.planner.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOM
 class Fixed:
     """Settings the search must keep; None leaves one to the search.
 
-    dp / tp / pp: data-parallel replicas, operator-parallel ranks, pipeline stages; mbs: rows per
+    dp / tp / pp: data-parallel replicas, operator-parallel ranks, pipeline stages; sp: sequence
+    parallel (1: row-parallel products reduce-scatter along the sequence wherever they can, 0: never;
+    left out, the search decides op by op); mbs: rows per
     micro-batch; m: micro-batches per step (pipeline micro-batches, or gradient accumulation when
     pp=1); schedule: pipeline schedule; v: virtual stages per rank (interleaved); zero: optimizer
     parallel level; recompute: none / selective / full; recompute_comm: keep the results of
@@ -24,6 +26,7 @@ class Fixed:
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    sp: int | None = None
     mbs: int | None = None
     m: int | None = None
     schedule: str | None = None
@@ -58,6 +61,8 @@ class Fixed:
         for key, allowed in _CHOICES.items():
             if getattr(self, key) is not None:
                 check_choice(f"--config {key}", getattr(self, key), allowed)
+        if self.sp not in (None, 0, 1):
+            raise PolyshardError(f"--config sp must be 0 or 1; got {self.sp}")
         if self.zero is not None and self.zero not in ZERO_LEVELS:
             raise PolyshardError(f"--config zero must be one of {ZERO_LEVELS}; got {self.zero}")
         if self.v is not None and self.v > 1 and self.schedule not in (None, "interleaved"):
@@ -76,6 +81,7 @@ _CHOICES = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "recompute_comm
 
 
 def _positive(key: str, value: str) -> int:
-    if not value.isdigit() or (int(value) < 1 and key != "zero"):
-        raise PolyshardError(f"--config {key}={value!r} must be a {'whole number' if key == 'zero' else 'positive integer'}")
+    whole = key in ("zero", "sp")
+    if not value.isdigit() or (int(value) < 1 and not whole):
+        raise PolyshardError(f"--config {key}={value!r} must be a {'whole number' if whole else 'positive integer'}")
     return int(value)

@@ -54,14 +54,15 @@ class IntraOpResult:
         return max(0.0, (self.cost_s - self.lower_bound_s) / self.cost_s) if self.cost_s else 0.0
 
 
-def candidates(gm: fx.GraphModule, op_axes: Axes) -> tuple[dict[str, list[NodePlan]], dict[str, str]]:
+def candidates(gm: fx.GraphModule, op_axes: Axes,
+               sequence: bool | None = None) -> tuple[dict[str, list[NodePlan]], dict[str, str]]:
     """Every node's candidate strategies, in graph order, and the nodes whose came from a twin.
 
     A node in the third or later of a run of identical blocks takes its twin's candidates (in
     the run's second block, renamed) when its inputs may arrive in the same layouts: a 96-layer
     model is enumerated as two layers."""
     modules = dict(gm.named_modules())
-    ctx = RuleContext(op_axes, modules, {}, {}, lambda msg: None)
+    ctx = RuleContext(op_axes, modules, {}, {}, lambda msg: None, sequence)
     nodes = list(gm.graph.nodes)
     twins = _TWINS.get(gm)
     if twins is None:
@@ -165,9 +166,9 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
 
 
 def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recomputed = Recomputed(),
-                  offload: str = "none", precision: str = "fp32") -> Terms:
-    """:func:`build_program`'s data with rows left open."""
-    options, copied = candidates(gm, op_axes)
+                  offload: str = "none", precision: str = "fp32", sequence: bool | None = None) -> Terms:
+    """:func:`build_program`'s data with rows left open; ``sequence``: see :class:`RuleContext`."""
+    options, copied = candidates(gm, op_axes, sequence)
     modules = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)
     rep = _representatives(nodes, options, copied)
@@ -226,16 +227,18 @@ def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
 def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory_limit_bytes: float,
           cutoff_s: float | None = None, time_limit_s: float = 30.0, recompute: str = "none",
           recompute_comm: str = "keep", offload: str = "none", precision: str = "fp32",
-          terms: Terms | None = None) -> IntraOpResult:
+          sequence: bool | None = None, terms: Terms | None = None) -> IntraOpResult:
     """The cheapest strategy per op for ``rows`` batch rows per device (``gm`` captured at one row),
     with activations under ``recompute`` and optimizer state under ``offload`` (see :class:`Plan`),
     computing and communicating in ``precision``.
 
-    Pruned (no plan) when the LP bound shows nothing here costs less than ``cutoff_s``; ``terms``:
+    Pruned (no plan) when the LP bound shows nothing here costs less than ``cutoff_s``; ``sequence``:
+    sequence parallel everywhere it applies (True), nowhere (False), or where it pays (None); ``terms``:
     :func:`program_terms` of the same arguments, where the caller keeps them for other row counts."""
     import highspy
 
-    terms = terms or program_terms(gm, op_axes, cluster, recomputed(gm, recompute, recompute_comm), offload, precision)
+    terms = terms or program_terms(gm, op_axes, cluster, recomputed(gm, recompute, recompute_comm), offload, precision,
+                                   sequence)
     program = terms.at(rows)
     options, rep, var_of = program.options, program.rep, program.var_of
     nodes = list(gm.graph.nodes)

@@ -87,6 +87,16 @@ class Plan:
     global_batch: int = 0
     report: dict = field(default_factory=dict)
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether a row-parallel product reduce-scatters its sums along the sequence (the dim before
+        the features) instead of all-reducing them: Megatron's sequence parallel."""
+        def scatters(n: NodePlan) -> bool:
+            w, out = n.params.get("weight"), n.output
+            return (n.impl == "dtensor" and w is not None and w.ndim == 2 and isinstance(out, Layout)
+                    and out.ndim >= 3 and bool(set(w.dims[1]) & set(out.dims[-2])))
+        return any(map(scatters, self.nodes.values()))
+
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
             check_choice(name, getattr(self, name), allowed)

@@ -16,10 +16,11 @@ from polyshard.planner.plan import Plan
 from polyshard.planner.rules import RuleContext, decide
 
 
-def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None]) -> Plan:
-    """A Plan for every node and parameter of ``gm`` on the given op axes."""
+def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None], sequence: bool = False) -> Plan:
+    """A Plan for every node and parameter of ``gm`` on the given op axes (``sequence``: row-parallel
+    products reduce-scatter along the sequence, Megatron's sequence parallel)."""
     modules = dict(gm.named_modules())
-    ctx = RuleContext(op_axes, modules, {}, {}, warn)
+    ctx = RuleContext(op_axes, modules, {}, {}, warn, sequence)
     plan = Plan(op_axes=op_axes)
     param_names = {id(p): name for name, p in reversed(list(gm.named_parameters()))}
     owner: dict[int, str] = {}

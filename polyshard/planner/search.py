@@ -87,6 +87,7 @@ class Candidate:
     memory_floor: bool = False  # memory is a lower bound, already over the limit (not estimated further)
     pipeline: PipelineCost | None = None  # a pipelined split's stages, micro-batches and schedule
     accumulation: int = 1  # micro-batches per step without a pipeline (gradient accumulation)
+    sequence: bool = False  # sequence parallel: row-parallel products reduce-scatter along the sequence
 
     @property
     def micro_batches(self) -> int:
@@ -118,13 +119,13 @@ class Candidate:
                   else [f"accumulate m={self.accumulation}"] * (self.accumulation > 1)) + \
             [f"recompute {self.recompute}"] * (self.recompute != "none") + \
             [f"offload {self.offload}"] * (self.offload != "none") + [f"zero {self.zero}"] * (self.zero > 0) + \
-            [self.precision] * (self.precision != "fp32")
+            [self.precision] * (self.precision != "fp32") + ["sequence parallel"] * self.sequence
         return ", ".join([_mesh_text(self.mesh), *extras])
 
     def config(self, data_axes: tuple[str, ...] = ("dp",)) -> Fixed:
         """This candidate's settings in the ``--config`` spelling."""
-        p = self.pipeline
-        return Fixed(dp=_data_size(self.mesh, data_axes), tp=_op_size(self.mesh, data_axes), pp=self.pp,
+        p, tp = self.pipeline, _op_size(self.mesh, data_axes)
+        return Fixed(dp=_data_size(self.mesh, data_axes), tp=tp, pp=self.pp, sp=int(self.sequence) if tp > 1 else None,
                      mbs=self.rows // self.micro_batches, m=self.micro_batches, schedule=p.schedule if p else None,
                      v=p.virtual_stages if p else None, zero=self.zero, recompute=self.recompute,
                      precision=self.precision, offload=self.offload)
@@ -248,6 +249,7 @@ class _Costs:
         self.unit_of = assign_chunks(gm, self.blocks[1:])
         self.numel = sum(p.numel() for p in gm.parameters())
         self.recompute_comm = fixed.recompute_comm or "keep"
+        self.sequence = None if fixed.sp is None else bool(fixed.sp)
         self._solved: dict[tuple, IntraOpResult] = {}
         self._terms: dict[tuple, Terms] = {}
         self.recomputed = functools.cache(functools.partial(recomputed, gm))
@@ -331,7 +333,7 @@ class _Costs:
         if key not in self._terms:
             self._terms[key] = program_terms(self.gm, op_axes, self.cluster,
                                              self.recomputed(recompute, self.recompute_comm), offload,
-                                             self.narrowest)
+                                             self.narrowest, self.sequence)
         return self._terms[key]
 
     def units(self, plan: Plan, mesh, precision: str) -> Units:
@@ -384,7 +386,7 @@ class _Costs:
             memory = estimate_memory(self.gm, plan, data_world=dp, rows=rows // m)
         return Candidate(mesh, rows, compute, op_comm, dp_comm, memory, gap, recompute=plan.recompute,
                          offload=plan.offload, zero=plan.zero, precision=plan.precision, memory_floor=not exact,
-                         accumulation=m), plan
+                         accumulation=m, sequence=plan.sequence_parallel), plan
 
     def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int,
                    best_s: float) -> list[tuple[Candidate, Plan | None]]:
@@ -419,7 +421,7 @@ class _Costs:
                                        micro_batches=p.micro_batches, virtual_stages=p.virtual_stages)
             out.append((Candidate(mesh, rows, p.compute_s, p.op_comm_s, p.dp_comm_s, p.memory, solved.gap,
                                   recompute=base.recompute, offload=offload, zero=zero, precision=precision,
-                                  pipeline=p), plan))
+                                  pipeline=p, sequence=base.sequence_parallel), plan))
             if found is not None:
                 best_s = min(best_s, found.step_s)
         return out

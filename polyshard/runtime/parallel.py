@@ -17,6 +17,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.mesh import Mesh, current_mesh
 from polyshard.planner.cost.overlap import choose_copies
+from polyshard.planner.config import Fixed
 from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
 from polyshard.planner.propagate import propagate
 from polyshard.planner.search import search as search_plan
@@ -94,7 +95,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
                 copies: int | str | None = None, search: bool = False,
                 memory_limit_bytes: float | None = None, recompute: str | None = None,
                 recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
-                virtual_stages: int | None = None) -> ParallelModule:
+                virtual_stages: int | None = None, sequence_parallel: bool = False) -> ParallelModule:
     """Split ``model`` over the mesh: pinned ops keep their strategies, the others follow the op rules.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values) default to the model's own
@@ -108,6 +109,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
     :class:`Plan`; by default the plan's. Modules marked by :func:`polyshard.recompute` are recomputed too.
     A mesh with a ``pp`` axis gives a :class:`~polyshard.runtime.pipeline.PipelineModule`, run by the
     plan's (or these) ``schedule``, ``micro_batches`` and ``virtual_stages``.
+    ``sequence_parallel``: row-parallel products reduce-scatter along the sequence instead of
+    all-reducing, so norms, dropout and residual adds run on a slice of it (Megatron's sequence parallel).
     """
     if recompute is not None:
         check_choice("recompute", recompute, RECOMPUTE_MODES)
@@ -134,9 +137,10 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
             cluster = mesh.cluster or Cluster.from_env()
             row = [t[:1] if isinstance(t, torch.Tensor) else t for t in example_inputs]
             plan, _ = search_plan(model, row, cluster, example_inputs[0].size(0) * mesh.num_data_shards,
-                                  memory_limit_bytes, meshes=[mesh.axes], data_axes=mesh.data_axes)
+                                  memory_limit_bytes, meshes=[mesh.axes], data_axes=mesh.data_axes,
+                                  fixed=Fixed(sp=1) if sequence_parallel else Fixed())
         else:
-            plan = propagate(gm, mesh.op_axes, warn)
+            plan = propagate(gm, mesh.op_axes, warn, sequence_parallel)
     plan.mesh, plan.data_axes = mesh.axes, mesh.data_axes
     copies = copies if copies is not None else getattr(model, COPIES_ATTR, None)
     if copies == "auto":

@@ -27,14 +27,14 @@ def _optimizer(params, name: str):
 
 def train_parity(mesh: str, model: str = "gpt-tiny", steps: int = 5, dtype=torch.float32, tied: bool = True,
                  accum: int = 1, optimizer: str = "adamw", batch: int = 8, copies: int = 1,
-                 search: bool = False) -> dict:
+                 search: bool = False, sequence_parallel: bool = False) -> dict:
     """Train ``steps`` steps on one device and on the mesh; return the worst loss and parameter errors."""
     ps.init(mesh)
     torch.manual_seed(123)
     ref, par = (_build(model, dtype, tied) for _ in range(2))
     batches = [_batch(ref, batch, seed=s) for s in range(steps)]
     pm = ps.parallelize(par, example_inputs=_batch(ref, batch // ps.current_mesh().num_data_shards // accum, seed=0),
-                        copies=copies, search=search)
+                        copies=copies, search=search, sequence_parallel=sequence_parallel)
     ref_opt, opt = _optimizer(ref.parameters(), optimizer), _optimizer(pm.parameters(), optimizer)
     loss_err = 0.0
     for x, y in batches:
@@ -60,8 +60,10 @@ def train_parity(mesh: str, model: str = "gpt-tiny", steps: int = 5, dtype=torch
     param_err = max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters())
     layouts = {k: str(v) for k, v in pm.plan.params.items()}
     impls = {k: n.impl for k, n in pm.plan.nodes.items()}
+    sequence = pm.plan.sequence_parallel
     del pm, opt
-    return {"loss_err": loss_err, "param_err": param_err, "layouts": layouts, "impls": impls}
+    return {"loss_err": loss_err, "param_err": param_err, "layouts": layouts, "impls": impls,
+            "sequence_parallel": sequence}
 
 
 def _build(model: str, dtype, tied: bool):

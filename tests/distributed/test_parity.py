@@ -101,3 +101,14 @@ def test_a_transformer_written_elsewhere_matches_one_device(pools, mesh, search)
     assert r[0]["loss_err"] < 1e-5 and r[0]["param_err"] < 1e-5, r[0]
     if not search:  # the rules' defaults: Megatron's split, found in a model polyshard did not write
         assert r[0]["layouts"]["layers.1.up.weight"] == "S(0)" and r[0]["layouts"]["layers.1.down.weight"] == "S(1)"
+
+
+@pytest.mark.parametrize("mesh,world", [("tp=2", 2), ("dp=2,tp=2", 4)])
+def test_sequence_parallel_matches_one_device(pools, mesh, world):
+    # row-parallel products reduce-scatter along the sequence; norms, dropout and adds run on a slice
+    # of it (their whole weights' gradients summed over tp), and all-gathers feed the products
+    results = pools(world).run(cases.train_parity, mesh, "gpt-tiny", 5, torch.float64, True, 1, "adamw", 8, 1,
+                               False, True)
+    _check(results)
+    assert all(r["sequence_parallel"] for r in results)
+    assert "dtensor" == results[0]["impls"]["blocks_1_ln1"]  # its input arrives split along the sequence

@@ -47,18 +47,22 @@ def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], it
 
 
 def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, float]:
-    """A split contraction (row-parallel Linear, vocabulary-parallel Embedding) all-reduces its output."""
+    """A split contraction (row-parallel Linear, vocabulary-parallel Embedding) reduces its partial
+    sums into its output's layout: an all-reduce, or a reduce-scatter along the sequence. Whole
+    weights of a module run on a split input (a norm under sequence parallel) sum their gradients
+    over the split axes (few bytes; counted like the others)."""
     if entry.impl != "dtensor" or node.op != "call_module":
         return {}
-    module, weight = modules[node.target], entry.params.get("weight")
-    if weight is None:
+    module, weight, out = modules[node.target], entry.params.get("weight"), entry.output
+    if weight is None or not isinstance(out, Layout):
         return {}
-    axes = weight.dims[1] if isinstance(module, nn.Linear) else weight.dims[0] if isinstance(module, nn.Embedding) else ()
-    shape, layout = shape_of(node), entry.output
-    local = itemsize
-    for d, s in enumerate(shape):
-        local *= s // layout.num_shards(d)
-    return {a: wire_bytes("all_reduce", local, weight.axis_sizes[a], backend) for a in axes}
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        axes = weight.dims[1] if isinstance(module, nn.Linear) else weight.dims[0]
+        pending = out.with_dims([tuple(a for a in d if a not in axes) for d in out.dims], axes)
+        return transition_bytes(pending, out, shape_of(node), itemsize, backend) if axes else {}
+    split = {a for layout in entry.inputs.values() for d in layout.dims for a in d}
+    numel = sum(p.numel() for p in module.parameters(recurse=False))
+    return {a: wire_bytes("all_reduce", numel * itemsize, weight.axis_sizes[a], backend) for a in split}
 
 
 def collective_latency(link: Link, group_size: int) -> float:

@@ -37,7 +37,7 @@ _FREE = {"view", "reshape", "transpose", "permute", "size", "expand", "unsqueeze
 def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> float:
     """FLOPs of ``node``'s forward on this rank."""
     shape = shape_of(node)
-    out = plan.nodes[node.name].output
+    out = computed_layout(node, plan.nodes[node.name], modules)
     if shape is None or not isinstance(out, Layout):
         return 0.0
     local = math.prod(shape) / math.prod(out.num_shards(d) for d in range(out.ndim))
@@ -93,11 +93,23 @@ def forward_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], item
             layout = entry.params.get(name)
             shards = math.prod(layout.num_shards(d) for d in range(layout.ndim)) if layout is not None else 1
             total += p.numel() / shards * itemsize
-    for value, layout in [(node, entry.output)] + [(i, entry.inputs.get(i.name)) for i in node.all_input_nodes]:
+    computed = computed_layout(node, entry, modules)
+    for value, layout in [(node, computed)] + [(i, entry.inputs.get(i.name)) for i in node.all_input_nodes]:
         shape = shape_of(value)
         if isinstance(layout, Layout) and shape is not None:
             total += math.prod(shape) / math.prod(layout.num_shards(d) for d in range(layout.ndim)) * itemsize
     return total
+
+
+def computed_layout(node: fx.Node, entry, modules: dict[str, nn.Module]):
+    """The layout an op computes its output in: its plan's output, except that a row-parallel product
+    computes whole along the dims its partial sums are then reduce-scattered over (sequence parallel)."""
+    out, weight = entry.output, entry.params.get("weight")
+    if node.op != "call_module" or weight is None or not isinstance(out, Layout) or \
+            not isinstance(modules[node.target], nn.Linear):
+        return out
+    summed = set(weight.dims[1])
+    return out.with_dims([tuple(a for a in d if a not in summed) for d in out.dims], out.partial)
 
 
 def _is_product(node: fx.Node, modules: dict[str, nn.Module]) -> bool:

@@ -14,13 +14,16 @@ from polyshard.planner.plan import NodePlan as Decision
 
 @dataclass
 class RuleContext:
-    """What rules read: the op axes, the graph's modules, layouts already fixed, pins."""
+    """What rules read: the op axes, the graph's modules, layouts already fixed, pins; and for the
+    search, whether row-parallel products reduce-scatter along the sequence (sequence parallel: True
+    wherever it applies, False never, None both offered)."""
 
     op_axes: Axes
     modules: dict[str, nn.Module]
     layouts: dict[str, Any]
     param_layouts: dict[int, Layout]
     warn: Callable[[str], None]
+    sequence: bool | None = None
 
     @property
     def all_axes(self) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ leave a rule: the "dtensor" ops reduce them before handing their output on.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -40,7 +41,8 @@ def decide_all(node: fx.Node, ctx: RuleContext) -> list[Decision]:
     if node.op == "call_module" and not pinned:
         module = ctx.modules[node.target]
         if isinstance(module, nn.Linear):
-            options += [_linear(node, module, ctx, mode) for mode in ("column", "row", "replicated")]
+            modes = ("column", "row", "replicated") + ("row_scatter",) * (ctx.sequence is None)
+            options += [_linear(node, module, ctx, mode) for mode in modes]
         elif isinstance(module, nn.Embedding):
             options += [_embedding(node, module, ctx, split) for split in (True, False)]
     elif node.target is F.cross_entropy:
@@ -256,11 +258,14 @@ def _reduction(node: fx.Node, ctx: RuleContext) -> Decision:
 
 
 def _layer_norm(node: fx.Node, module: nn.LayerNorm, ctx: RuleContext) -> Decision:
+    """Normalized dims whole, the others (batch, sequence) may stay split. On a split input the
+    whole weights get partial gradients: DTensor runs it, and sums them over the split axes."""
     x = node.args[0]
     src = ctx.layout(x)
     need = _without(src, list(range(src.ndim - len(module.normalized_shape), src.ndim)))
     params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
-    return Decision("local", {x.name: need}, need, params=params)
+    impl = "dtensor" if params and not need.is_replicated else "local"
+    return Decision(impl, {x.name: need}, need, params=params)
 
 
 def _cross_entropy(node: fx.Node, ctx: RuleContext, vocab: bool | None = None) -> Decision | None:
@@ -284,13 +289,18 @@ def _cross_entropy(node: fx.Node, ctx: RuleContext, vocab: bool | None = None) -
 def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None = None) -> Decision | None:
     """Megatron's pairing: column-parallel after replicated input, row-parallel after a split last dim.
 
-    ``mode`` ("column", "row", "replicated") forces a choice, for the search; None if it cannot apply."""
+    ``mode`` ("column", "row", "row_scatter", "replicated") forces a choice, for the search; None if
+    it cannot apply. "row_scatter" is row-parallel whose partial sums are reduce-scattered along the
+    sequence (the dim before the features) instead of all-reduced: Megatron's sequence parallel, where
+    the norms, dropout and residual adds that follow run on a slice of the sequence each. Under
+    ``ctx.sequence`` every row-parallel product scatters where it can."""
     x = node.args[0]
     src = ctx.layout(x)
     fixed = ctx.param_layouts.get(id(module.weight))
     last = src.dims[-1]
     if mode is not None:
-        rows, cols = {"column": (ctx.all_axes, ()), "row": ((), last or ctx.all_axes)}.get(mode, ((), ()))
+        rows, cols = {"column": (ctx.all_axes, ()), "row": ((), last or ctx.all_axes),
+                      "row_scatter": ((), last or ctx.all_axes)}.get(mode, ((), ()))
         n = ctx.num_devices
         if mode != "replicated" and (not ctx.all_axes or module.in_features % n or module.out_features % n):
             return None
@@ -309,10 +319,16 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None
     else:
         w = Layout(ctx.op_axes, (rows, cols))
         x_need = x_need.with_dims([()] * (src.ndim - 1) + [cols])
-    out = output_layout(linear_spec(src.ndim, False), [x_need, w], node.name)
+    out = _reduced(output_layout(linear_spec(src.ndim, False), [x_need, w], node.name))
+    if mode == "row_scatter" or (mode == "row" and ctx.sequence):  # sequence parallel: where it can, else None
+        seq, sizes = src.ndim - 2, dict(ctx.op_axes)
+        if seq >= 1 and not out.dims[seq] and shape_of(node)[seq] % math.prod(sizes[a] for a in cols) == 0:
+            out = out.with_dims([cols if d == seq else dims for d, dims in enumerate(out.dims)])
+        elif mode == "row_scatter":
+            return None
     params = {"weight": w} | ({"bias": Layout(ctx.op_axes, (w.dims[0],))} if module.bias is not None else {})
     impl = "local" if mode == "replicated" else "dtensor"
-    return Decision(impl, {x.name: x_need}, _reduced(out), params=params)
+    return Decision(impl, {x.name: x_need}, out, params=params)
 
 
 def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: bool | None = None) -> Decision | None:
