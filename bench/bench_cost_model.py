@@ -1,21 +1,22 @@
-"""Cost-model check: the planner's predicted step time of every dp x tp mesh against the measured one.
+"""Cost-model check: the planner's predicted step time of each setting against the measured one.
 
     torchrun --nproc-per-node 4 bench/bench_cost_model.py                       # gpt-tiny and gpt-small, batch 8
     torchrun --nproc-per-node 4 bench/bench_cost_model.py --model gpt-small --batch 8,16
-    torchrun --nproc-per-node 4 bench/bench_cost_model.py --cluster my-cluster.yaml
+    torchrun --nproc-per-node 4 bench/bench_cost_model.py --settings "dp=4;dp=2,pp=2,m=4;dp=4,zero=3"
 
-For each configuration (model x global batch) one ``polyshard.planner.search.search`` call costs
-every dp x tp split of the ranks (dp=4/tp=1, dp=2/tp=2, dp=1/tp=4 on 4 ranks); the search is
-deterministic, so every rank runs it and gets the same figures. Then every mesh of every
-configuration is built for real (``ps.init`` + ``ps.parallelize``, same seed, same global
-batches, AdamW) and trained: after --warmup untimed steps, --rounds timed rounds, each running
---steps steps of every mesh, the meshes taking turns in an order that rotates from round to
-round, so machine noise hits all of them alike. A mesh's measured step time is the median over
+For each configuration (model x global batch) each setting (``--config`` spelling; by default every
+dp x tp split of the ranks) is searched alone, which gives its plan and predicted step time, and one
+free search gives the planner's pick, which is run too. Every rank searches (the search is
+deterministic). Then every setting of every configuration is built for real (``ps.init`` +
+``ps.parallelize``, same seed, same global batches, AdamW at the plan's optimizer level,
+``polyshard train``'s step) and trained: after --warmup untimed steps, --rounds timed rounds, each
+running --steps steps of every setting, taking turns in an order that rotates from round to
+round, so machine noise hits all of them alike. A setting's measured step time is the median over
 rounds of (seconds between barriers) / steps.
 
 Rank 0 prints, per configuration, the predicted and measured step times and ranks; the Spearman
 rank correlation of predicted vs measured (per configuration, per model, and pooled over every
-point); whether the planner's pick is the measured fastest or within 10% of it; a breakdown
+point); each prediction's error; whether the planner's pick is the measured fastest or within 5% of it; a breakdown
 of one profiled block per mesh (time the main thread waits for operator collectives and for the
 gradient all-reduce, against the planner's op_comm_s and dp_comm_s); and one JSON line.
 Nothing is written to disk.
@@ -39,17 +40,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import polyshard as ps  # noqa: E402
 from bench_core import NUM_BATCHES, make_batches  # noqa: E402
-from training import train_step  # noqa: E402
 from polyshard import models  # noqa: E402
 from polyshard.calibrate import calibrate, message_sizes  # noqa: E402
 from polyshard.cluster import Cluster  # noqa: E402
+from polyshard.graph.capture import capture  # noqa: E402
+from polyshard.planner.config import Fixed  # noqa: E402
 from polyshard.planner.plan import Plan  # noqa: E402
+from polyshard.planner.stages import block_paths  # noqa: E402
 from polyshard.planner.search import mesh_candidates, search  # noqa: E402
 from polyshard.runtime.data_parallel import GradientSync  # noqa: E402
-from polyshard.runtime.trainer import make_optimizer  # noqa: E402
+from polyshard.runtime.trainer import make_optimizer, train_step  # noqa: E402
 
 LR = 1e-3
-PICK_TOLERANCE = 0.10  # the pick passes if its measured time is within 10% of the fastest
+PICK_TOLERANCE = 0.05  # the pick passes if its measured time is within 5% of the fastest
+ERROR_GOAL = 0.25  # each prediction within 25% of the measured step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (meshes interleaved within each)")
     p.add_argument("--profile-steps", type=int, default=2,
                    help="steps per mesh in the profiled breakdown block (0: no breakdown)")
+    p.add_argument("--settings", default="",
+                   help="semicolon-separated settings in the --config spelling, each searched alone and run "
+                        "(default: every dp x tp split of the ranks)")
     p.add_argument("--plan", choices=["search", "propagate"], default="search",
                    help="run each split with the plan the search costs for it (default), or with the plan "
                         "ps.parallelize propagates itself")
@@ -131,37 +138,33 @@ def figures_of(c) -> dict:
             "dp_comm_s": c.dp_comm_s, "memory_bytes": float(c.memory.total_bytes)}
 
 
-def predict(configs, cluster: Cluster) -> dict:
-    """Per configuration: the search's pick, and per split (in the search's order) its predicted
-    figures, the figures of the search over that split alone, and that search's plan (as JSON)."""
+def predict(configs, cluster: Cluster, settings: list[str]) -> dict:
+    """Per configuration: the free search's pick, and per setting (the pick's own included) its
+    predicted figures and the plan of the search over that setting alone (as JSON)."""
     out = {}
     for model, batch in configs:
         meta = models.build(model, device="meta")
         row = meta.example_inputs(1)
-        splits = mesh_candidates(cluster.num_devices)  # every dp x tp split
-        plan, _ = search(meta, row, cluster, batch, meshes=splits)
-        meshes = {}
-        for mesh in splits:  # each split searched alone: its best setting, never pruned by another split
-            alone_plan, alone = search(meta, row, cluster, batch, meshes=[mesh])
-            best = next(c for c in alone if c.key == _key(alone_plan))
-            meshes[mesh] = {**figures_of(best), "alone": figures_of(best), "plan": alone_plan.to_json()}
-        out[(model, batch)] = {"pick": tuple(plan.mesh), "meshes": meshes}
+        splits = mesh_candidates(cluster.num_devices, len(block_paths(capture(meta, row))))
+        plan, ranked = search(meta, row, cluster, batch, meshes=splits)
+        pick = plan.report["config"]
+        found = {}
+        for text in list(dict.fromkeys(settings + [pick])):
+            alone_plan, alone = search(meta, row, cluster, batch, meshes=splits, fixed=Fixed.parse(text))
+            best = next(c for c in alone if c.describe() == alone_plan.report["chosen"])
+            found[text] = {**figures_of(best), "mesh": tuple(alone_plan.mesh), "plan": alone_plan.to_json()}
+        out[(model, batch)] = {"pick": pick, "settings": found}
     return out
-
-
-def _key(plan: Plan) -> tuple:
-    """The search candidate a plan came from."""
-    return tuple(plan.mesh), plan.recompute, plan.offload, plan.zero, plan.precision
 
 
 # ---------------------------------------------------------------- one mesh, trained for real
 
 
 class Run:
-    """One configuration on one mesh: ``step(i)`` trains on global batch ``i`` (this rank's rows)."""
+    """One configuration under one setting: ``step(i)`` trains on global batch ``i`` (this rank's rows)."""
 
-    def __init__(self, model: str, batch: int, mesh, batches, plan: Plan | None):
-        self.model, self.batch, self.mesh = model, batch, mesh
+    def __init__(self, model: str, batch: int, label: str, mesh, batches, plan: Plan | None):
+        self.model, self.batch, self.label, self.mesh = model, batch, label, mesh
         self.ps_mesh = ps.init(dict(mesh))
         n, i = self.ps_mesh.num_data_shards, self.ps_mesh.data_index
         example = tuple(t.chunk(n)[i] for t in batches[0])  # one rank's rows: the shapes for capture
@@ -171,7 +174,7 @@ class Run:
         self.times: list[float] = []  # seconds per step, one per round
         self.dp_wait = 0.0  # seconds spent in the gradient sync's finish() (while enabled)
         self._timing_sync = False
-        sync = self.pm.grad_sync
+        sync = getattr(self.pm, "grad_sync", None)  # (a pipeline syncs per stage)
         if isinstance(sync, GradientSync):  # (an optimizer-parallel level syncs inside its optimizer)
             finish = sync.finish
 
@@ -187,14 +190,16 @@ class Run:
         ps.init(dict(self.mesh))  # the process group is reused; only the current mesh changes
 
     def step(self, i: int) -> torch.Tensor:
-        return train_step(self.pm, self.opt, *self.local[i % len(self.local)])
+        accum = self.pm.plan.micro_batches if self.ps_mesh.pp == 1 else 1  # gradient accumulation without a pipeline
+        return train_step(self.pm, self.opt, *self.local[i % len(self.local)], accum)
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The global-batch loss: data shards hold their rows' mean."""
-        if self.pm.grad_sync is not None:
+        group = self.ps_mesh.data_group()
+        if group is not None:
             loss = loss.clone()
-            dist.all_reduce(loss, group=self.pm.grad_sync.group)
-            loss /= self.pm.grad_sync.world
+            dist.all_reduce(loss, group=group)
+            loss /= self.ps_mesh.num_data_shards
         return loss.item()
 
     def timed(self, steps: int, start: int) -> float:
@@ -254,7 +259,9 @@ def main(argv=None) -> None:
     payload = [None]
     if lead:
         t_search = time.perf_counter()
-        payload[0] = {"predicted": predict(configs, cluster), "search_s": time.perf_counter() - t_search}
+        settings = [t.strip() for t in args.settings.split(";") if t.strip()] or \
+            [",".join(f"{n}={v}" for n, v in m) for m in mesh_candidates(world)]
+        payload[0] = {"predicted": predict(configs, cluster, settings), "search_s": time.perf_counter() - t_search}
     dist.broadcast_object_list(payload, src=0)
     predicted, t_search = payload[0]["predicted"], payload[0]["search_s"]
     picks = {key: p["pick"] for key, p in predicted.items()}
@@ -264,19 +271,19 @@ def main(argv=None) -> None:
     first_loss: dict[tuple[str, int], dict[str, float]] = {}
     for model, batch in configs:
         batches = make_batches(models.CONFIGS[model], batch, NUM_BATCHES)
-        for mesh, figures in predicted[(model, batch)]["meshes"].items():
+        for label, figures in predicted[(model, batch)]["settings"].items():
             plan = Plan.from_json(figures["plan"]) if args.plan == "search" else None
-            run = Run(model, batch, mesh, batches, plan)
+            run = Run(model, batch, label, figures["mesh"], batches, plan)
             runs.append(run)
             losses = [run.global_loss(run.step(i)) for i in range(args.warmup)]
-            first_loss.setdefault((model, batch), {})[mesh_text(mesh)] = losses[0]
+            first_loss.setdefault((model, batch), {})[label] = losses[0]
     if lead:
         print(f"cluster: {cluster.device_name} x {cluster.num_devices} ({cluster.backend}); "
               f"search: {t_search:.1f} s for {len(configs)} configurations; torch {torch.__version__}", flush=True)
         for key, by_mesh in first_loss.items():
             vals = list(by_mesh.values())
             spread = (max(vals) - min(vals)) / abs(vals[0])
-            print(f"{key[0]} batch {key[1]}: first loss on every mesh " + ", ".join(
+            print(f"{key[0]} batch {key[1]}: first loss under every setting " + ", ".join(
                 f"{m} {v:.6f}" for m, v in by_mesh.items()) + f" (rel spread {spread:.1e})", flush=True)
 
     # ---- timed rounds: all meshes of all configurations take turns; the order rotates per round
@@ -293,7 +300,7 @@ def main(argv=None) -> None:
     detail = {}
     if args.profile_steps > 0:
         for run in runs:
-            detail[(run.model, run.batch, run.mesh)] = run.breakdown(args.profile_steps, start)
+            detail[(run.model, run.batch, run.label)] = run.breakdown(args.profile_steps, start)
 
     if lead:
         report(args, cluster, configs, runs, predicted, picks, detail, first_loss)
@@ -307,44 +314,38 @@ def main(argv=None) -> None:
 
 
 def report(args, cluster, configs, runs, predicted, picks, detail, first_loss) -> None:
-    rows, per_config, per_model_pts, pooled, notes = [], {}, {}, [], []
+    rows, per_config, per_model_pts, pooled = [], {}, {}, []
     print()
-    print("| model | batch | mesh | rows/dev | predicted ms | measured ms | predicted rank | measured rank |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print("| model | batch | setting | rows/dev | predicted ms | measured ms | error | predicted rank | measured rank |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for model, batch in configs:
         these = [r for r in runs if (r.model, r.batch) == (model, batch)]
-        pred = [predicted[(model, batch)]["meshes"][r.mesh]["step_s"] for r in these]
+        settings = predicted[(model, batch)]["settings"]
+        pred = [settings[r.label]["step_s"] for r in these]
         meas = [statistics.median(r.times) for r in these]
         pr, mr = ranks(pred), ranks(meas)
         for r, p, m, a, b in zip(these, pred, meas, pr, mr):
-            c = predicted[(model, batch)]["meshes"][r.mesh]
-            if args.plan == "search" and abs(c["alone"]["step_s"] - c["step_s"]) > 1e-9 * c["step_s"]:
-                notes.append(f"{model} batch {batch} {mesh_text(r.mesh)}: the run uses the plan of a search over this "
-                             f"split alone, predicted {c['alone']['step_s'] * 1e3:.3f} ms (full search: "
-                             f"{c['step_s'] * 1e3:.3f} ms)")
-            print(f"| {model} | {batch} | {mesh_text(r.mesh)} | {c['rows']} | {p * 1e3:.3f} | {m * 1e3:.1f} "
+            c = settings[r.label]
+            print(f"| {model} | {batch} | {r.label} | {c['rows']} | {p * 1e3:.3f} | {m * 1e3:.1f} | {p / m - 1:+.0%} "
                   f"| {a:g} | {b:g} |")
-            rows.append({"model": model, "batch": batch, "mesh": mesh_text(r.mesh), "rows": c["rows"],
-                         "predicted_ms": round(p * 1e3, 3), "measured_ms": round(m * 1e3, 2),
-                         "predicted_rank": a, "measured_rank": b,
+            rows.append({"model": model, "batch": batch, "setting": r.label, "mesh": mesh_text(r.mesh),
+                         "rows": int(c["rows"]), "predicted_ms": round(p * 1e3, 3), "measured_ms": round(m * 1e3, 2),
+                         "error": round(p / m - 1, 4), "predicted_rank": a, "measured_rank": b,
                          "compute_ms": round(c["compute_s"] * 1e3, 3), "op_comm_ms": round(c["op_comm_s"] * 1e3, 3),
                          "dp_comm_ms": round(c["dp_comm_s"] * 1e3, 3), "memory_bytes": int(c["memory_bytes"]),
-                         "alone_predicted_ms": round(c["alone"]["step_s"] * 1e3, 3),
                          "rounds_ms": [round(t * 1e3, 2) for t in r.times]})
         pick = picks[(model, batch)]
         fastest = min(zip(meas, these), key=lambda x: x[0])
-        pick_meas = next(m for m, r in zip(meas, these) if r.mesh == pick)
+        pick_meas = next(m for m, r in zip(meas, these) if r.label == pick)
         per_config[(model, batch)] = {
-            "spearman": spearman(pred, meas), "pick": mesh_text(pick), "fastest": mesh_text(fastest[1].mesh),
+            "spearman": spearman(pred, meas), "pick": pick, "fastest": fastest[1].label,
             "pick_over_fastest": pick_meas / fastest[0] - 1,
         }
         per_model_pts.setdefault(model, []).extend(zip(pred, meas))
         pooled.extend(zip(pred, meas))
 
-    for note in notes:
-        print("note: " + note)
     print()
-    print("| model | batch | Spearman | planner's pick | measured fastest | pick vs fastest | pick within 10% |")
+    print("| model | batch | Spearman | planner's pick | measured fastest | pick vs fastest | pick within 5% |")
     print("|---|---:|---:|---|---|---:|---|")
     for (model, batch), s in per_config.items():
         ok = s["pick_over_fastest"] <= PICK_TOLERANCE
@@ -371,22 +372,24 @@ def report(args, cluster, configs, runs, predicted, picks, detail, first_loss) -
     picks_ok = all(s["pick_over_fastest"] <= PICK_TOLERANCE for s in per_config.values())
     picks_best = sum(s["pick"] == s["fastest"] for s in per_config.values())
     print(f"planner's pick measured fastest in {picks_best}/{len(per_config)} configurations; "
-          f"within 10% in all: {'yes' if picks_ok else 'no'}")
+          f"within 5% in all: {'yes' if picks_ok else 'no'}")
+    within = sum(abs(r["error"]) <= ERROR_GOAL for r in rows)
+    print(f"predictions within 25% of the measured step: {within}/{len(rows)} "
+          f"(median |error| {statistics.median(abs(r['error']) for r in rows):.0%})")
 
     if detail:
         print()
         print("Breakdown (one profiled block of %d steps per mesh, rank 0; ms per step):" % args.profile_steps)
-        print("| model | batch | mesh | pred compute | pred op comm | pred dp comm | measured wall (profiled) "
+        print("| model | batch | setting | pred compute | pred op comm | pred dp comm | measured wall (profiled) "
               "| op collective waits | op-collective wait | grad all-reduce wait | rest (compute, optimizer, overhead) |")
         print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
-            run = next(x for x in runs if (x.model, x.batch, mesh_text(x.mesh)) == (r["model"], r["batch"], r["mesh"]))
-            d = detail[(run.model, run.batch, run.mesh)]
+            d = detail[(r["model"], r["batch"], r["setting"])]
             rest = d["wall_s"] - d["op_wait_s"] - d["dp_wait_s"]
             r.update({"profiled_wall_ms": round(d["wall_s"] * 1e3, 2), "op_wait_ms": round(d["op_wait_s"] * 1e3, 2),
                       "dp_wait_ms": round(d["dp_wait_s"] * 1e3, 2), "rest_ms": round(rest * 1e3, 2),
                       "op_collectives_per_step": d["op_collectives"]})
-            print(f"| {r['model']} | {r['batch']} | {r['mesh']} | {r['compute_ms']:.2f} | {r['op_comm_ms']:.2f} "
+            print(f"| {r['model']} | {r['batch']} | {r['setting']} | {r['compute_ms']:.2f} | {r['op_comm_ms']:.2f} "
                   f"| {r['dp_comm_ms']:.2f} | {r['profiled_wall_ms']:.1f} | {r['op_collectives_per_step']:g} | {r['op_wait_ms']:.1f} "
                   f"| {r['dp_wait_ms']:.1f} | {r['rest_ms']:.1f} |")
 
@@ -398,7 +401,7 @@ def report(args, cluster, configs, runs, predicted, picks, detail, first_loss) -
                        for (m, b), s in per_config.items()],
         "spearman_per_model": {m: round(v, 4) for m, v in by_model.items()},
         "spearman_pooled": round(pooled_rho, 4), "spearman_pooled_normalised": round(normed_rho, 4),
-        "picks_within_10pct": picks_ok, "picks_fastest": picks_best,
+        "picks_within_5pct": picks_ok, "within_25pct": within, "picks_fastest": picks_best,
         "first_loss": {f"{m}:{b}": v for (m, b), v in first_loss.items()},
         "torch": torch.__version__,
     }), flush=True)

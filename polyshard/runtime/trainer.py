@@ -215,19 +215,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         x, y = pm.local_batch(*next(batches))
-        loss_sum = torch.zeros(())
-        for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
-            sync = i == accum - 1
-            with (pm.no_sync() if not sync else contextlib.nullcontext()):
-                if pipelined:
-                    record = bool(cfg.timeline) and step == cfg.steps and sync
-                    loss = pm.train_step(mx, my, scale=1 / accum, record=record) / accum
-                else:
-                    loss = pm(mx, my) / accum
-                    (opt.scale_loss(loss) if isinstance(opt, ZeroOptimizer) else loss).backward()
-            loss_sum += loss.detach().float()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss_sum = train_step(pm, opt, x, y, accum, record=pipelined and bool(cfg.timeline) and step == cfg.steps)
         if mesh.data_group() is not None:
             dist.all_reduce(loss_sum, group=mesh.data_group())
             loss_sum /= mesh.num_data_shards
@@ -259,6 +247,25 @@ def train(cfg: TrainConfig) -> list[dict]:
         scratch.cleanup()
     dist.barrier()
     return history
+
+
+def train_step(pm: ps.ParallelModule | PipelineModule, opt, x: torch.Tensor, y: torch.Tensor, accum: int = 1,
+               record: bool = False) -> torch.Tensor:
+    """One optimizer step on this rank's rows in ``accum`` accumulated micro-steps (gradients synced in
+    the last); returns this rank's mean loss. ``record``: a pipeline keeps the last micro-step's timings."""
+    loss_sum = torch.zeros(())
+    for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        last = i == accum - 1
+        with (pm.no_sync() if not last else contextlib.nullcontext()):
+            if isinstance(pm, PipelineModule):
+                loss = pm.train_step(mx, my, scale=1 / accum, record=record and last) / accum
+            else:
+                loss = pm(mx, my) / accum
+                (opt.scale_loss(loss) if isinstance(opt, ZeroOptimizer) else loss).backward()
+        loss_sum += loss.detach().float()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss_sum
 
 
 def make_optimizer(pm: ps.ParallelModule, lr: float, offload_dir: str) -> torch.optim.Optimizer | ZeroOptimizer:
