@@ -87,6 +87,15 @@ def measure_op_overheads(repeats: int, ops: int = 100) -> tuple[float, float]:
     return plain, max(split - plain, 0.0)
 
 
+def measure_memory_bandwidth(repeats: int, nbytes: int = 64 * 2**20) -> float:
+    """Bytes per second one copy reads and writes in this rank's memory (all ranks copy at once, as in
+    training): what bounds elementwise ops, norms and the optimizer step."""
+    _check_repeats(repeats)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    src, dst = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
+    return 2 * nbytes / statistics.median(_times(lambda: dst.copy_(src), repeats, device, dist.barrier))
+
+
 def measure_offload_bandwidths(nbytes: int = 64 * 2**20) -> tuple[float, float]:
     """Bytes per second of (device <-> host copies, host <-> disk round trips: write, fsync, read back)."""
     on_gpu = torch.cuda.is_available()
@@ -171,6 +180,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
                              f"got {len(sizes)}")
     flops, notes = _flops(base.device_type, repeats)
     op_overhead, split_overhead = measure_op_overheads(repeats)
+    memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
     # Several nodes: time every collective inside one node, and all_reduce across all of them too.
     split = base.num_nodes > 1 and base.devices_per_node > 1
@@ -195,6 +205,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         flops_per_s=flops,
         op_overhead_s=op_overhead,
         split_op_overhead_s=split_overhead,
+        memory_bandwidth_bytes_per_s=memory_bw,
         host_bandwidth_bytes_per_s=host_bw,
         disk_bandwidth_bytes_per_s=disk_bw,
     )
@@ -252,6 +263,7 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
     lines += ["", "fixed cost per op (forward + backward)",
               f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}",
               f"{'split (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}",
+              "", f"{'memory (read + write)':<24} {_si(cluster.memory_bandwidth_bytes_per_s, 'B/s'):>12}",
               "", "offload copies",
               f"{'device <-> host':<24} {_si(cluster.host_bandwidth_bytes_per_s, 'B/s'):>12}",
               f"{'host <-> disk':<24} {_si(cluster.disk_bandwidth_bytes_per_s, 'B/s'):>12}"]

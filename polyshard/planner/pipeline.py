@@ -49,7 +49,7 @@ class Units:
     for backward; rerun_bytes: what recompute frees (alive again while its backward runs);
     send_bytes[u]: values crossing the cut before unit u (0 for u = 0); groups: each unit's
     parameters' local sizes, by module (a parameter two units use is in both); model_groups: the
-    model's, each parameter once; modules: modules that run in each unit."""
+    model's, each parameter once."""
 
     span: tuple[tuple[str, str], ...]
     starts: tuple[str, ...]
@@ -63,7 +63,6 @@ class Units:
     send_bytes: np.ndarray
     groups: tuple[tuple[tuple[int, ...], ...], ...]
     model_groups: tuple[tuple[int, ...], ...]
-    modules: np.ndarray
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -79,7 +78,7 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
     n = len(starts)
     nodes = [node for node in gm.graph.nodes if node.name in unit_of]
     fields = {k: np.zeros(n) for k in ("compute_s", "comm_s", "overhead_s", "latency_s", "activation_bytes",
-                                       "rerun_bytes", "send_bytes", "modules")}
+                                       "rerun_bytes", "send_bytes")}
     costed = [node for node in gm.graph.nodes
               if node.op not in ("placeholder", "output", "get_attr") and node.name in plan.nodes]
     for node, cost in zip(costed, costs):
@@ -106,7 +105,6 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
             reach = max((unit_of.get(user.name, last) for user in node.users), default=u)
             fields["send_bytes"][u + 1:reach + 1] += size
         if node.op == "call_module":
-            fields["modules"][u] += 1
             params = list(gm.get_submodule(node.target).parameters(recurse=False))
             for found, done in ((groups[u], seen[u]), (model_groups, model_seen)):
                 own = [p for p in params if id(p) not in done]
@@ -130,6 +128,14 @@ def state_memory(groups, zero: int, dp: int, precision: str, offload: str, accum
     buffers = min(BUCKET_BYTES, held["params"]) if dp > 1 and zero == 0 else 0.0
     on_device = state if offload == "none" else 0.0
     return MemoryEstimate(held["params"], held["grads"], on_device, 0.0, buffers, state - on_device)
+
+
+def level3_traffic(groups, itemsize: int, threshold_bytes: int = 64 * 1024) -> tuple[float, int]:
+    """(bytes left whole, modules gathered) of these parameter groups (local sizes, by module) at
+    optimizer level 3, as polyshard.runtime.zero runs it: parameters under the threshold stay whole
+    and are all-reduced; a module holding a larger one is gathered, in forward and in backward."""
+    whole = sum(n for g in groups for n in g if n * itemsize < threshold_bytes) * itemsize
+    return float(whole), sum(any(n * itemsize >= threshold_bytes for n in g) for g in groups)
 
 
 def in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int, chunk: int) -> float:
@@ -192,9 +198,9 @@ class PipelineCost:
 class Setup:
     """What one pipelined mesh runs under: pp stages, dp data-parallel ranks, rows per data-parallel
     replica per step, the optimizer-parallel level, precision and offload, the memory limit;
-    send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, modules, overlap_s, m):
-    the data-parallel communication of that many gradient bytes over m micro-batches left exposed
-    beside overlap_s of backward; update_seconds(numel): the optimizer step's (or offload's copies')
+    send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, groups, overlap_s, m):
+    the data-parallel communication of that many gradient bytes of these parameter groups over m
+    micro-batches left exposed beside overlap_s of backward; update_seconds(numel): the optimizer step's (or offload's copies')
     seconds; fixed: settings the user fixed; memo: results one search reuses (unit memory, simulated
     schedules, time-balanced cuts)."""
 
@@ -287,7 +293,7 @@ def _bound(units: Units, s: Setup, m: int, v: int, numel: float) -> float:
     (whichever rank holds it runs it m times); plus the least exposed gradient communication and optimizer
     step (some stage holds at least the mean share of the ``numel`` parameters)."""
     seconds = units.seconds(s.rows / m)
-    return max((m + (s.pp - 1) / v) * seconds.sum() / s.pp, m * seconds.max()) + s.dp_seconds(numel / s.pp * _itemsize(s.precision), 0.0, float("inf"), 1) + \
+    return max((m + (s.pp - 1) / v) * seconds.sum() / s.pp, m * seconds.max()) + s.dp_seconds(numel / s.pp * _itemsize(s.precision), (), float("inf"), 1) + \
         s.update_seconds(numel / s.pp)
 
 
@@ -356,9 +362,10 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     p2p = m * sum(forward[c] + backward[c] - seconds[i:j].sum() for c, (i, j) in zip(mine, ranges))
     numel = max(sum(sum(g) for unit in units.groups[i:j] for g in unit)
                 for i, j in ((edges[c], edges[c + 1]) for c in range(chunks)))
-    modules = max(units.modules[i:j].sum() for i, j in zip(edges, edges[1:]))
+    groups = max((tuple(g for unit in units.groups[i:j] for g in unit) for i, j in zip(edges, edges[1:])),
+                 key=lambda gs: sum(map(sum, gs)))
     # a stage's gradients sync in its last micro-batch's backward, beside the backwards still to run there
-    dp_comm = s.dp_seconds(numel * _itemsize(s.precision), modules, min(backward), m)
+    dp_comm = s.dp_seconds(numel * _itemsize(s.precision), groups, min(backward), m)
     compute += s.update_seconds(numel)
     fullest = max(range(s.pp), key=lambda r: sum(stages[c].memory.total_bytes for c in range(r, chunks, s.pp)))
     memory = _sum_memory([stages[c].memory for c in range(fullest, chunks, s.pp)])

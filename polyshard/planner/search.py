@@ -42,7 +42,7 @@ from polyshard.planner.cost.compute import optimizer_seconds
 from polyshard.planner.cost.overlap import op_costs
 from polyshard.planner.intra_op import IntraOpResult, Terms, program_terms, solve
 from polyshard.planner.pipeline import (BUCKET_BYTES, PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
-                                        leanest_pipeline, state_memory, unit_costs)
+                                        leanest_pipeline, level3_traffic, state_memory, unit_costs)
 from polyshard.planner.config import Fixed
 from polyshard.planner.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
 from polyshard.planner.stages import assign_chunks, block_paths
@@ -378,8 +378,10 @@ class _Costs:
             _update_seconds(numel, plan.offload, plan.zero, dp, plan.precision, self.cluster)
         op_comm = float(rows * units.comm_s.sum() + m * units.latency_s.sum())
         backward = (1 - units.forward_share) * (compute + op_comm) / m
-        dp_comm = _dp_seconds(numel * DTYPES[plan.precision][1], mesh, self.data_axes, self.cluster, plan.zero,
-                              units.modules.sum(), backward, m)
+        itemsize = DTYPES[plan.precision][1]
+        whole, gathered = level3_traffic(units.model_groups, itemsize, plan.zero_threshold_bytes)
+        dp_comm = _dp_seconds(numel * itemsize, mesh, self.data_axes, self.cluster, plan.zero, gathered, backward, m,
+                              whole)
         memory = _memory_floor(units, plan.zero, dp, plan.precision, plan.offload, rows // m, m > 1)
         exact = memory.total_bytes <= self.limit  # estimated in full only where it may fit
         if exact:
@@ -399,8 +401,9 @@ class _Costs:
             units = self.units(base, mesh, precision)
             setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
                           send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
-                          dp_seconds=lambda b, modules, overlap, m, zero=zero: _dp_seconds(
-                              b, mesh, self.data_axes, self.cluster, zero, modules, overlap, m),
+                          dp_seconds=lambda b, groups, overlap, m, zero=zero, precision=precision: _dp_seconds(
+                              b, mesh, self.data_axes, self.cluster, zero, overlap_s=overlap, micro_batches=m,
+                              **_level3(groups, precision, base)),
                           update_seconds=lambda numel, zero=zero, precision=precision: _update_seconds(
                               numel, offload, zero, dp, precision, self.cluster),
                           fixed=self.fixed, memo=self._memo)
@@ -435,6 +438,12 @@ def _memory_floor(units: Units, zero: int, dp: int, precision: str, offload: str
     activations = units.activation_bytes.sum() * rows
     return dataclasses.replace(state, activations_bytes=activations,
                                apart_bytes=min(activations, state.grads_bytes))
+
+
+def _level3(groups, precision: str, plan: Plan) -> dict:
+    """:func:`_dp_seconds`'s modules gathered and bytes left whole at optimizer level 3."""
+    whole, gathered = level3_traffic(groups, DTYPES[precision][1], plan.zero_threshold_bytes)
+    return {"modules": gathered, "whole_bytes": whole}
 
 
 def _update_seconds(numel: float, offload: str, zero: int, dp: int, precision: str, cluster: Cluster) -> float:
@@ -479,7 +488,7 @@ def _mesh_text(mesh) -> str:
 
 
 def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0,
-                overlap_s: float = 0.0, micro_batches: int = 1) -> float:
+                overlap_s: float = 0.0, micro_batches: int = 1, whole_bytes: float = 0.0) -> float:
     """Data-parallel communication per step left exposed (alpha-beta on the outermost data axis's link).
 
     With B gradient bytes over n ranks, each level moves what the runtime (polyshard.runtime.zero)
@@ -487,7 +496,9 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     the stepped shards, 3(n-1)/n B; level 2 reduce-scatters and all-gathers, 2(n-1)/n B; level 3
     all-gathers each module's parameters in forward and again in backward and reduce-scatters the
     gradients, 3(n-1)/n B in 3 collectives per module; over m accumulated micro-batches level 3
-    gathers in each one's forward and backward, (2m+1)(n-1)/n B. On GPUs the collectives issued during
+    gathers in each one's forward and backward, (2m+1)(n-1)/n B; ``modules``: those level 3 gathers;
+    ``whole_bytes``: of B, parameters small enough to stay whole, all-reduced once at level 3 (at the
+    other levels the difference is negligible). On GPUs the collectives issued during
     backward (level 3: during every forward and backward) run beside ``overlap_s`` of the last
     backward and only the rest, and at least the last bucket, is exposed; the all-gather after the
     optimizer step (levels 1, 2) is not hidden.
@@ -499,8 +510,12 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     latency = collective_latency(link, dp)
     pass_s = wire_bytes("reduce_scatter", grad_bytes, dp) / link.bandwidth_bytes_per_s  # (n-1)/n B once
     passes_3 = 2 * micro_batches + 1
-    during = {0: 2 * pass_s + latency, 1: 2 * pass_s + latency, 2: pass_s + latency,
-              3: passes_3 * (pass_s + modules * latency)}[zero]
+    if zero == 3:
+        sharded_s = pass_s * (1 - whole_bytes / grad_bytes) if grad_bytes else 0.0
+        whole_s = 2 * (pass_s - sharded_s) + latency if whole_bytes else 0.0
+        during = passes_3 * (sharded_s + modules * latency) + whole_s
+    else:
+        during = {0: 2 * pass_s + latency, 1: 2 * pass_s + latency, 2: pass_s + latency}[zero]
     after = pass_s + latency if zero in (1, 2) else 0.0
     if cluster.device_type != "cuda":
         return during + after

@@ -27,8 +27,7 @@ def _units(seconds, activation_mib, param_numels, send_mib=0.0):
                  compute_s=np.array(seconds, float), comm_s=np.zeros(n), overhead_s=np.zeros(n),
                  latency_s=np.zeros(n), forward_share=1 / 3, activation_bytes=np.array(activation_mib) * MiB,
                  rerun_bytes=np.zeros(n), send_bytes=np.array([0.0] + [send_mib * MiB] * (n - 1)),
-                 groups=tuple(((k,),) for k in param_numels), model_groups=tuple((k,) for k in param_numels),
-                 modules=np.ones(n))
+                 groups=tuple(((k,),) for k in param_numels), model_groups=tuple((k,) for k in param_numels))
 
 
 def _setup(pp, rows, limit=float("inf"), send_s_per_mib=0.0):

@@ -81,6 +81,18 @@ def test_zero_levels_move_what_the_runtime_issues():
     assert seconds[3] == pytest.approx(3 * one_pass + 15 * latency)  # per module: gather twice, reduce-scatter
     accumulated = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=5, micro_batches=4)
     assert accumulated == pytest.approx(9 * (one_pass + 5 * latency))  # gathered in each micro-batch's passes
+    # parameters under the threshold stay whole: all-reduced once, never gathered
+    small = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=0, micro_batches=4, whole_bytes=grad)
+    assert small == pytest.approx(seconds[0])
+    quarter = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=2, whole_bytes=grad / 4)
+    assert quarter == pytest.approx(3 * (0.75 * one_pass + 2 * latency) + 2 * 0.25 * one_pass + latency)
+
+
+def test_level3_gathers_only_modules_holding_a_parameter_over_the_threshold():
+    from polyshard.planner.pipeline import level3_traffic
+    groups = ((10, 20), (40_000,), (5, 30_000))  # fp32: 40 and 80 bytes; 160 kB; 20 bytes and 120 kB
+    assert level3_traffic(groups, 4) == ((10 + 20 + 5) * 4, 2)
+    assert level3_traffic(groups, 2) == ((10 + 20 + 5 + 30_000) * 2, 1)  # in bf16 30,000 weighs 60 kB: whole too
 
 
 def test_gpu_data_parallel_traffic_hides_behind_backward_but_the_last_bucket():
