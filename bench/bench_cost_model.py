@@ -404,7 +404,7 @@ def report(args, cluster, configs, runs, predicted, picks, detail, first_loss) -
         "picks_within_5pct": picks_ok, "within_25pct": within, "picks_fastest": picks_best,
         "first_loss": {f"{m}:{b}": v for (m, b), v in first_loss.items()},
         "torch": torch.__version__,
-    }), flush=True)
+    }, default=lambda v: v.item()), flush=True)  # numpy scalars
 
 
 if __name__ == "__main__":
