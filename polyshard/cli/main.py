@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--virtual-stages", type=int, help="stages per rank under the interleaved schedule (at least 2)")
     t.add_argument("--timeline", default="", help="with a pipeline: draw the last step's schedule, measured beside "
                    "predicted, into this PNG")
+    t.add_argument("--sequence-parallel", action="store_true", help="with a tp axis: row-parallel products "
+                   "reduce-scatter along the sequence instead of all-reducing, so norms, dropout and residual adds "
+                   "run on a slice of it and hold a slice of their activations (Megatron's sequence parallel)")
     t.add_argument("--offload-dir", default="", help="empty folder for disk offload's files (default: a temporary "
                    "one, removed after the run)")
     t.set_defaults(handler=_train)
@@ -131,7 +134,7 @@ def _train(args) -> int:
                       lr=args.lr, seed=args.seed, strategies=args.strategies, metrics=args.metrics,
                       log_every=args.log_every, copies=args.copies, plan=args.plan, auto=args.auto,
                       memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir,
-                      timeline=args.timeline)
+                      timeline=args.timeline, sequence_parallel=args.sequence_parallel)
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1)
     if args.nproc is not None and args.nproc < 1:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import polyshard as ps
 from polyshard import models
 from polyshard.cluster import Cluster, parse_bytes
+from polyshard.planner.config import Fixed
 from polyshard.planner.plan import Plan
 from polyshard.planner.report import render
 from polyshard.planner.search import search
@@ -49,7 +50,8 @@ class TrainConfig:
     layouts, recompute and offload; settings: plan fields set from flags (recompute, offload, ...),
     which win over the plan's; offload_dir: where disk offload keeps its files (an empty folder;
     default: a temporary one, removed after the run); timeline: a PNG path where a pipelined run
-    draws its last step's schedule, measured beside predicted."""
+    draws its last step's schedule, measured beside predicted; sequence_parallel: row-parallel
+    products reduce-scatter along the sequence, so norms, dropout and residual adds run on a slice of it."""
 
     model: str = "gpt-small"
     mesh: str = ""
@@ -68,6 +70,7 @@ class TrainConfig:
     settings: tuple[tuple[str, object], ...] = ()
     offload_dir: str = ""
     timeline: str = ""
+    sequence_parallel: bool = False
 
 
 def load_plan(path: str) -> Plan:
@@ -99,6 +102,10 @@ def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
             roles = "; ".join(f"{name}: {role}" for name, role in TRAIN_AXES.items())
             raise PolyshardError(f"--mesh axis {unknown[0]!r} has no role in `polyshard train`; its axes are {roles}")
     check_mesh(shape, world_size)
+    if cfg.sequence_parallel and cfg.plan:
+        raise PolyshardError("--plan fixes every layout: leave out --sequence-parallel (or plan with --config sp=1)")
+    if cfg.sequence_parallel and not cfg.auto and shape.get("tp", 1) < 2:
+        raise PolyshardError("--sequence-parallel splits the sequence over tp: the mesh needs a tp axis of 2 or more")
     data = 1 if cfg.auto else shape.get("dp", 1)  # --auto: the search picks a split that divides the batch
     for flag, value in (("--steps", cfg.steps), ("--batch-size", cfg.batch_size), ("--accum", cfg.accum),
                         ("--log-every", cfg.log_every)):
@@ -168,7 +175,8 @@ def train(cfg: TrainConfig) -> list[dict]:
         meta = models.build(model_name, device="meta")
         limit = parse_bytes(cfg.memory_limit) if cfg.memory_limit else None
         plan, _ = search(meta, meta.example_inputs(1), Cluster.from_env(), cfg.batch_size // cfg.accum, limit,
-                         meshes=None if cfg.auto else [tuple(shape.items())])
+                         meshes=None if cfg.auto else [tuple(shape.items())],
+                         fixed=Fixed(sp=1) if cfg.sequence_parallel else Fixed())
         plan.model, shape = model_name, dict(plan.mesh)
     if plan is not None and cfg.settings:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
@@ -185,6 +193,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     copies = "auto" if cfg.copies == "auto" else int(cfg.copies)
     settings = dict(cfg.settings)
     pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan,
+                        sequence_parallel=cfg.sequence_parallel,
                         **{k: settings.get(k) for k in ("recompute", "recompute_comm", "schedule", "micro_batches",
                                                         "virtual_stages")})
     pipelined = isinstance(pm, PipelineModule)
@@ -202,6 +211,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             print(f"memory: recompute {pm.plan.recompute} (collectives: {pm.plan.recompute_comm}), "
                   f"optimizer state offload: {pm.plan.offload}")
         print(f"optimizer: {pm.plan.optimizer}, optimizer parallel level {pm.plan.zero}, precision {pm.plan.precision}")
+        if pm.plan.sequence_parallel:
+            print("sequence parallel: row-parallel products reduce-scatter along the sequence")
         if pinned:
             print(f"pinned from {cfg.strategies}: {', '.join(pinned)}")
         print("parameter layouts:\n" + pm.plan.summary())

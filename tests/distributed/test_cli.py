@@ -33,6 +33,7 @@ def test_models_lists_every_named_config():
     (["--memory-limit", "lots"], "size 'lots' is not understood"),
     (["--recompute", "most"], "invalid choice: 'most'"),
     (["--zero", "4"], "invalid choice: 4"),
+    (["--nproc", "2", "--sequence-parallel"], "--sequence-parallel splits the sequence over tp"),
 ])
 def test_bad_train_flags_exit_nonzero_with_a_message(flags, needle):
     out = polyshard("train", *flags)
@@ -51,6 +52,18 @@ def test_train_runs_on_two_ranks_with_pins_and_writes_metrics(tmp_path):
     assert "pinned from" in out.stdout and "2 interleaved copies" in out.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["tokens_per_s"] > 0 for r in records)
+
+
+def test_sequence_parallel_trains_as_tensor_parallel_does(tmp_path):
+    runs = {}
+    for name, flags in (("tp", []), ("sp", ["--sequence-parallel"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        out = polyshard("train", "--nproc", "2", "--mesh", "tp=2", "--model", "gpt-tiny", "--steps", "3",
+                        "--metrics", str(metrics), *flags, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert ("sequence parallel:" in out.stdout) == (name == "sp")
+        runs[name] = _losses(metrics)
+    assert runs["sp"] == pytest.approx(runs["tp"], rel=1e-5)
 
 
 def _losses(metrics):
