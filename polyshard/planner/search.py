@@ -378,10 +378,8 @@ class _Costs:
             _update_seconds(numel, plan.offload, plan.zero, dp, plan.precision, self.cluster)
         op_comm = float(rows * units.comm_s.sum() + m * units.latency_s.sum())
         backward = (1 - units.forward_share) * (compute + op_comm) / m
-        itemsize = DTYPES[plan.precision][1]
-        whole, gathered = level3_traffic(units.model_groups, itemsize, plan.zero_threshold_bytes)
-        dp_comm = _dp_seconds(numel * itemsize, mesh, self.data_axes, self.cluster, plan.zero, gathered, backward, m,
-                              whole)
+        dp_comm = _dp_seconds(numel * DTYPES[plan.precision][1], mesh, self.data_axes, self.cluster, plan.zero,
+                              overlap_s=backward, micro_batches=m, **_level3(units.model_groups, plan.precision, plan))
         memory = _memory_floor(units, plan.zero, dp, plan.precision, plan.offload, rows // m, m > 1)
         exact = memory.total_bytes <= self.limit  # estimated in full only where it may fit
         if exact:
