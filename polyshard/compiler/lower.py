@@ -15,7 +15,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from polyshard.compiler.ops import ShardedFunction, ShardedModule, VocabParallelCrossEntropy
 from polyshard.compiler.redistribute import redistribute_local
-from polyshard.graph.capture import PIN_ATTR
+from polyshard.graph.capture import PIN_ATTR, op_key
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
 from polyshard.planner.plan import Plan
@@ -88,6 +88,9 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
         elif entry.impl == "dtensor":
             _use_dtensor(gm, node, entry, in_layouts, mesh)
         elif entry.impl == "vocab_ce":
+            if op_key(node) == "cross_entropy_loss":  # aten's positional form: only ignore_index may differ
+                ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+                node.args, node.kwargs = node.args[:2], {"ignore_index": ignore}
             node.target = VocabParallelCrossEntropy(entry.inputs[node.args[0].name], mesh)
     graph.lint()
     gm.recompile()

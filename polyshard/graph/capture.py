@@ -1,30 +1,51 @@
-"""Trace a module with torch.fx and record each value's shape and dtype with fake tensors.
+"""Capture a module as an fx graph whose values carry their shapes and dtypes.
 
-Modules with parameters that have a sharding rule (Linear, Embedding, LayerNorm) and modules
-carrying a user's pin stay whole (one node each); everything else is traced through.
+Code that torch.fx can trace symbolically is traced so, its shapes recorded with fake tensors; any
+other (Python control flow on shapes, keyword arguments, structured outputs: transformers models) is
+captured by torch.export (:mod:`polyshard.graph.export`). Either way modules with parameters that
+have a sharding rule (Linear, Embedding, LayerNorm, Conv1D) and modules carrying a user's pin stay
+whole (one node each); everything else is traced through.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils._pytree import tree_leaves
 
 from polyshard.errors import PolyshardError
+from polyshard.graph.export import export_graph
 
 LEAF_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm)
 PIN_ATTR = "_polyshard_pin"
 
 
+def is_conv1d(m: nn.Module) -> bool:
+    """GPT-2's Conv1D (transformers): a Linear whose weight is stored (in, out), run as addmm."""
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
+
+
+def linear_dims(m: nn.Module) -> tuple[int, int] | None:
+    """Which weight dims hold (outputs, inputs) for a Linear-like module (Linear: (0, 1), Conv1D: (1, 0))."""
+    return (0, 1) if isinstance(m, nn.Linear) else (1, 0) if is_conv1d(m) else None
+
+
+def is_leaf(m: nn.Module) -> bool:
+    """Whether capture keeps ``m`` as one call: a module with a sharding rule, or a pinned one."""
+    return isinstance(m, LEAF_MODULES) or is_conv1d(m) or hasattr(m, PIN_ATTR)
+
+
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, LEAF_MODULES) or hasattr(m, PIN_ATTR) or super().is_leaf_module(m, qualname)
+        return is_leaf(m) or super().is_leaf_module(m, qualname)
 
 
 class _RepeatShapeProp(ShapeProp):
@@ -102,15 +123,31 @@ def _map_tensors(value, fn):
     return value
 
 
-def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
-    """An fx graph of ``model`` whose nodes carry ``meta["tensor_meta"]`` (shape, dtype)."""
+def split_example(example: Sequence | Mapping) -> tuple[tuple, dict]:
+    """Example inputs as (args, kwargs): a sequence is positional, a mapping is keywords."""
+    return ((), dict(example)) if isinstance(example, Mapping) else (tuple(example), {})
+
+
+def batch_rows(example: Sequence | Mapping) -> int:
+    """Rows of an example batch: the leading size of its first tensor."""
+    tensors = [t for t in tree_leaves(split_example(example)) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise PolyshardError("example inputs hold no tensor; pass the batch tensors the model is called with")
+    return tensors[0].size(0)
+
+
+def capture(model: nn.Module, example_inputs: Sequence | Mapping) -> fx.GraphModule:
+    """An fx graph of ``model`` whose nodes carry ``meta["tensor_meta"]`` (shape, dtype).
+
+    ``example_inputs``: positional arguments (a sequence) or keyword arguments (a mapping)."""
+    args, kwargs = split_example(example_inputs)
     try:
+        if kwargs:
+            raise TypeError("keyword arguments")
         graph = _Tracer().trace(model)
-    except Exception as exc:  # fx raises many kinds; all mean "not traceable as written"
-        raise PolyshardError(
-            f"could not trace {type(model).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
-            "avoid Python control flow on tensor values in forward, or pin its parts with polyshard.shard"
-        ) from exc
+    except Exception:  # fx raises many kinds; all mean "not traceable symbolically": run the code instead
+        return export_graph(model, args, kwargs, is_leaf)
+    example_inputs = args
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
     if all(p.device.type == "meta" for p in model.parameters()):
         # meta tensors carry shapes already: the fastest way through a 175B model (seconds)
@@ -122,7 +159,31 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> fx.Grap
     return gm
 
 
+def shapes_of(node: fx.Node) -> tuple[tuple[int, ...], ...] | None:
+    """The recorded shapes of a node whose value is several tensors (a split), or None."""
+    meta = node.meta.get("tensor_meta")
+    if isinstance(meta, (tuple, list)) and not hasattr(meta, "shape"):
+        return tuple(tuple(m.shape) for m in meta)
+    return None
+
+
 def shape_of(node: fx.Node) -> tuple[int, ...] | None:
     """The recorded shape of a node's tensor value, or None if it is not a single tensor."""
     meta = node.meta.get("tensor_meta")
     return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+# aten ops (export's graphs) that the rules, cost model and recompute know by their torch function
+_ATEN_AS = {"scaled_dot_product_attention": F.scaled_dot_product_attention, "_softmax": "softmax",
+            "_log_softmax": "log_softmax", "_unsafe_view": "view", "_to_copy": "to", "mm": "matmul",
+            "bmm": "matmul", "t": "transpose"}
+
+
+def op_key(node: fx.Node):
+    """What a node computes, one name for both captures: a torch function or method name for fx's nodes,
+    and for an aten op (``aten.view.default``) its name ("view") or its torch function."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        name = target.overloadpacket.__name__
+        return _ATEN_AS.get(name, name)
+    return target

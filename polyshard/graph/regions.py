@@ -14,6 +14,7 @@ from typing import Mapping
 import torch.nn.functional as F
 from torch import fx, nn
 
+from polyshard.graph.capture import op_key
 from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, check_choice
 
 RECOMPUTE_ATTR = "_polyshard_recompute"
@@ -89,12 +90,12 @@ def _attention_cores(graph: fx.Graph, taken: set[fx.Node]) -> list[list[fx.Node]
     order = {n: i for i, n in enumerate(graph.nodes)}
     cores = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is not F.scaled_dot_product_attention or node in taken:
+        if node.op != "call_function" or op_key(node) is not F.scaled_dot_product_attention or node in taken:
             continue
         core, todo = {node}, list(node.all_input_nodes)
         while todo:
             n = todo.pop()
-            if (n.op == "call_method" and n.target in _VIEWS and n not in taken and n not in core
+            if (n.op in ("call_method", "call_function") and op_key(n) in _VIEWS and n not in taken and n not in core
                     and all(u in core for u in n.users)):
                 core.add(n)
                 todo.extend(n.all_input_nodes)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.utils._pytree import tree_map
 
 from polyshard.cluster import Cluster
 from polyshard.compiler.lower import lower
 from polyshard.compiler.redistribute import to_dtensor
 from polyshard.errors import PolyshardError
-from polyshard.graph.capture import capture
+from polyshard.graph.capture import batch_rows, capture
+from polyshard.graph.export import SIGNATURE_KEY
 from polyshard.mesh import Mesh, current_mesh
 from polyshard.planner.cost.overlap import choose_copies
 from polyshard.planner.config import Fixed
@@ -56,8 +58,12 @@ class ParallelModule(nn.Module):
                                      self.recompute_paths)
         return interleave(recomputed, copies)
 
-    def forward(self, *args):
-        return self.program(*args)
+    def forward(self, *args, **kwargs):
+        """Called as the model is: a captured call signature maps keywords in and structured outputs out."""
+        signature = self._single_copy.meta.get(SIGNATURE_KEY)
+        if signature is None:
+            return self.program(*args, **kwargs)
+        return signature.unflatten(self.program(*signature.flatten(args, kwargs)))
 
     def local_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's rows of a global batch (every rank passes the same global batch)."""
@@ -90,7 +96,7 @@ class ParallelModule(nn.Module):
         return out
 
 
-def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None = None, mesh: Mesh | None = None,
+def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = None, mesh: Mesh | None = None,
                 plan: Plan | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 copies: int | str | None = None, search: bool = False,
                 memory_limit_bytes: float | None = None, recompute: str | None = None,
@@ -98,8 +104,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
                 virtual_stages: int | None = None, sequence_parallel: bool = False) -> ParallelModule:
     """Split ``model`` over the mesh: pinned ops keep their strategies, the others follow the op rules.
 
-    ``example_inputs`` (one rank's batch; shapes matter, not values) default to the model's own
-    ``example_inputs()``. A given ``plan`` (e.g. edited by hand) is used instead of propagation.
+    ``example_inputs`` (one rank's batch; shapes matter, not values): the positional arguments, or a
+    mapping of keyword arguments (``{"input_ids": ..., "labels": ...}`` for a transformers model, which
+    is then called as written and returns its own output); by default the model's ``example_inputs()``. A given ``plan`` (e.g. edited by hand) is used instead of propagation.
     ``copies``: interleaved batch slices (multi-copy parallel); "auto" lets the cost model choose;
     by default the plan's, or what :func:`micro_batch_interleaved` set on the model.
     ``search``: choose every op's strategy by the cost model's integer program (pins kept) instead
@@ -135,8 +142,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
 
         if search:
             cluster = mesh.cluster or Cluster.from_env()
-            row = [t[:1] if isinstance(t, torch.Tensor) else t for t in example_inputs]
-            plan, _ = search_plan(model, row, cluster, example_inputs[0].size(0) * mesh.num_data_shards,
+            row = tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, example_inputs)
+            plan, _ = search_plan(model, row, cluster, batch_rows(example_inputs) * mesh.num_data_shards,
                                   memory_limit_bytes, meshes=[mesh.axes], data_axes=mesh.data_axes,
                                   fixed=Fixed(sp=1) if sequence_parallel else Fixed())
         else:
@@ -145,7 +152,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None 
     copies = copies if copies is not None else getattr(model, COPIES_ATTR, None)
     if copies == "auto":
         cluster = mesh.cluster or Cluster.from_env()
-        copies, _ = choose_copies(gm, plan, cluster, batch_rows=example_inputs[0].size(0))
+        copies, _ = choose_copies(gm, plan, cluster, batch_rows=batch_rows(example_inputs))
     if copies is not None:
         if not isinstance(copies, int) or copies < 1:
             raise PolyshardError(f"copies must be a positive integer or 'auto', got {copies!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import fx, nn
 
 from polyshard.cluster import Cluster, Link
-from polyshard.graph.capture import shape_of
+from polyshard.graph.capture import linear_dims, shape_of
 from polyshard.layout import Axes, Layout
 from polyshard.planner.plan import Plan
 from polyshard.transitions import transition_bytes, wire_bytes
@@ -56,8 +56,9 @@ def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, floa
     module, weight, out = modules[node.target], entry.params.get("weight"), entry.output
     if weight is None or not isinstance(out, Layout):
         return {}
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        axes = weight.dims[1] if isinstance(module, nn.Linear) else weight.dims[0]
+    order = linear_dims(module)
+    if order is not None or isinstance(module, nn.Embedding):
+        axes = weight.dims[order[1]] if order is not None else weight.dims[0]
         pending = out.with_dims([tuple(a for a in d if a not in axes) for d in out.dims], axes)
         return transition_bytes(pending, out, shape_of(node), itemsize, backend) if axes else {}
     split = {a for layout in entry.inputs.values() for d in layout.dims for a in d}

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from polyshard.graph.capture import shape_of
+from polyshard.graph.capture import linear_dims, op_key, shape_of
 from polyshard.layout import Layout
 from polyshard.cluster import Cluster
 from polyshard.graph.regions import Recomputed
@@ -31,7 +31,7 @@ _PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.baddbmm,
              torch.addmm, F.linear, "matmul", "bmm")
 # Shape-only ops: no data moves.
 _FREE = {"view", "reshape", "transpose", "permute", "size", "expand", "unsqueeze", "flatten", "squeeze", "t",
-         operator.getitem, getattr}
+         "alias", "slice", "select", "split", operator.getitem, getattr}
 
 
 def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> float:
@@ -42,16 +42,16 @@ def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> f
         return 0.0
     local = math.prod(shape) / math.prod(out.num_shards(d) for d in range(out.ndim))
     if node.op == "call_module":
-        module = modules[node.target]
-        if isinstance(module, nn.Linear):
+        module, order = modules[node.target], linear_dims(modules[node.target])
+        if order is not None:
             weight = plan.nodes[node.name].params["weight"]
-            return 2 * local * module.in_features / weight.num_shards(1)
+            return 2 * local * module.weight.shape[order[1]] / weight.num_shards(order[1])
         if isinstance(module, nn.Embedding):
             return 0.0
-    if node.target is F.scaled_dot_product_attention:
+    if op_key(node) is F.scaled_dot_product_attention:
         q, k = (shape_of(n) for n in node.args[:2])
         return 4 * local / q[-1] * k[-2] * q[-1]
-    if node.target in (torch.matmul, operator.matmul, torch.bmm, torch.mm, "matmul", "bmm"):
+    if op_key(node) in (torch.matmul, operator.matmul, torch.bmm, torch.mm, "matmul", "bmm"):
         a = shape_of(node.args[0]) if isinstance(node.args[0], fx.Node) else None
         return 2 * local * a[-1] / _split(node, plan, node.args[0], -1) if a else local
     return local
@@ -65,7 +65,7 @@ def forward_seconds(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], cl
     by the bytes it writes, not by its FLOPs."""
     flops = forward_flops(node, plan, modules)
     peak = cluster.flops_per_s[dtype]
-    if node.target is F.scaled_dot_product_attention:
+    if op_key(node) is F.scaled_dot_product_attention:
         peak *= cluster.attention_efficiency
     elif _is_product(node, modules):
         peak *= cluster.matmul_efficiency
@@ -85,7 +85,7 @@ def optimizer_seconds(numel: float, precision: str, cluster: Cluster) -> float:
 def forward_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int) -> float:
     """Bytes ``node``'s forward reads and writes on this rank: its tensor inputs, its parameters and
     its output."""
-    if node.op in ("placeholder", "output", "get_attr") or node.target in _FREE or node.name not in plan.nodes:
+    if node.op in ("placeholder", "output", "get_attr") or op_key(node) in _FREE or node.name not in plan.nodes:
         return 0.0
     entry, total = plan.nodes[node.name], 0.0
     if node.op == "call_module":
@@ -105,17 +105,17 @@ def computed_layout(node: fx.Node, entry, modules: dict[str, nn.Module]):
     """The layout an op computes its output in: its plan's output, except that a row-parallel product
     computes whole along the dims its partial sums are then reduce-scattered over (sequence parallel)."""
     out, weight = entry.output, entry.params.get("weight")
-    if node.op != "call_module" or weight is None or not isinstance(out, Layout) or \
-            not isinstance(modules[node.target], nn.Linear):
+    order = linear_dims(modules[node.target]) if node.op == "call_module" else None
+    if order is None or weight is None or not isinstance(out, Layout):
         return out
-    summed = set(weight.dims[1])
+    summed = set(weight.dims[order[1]])
     return out.with_dims([tuple(a for a in d if a not in summed) for d in out.dims], out.partial)
 
 
 def _is_product(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     if node.op == "call_module":
-        return isinstance(modules[node.target], nn.Linear)
-    return node.target in _PRODUCTS
+        return linear_dims(modules[node.target]) is not None
+    return op_key(node) in _PRODUCTS
 
 
 def _split(node: fx.Node, plan: Plan, arg: fx.Node, dim: int) -> int:

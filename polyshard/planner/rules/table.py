@@ -1,4 +1,5 @@
-"""Rules for the ops a GPT and an MLP classifier use; any other op runs replicated (one warning).
+"""Rules for the ops transformers use, at torch's level (fx's graphs) and at aten's (export's, read by
+their names through ``op_key``); any other op runs replicated (one warning).
 
 Each rule sees the layouts its inputs arrive in and answers with a Decision. Partial sums never
 leave a rule: the "dtensor" ops reduce them before handing their output on.
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from polyshard.graph.capture import PIN_ATTR, shape_of
+from polyshard.graph.capture import PIN_ATTR, is_conv1d, linear_dims, op_key, shape_of, shapes_of
 from polyshard.layout import Layout
 from polyshard.planner.rules.base import Decision, RuleContext
 from polyshard.planner.rules.einsum import (
@@ -25,13 +26,22 @@ ELEMENTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, torch.add, torch.sub, torch.mul,
     torch.tanh, torch.sigmoid, torch.relu, torch.exp, F.gelu, F.relu, F.silu, F.dropout, F.tanh,
     "add", "sub", "mul", "div", "relu", "gelu", "tanh", "sigmoid", "exp", "float", "to", "type_as",
-    "contiguous", "clone", "detach", "pow", "sqrt", "rsqrt",
+    "contiguous", "clone", "detach", "pow", "sqrt", "rsqrt", "neg", "silu", "dropout", "alias", "erf", "log",
+    "abs", "sin", "cos", "reciprocal", "minimum", "maximum", "clamp", "eq", "ne", "le", "lt", "ge", "gt",
+    "__and__", "__or__", "bitwise_and", "bitwise_or", "bitwise_not", "logical_and", "logical_or", "logical_not",
+    "where", "masked_fill", "zeros_like", "ones_like", "full_like", "empty_like", "lift_fresh_copy",
 }
 NON_TENSOR = {"size", "dim", "ndimension"}
 CREATION = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.ones_like,
-            torch.zeros_like}
+            torch.zeros_like, "arange", "full", "zeros", "ones", "empty", "scalar_tensor"}
+# New tensors of a given size: the tensor they are called on only lends its dtype and device.
+CREATION_FROM = {"new_ones", "new_zeros", "new_full", "new_empty"}
 VIEWS = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
-POSITIONAL = {"triu", "tril", torch.triu, torch.tril}
+# The value depends on where an element sits, or on elements anywhere (advanced indexing): whole tensors.
+POSITIONAL = {"triu", "tril", torch.triu, torch.tril, "index"}
+# Ops along one dim (positional arg 1, or ``dim``): that dim whole, the others may stay split.
+ALONG_DIM = {F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax, "cumsum", "slice", "select",
+             "split", "split_with_sizes", "chunk", "cat", "stack"}
 
 
 def decide_all(node: fx.Node, ctx: RuleContext) -> list[Decision]:
@@ -40,12 +50,12 @@ def decide_all(node: fx.Node, ctx: RuleContext) -> list[Decision]:
     pinned = node.op == "call_module" and hasattr(ctx.modules[node.target], PIN_ATTR)
     if node.op == "call_module" and not pinned:
         module = ctx.modules[node.target]
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) or is_conv1d(module):
             modes = ("column", "row", "replicated") + ("row_scatter",) * (ctx.sequence is None)
             options += [_linear(node, module, ctx, mode) for mode in modes]
         elif isinstance(module, nn.Embedding):
             options += [_embedding(node, module, ctx, split) for split in (True, False)]
-    elif node.target is F.cross_entropy:
+    elif op_key(node) in (F.cross_entropy, "cross_entropy_loss"):
         options += [_cross_entropy(node, ctx, vocab) for vocab in (True, False)]
     unique: list[Decision] = []
     for d in options:
@@ -72,32 +82,47 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
         for kind, rule in ((nn.Linear, _linear), (nn.Embedding, _embedding), (nn.LayerNorm, _layer_norm)):
             if isinstance(module, kind):
                 return rule(node, module, ctx)
+        if is_conv1d(module):
+            return _linear(node, module, ctx)
         return _replicated(node, ctx, warn=True)
-    target = node.target
-    pin = getattr(target, PIN_ATTR, None)
+    target = op_key(node)
+    pin = getattr(node.target, PIN_ATTR, None)
     if pin is not None:
-        return _pinned_function(node, target, pin, ctx)
+        return _pinned_function(node, node.target, pin, ctx)
     if target in NON_TENSOR or (target is getattr and node.args[1] in ("shape", "device", "dtype", "ndim")):
         return Decision("local", {}, None)
     if shape_of(node) is None and not _tensor_inputs(node, ctx):  # arithmetic on sizes: plain Python values
         return Decision("local", {}, None)
     if target is operator.getitem:
         return _getitem(node, ctx)
-    if target in CREATION and not _tensor_inputs(node, ctx):
-        return Decision("local", {}, ctx.replicated(len(shape_of(node) or ())))
+    if (target in CREATION and not _tensor_inputs(node, ctx)) or target in CREATION_FROM:
+        return Decision("local", {n.name: ctx.layout(n) for n in _tensor_inputs(node, ctx)},
+                        ctx.replicated(len(shape_of(node) or ())))
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return _replicated(node, ctx)  # a body export outlined (e.g. rotary tables under no_grad): run whole
     if target in ELEMENTWISE:
         return _elementwise(node, ctx)
     if target in VIEWS:
         return _view(node, ctx)
-    if target in POSITIONAL:  # the value depends on where an element sits: whole tensors only
+    if target in POSITIONAL:
         return _replicated(node, ctx)
     if target in ("transpose", torch.transpose, "permute", torch.permute):
         return _permute(node, ctx)
+    if target == "t":
+        return _permute(node, ctx, order=[1, 0])
+    if target in ("unsqueeze", "squeeze", "expand"):
+        return _broadcast_view(node, ctx)
+    if target in ALONG_DIM:
+        return _along_dim(node, ctx)
+    if target in ("diff", "pad"):
+        x = node.args[0]
+        whole = [node.args[2] if len(node.args) > 2 else -1] if target == "diff" else range(-len(node.args[1]) // 2, 0)
+        need = _without(ctx.layout(x), [_norm_dim(d, ctx.layout(x).ndim) for d in whole])
+        return Decision("local", {n.name: ctx.replicated(ctx.layout(n).ndim) for n in _tensor_inputs(node, ctx)}
+                        | {x.name: need}, need)
     if target is F.scaled_dot_product_attention:
         return _attention(node, ctx)
-    if target in (F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax):
-        return _softmax(node, ctx)
-    if target is F.cross_entropy:
+    if target in (F.cross_entropy, "cross_entropy_loss"):
         return _cross_entropy(node, ctx)
     if target in ("sum", "mean", torch.sum, torch.mean):
         return _reduction(node, ctx)
@@ -118,6 +143,8 @@ def _replicated(node: fx.Node, ctx: RuleContext, warn: bool = False) -> Decision
         kind = type(ctx.modules[node.target]).__name__ if node.op == "call_module" else node.op
         ctx.warn(f"no sharding rule for `{what}` ({kind}); it runs replicated")
     inputs = {n.name: ctx.replicated(ctx.layout(n).ndim) for n in _tensor_inputs(node, ctx)}
+    if shapes_of(node) is not None:  # several tensors (a split, an outlined body): each whole
+        return Decision("local", inputs, tuple(ctx.replicated(len(s)) for s in shapes_of(node)))
     shape = shape_of(node)
     return Decision("local", inputs, ctx.replicated(len(shape)) if shape is not None else None)
 
@@ -148,6 +175,8 @@ def _elementwise(node: fx.Node, ctx: RuleContext) -> Decision:
     lead = max(layouts, key=lambda l: sum(map(len, l.dims)))
     shift = out_nd - lead.ndim
     out_dims = [()] * shift + [tuple(d) for d in lead.dims]
+    if any(n.op == "get_attr" and getattr(n.meta.get("tensor_meta"), "requires_grad", False) for n in inputs):
+        out_dims = [()] * out_nd  # a whole trainable weight (RMSNorm's) on a split input would get partial grads
     out = lead.with_dims(out_dims)
     required = {}
     for n, l in zip(inputs, layouts):
@@ -204,11 +233,13 @@ def _view_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
     return groups
 
 
-def _permute(node: fx.Node, ctx: RuleContext) -> Decision:
+def _permute(node: fx.Node, ctx: RuleContext, order: list[int] | None = None) -> Decision:
     x = node.args[0]
     src = _without(ctx.layout(x), [])
     nd = src.ndim
-    if node.target in ("transpose", torch.transpose):
+    if order is not None:
+        pass
+    elif op_key(node) in ("transpose", torch.transpose):
         a, b = (_norm_dim(d, nd) for d in node.args[1:3])
         order = list(range(nd))
         order[a], order[b] = order[b], order[a]
@@ -231,17 +262,57 @@ def _attention(node: fx.Node, ctx: RuleContext) -> Decision:
     """Attention is independent per (batch, head): q, k, v split alike on those dims run locally."""
     q, k, v = node.args[:3]
     lead = _without(ctx.layout(q), [2, 3])
-    if len(node.args) > 3 or node.kwargs.get("attn_mask") is not None:
-        lead = _without(lead, [0, 1])
-    return Decision("local", {n.name: lead for n in (q, k, v)}, lead)
+    if any(shape_of(n)[1] % lead.num_shards(1) for n in (k, v)):  # fewer kv heads (GQA) than pieces
+        lead = _without(lead, [1])
+    inputs = {n.name: lead for n in (q, k, v)}
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node):  # split alike on the batch and head dims it does not broadcast over
+        q_shape, m_shape = shape_of(q), shape_of(mask)
+        off = len(q_shape) - len(m_shape)
+        inputs[mask.name] = lead.with_dims([lead.dims[off + i] if off + i < 2 and size == q_shape[off + i] else ()
+                                            for i, size in enumerate(m_shape)])
+    return Decision("local", inputs, lead)
 
 
-def _softmax(node: fx.Node, ctx: RuleContext) -> Decision:
+def _along_dim(node: fx.Node, ctx: RuleContext) -> Decision:
+    """Softmax, cumsum, slice, select, split, cat, stack: the dim they work along whole, others as they come."""
+    target = op_key(node)
+    parts = node.args[0] if target in ("cat", "stack") else [node.args[0]]
+    pos = 2 if target in ("split", "split_with_sizes", "chunk") else 1
+    default = -1 if target in (F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax) else 0
+    dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else default)
+    layouts = to_common([ctx.layout(n) for n in parts])
+    lead = max(layouts, key=lambda l: sum(map(len, l.dims)))
+    need = _without(lead, [_norm_dim(dim, lead.ndim)])
+    inputs = {n.name: need for n in parts}
+    dims = list(need.dims)
+    if target == "stack":
+        dims.insert(_norm_dim(dim, need.ndim + 1), ())
+    elif target == "select":
+        del dims[_norm_dim(dim, need.ndim)]
+    out = need.with_dims(dims)
+    several = shapes_of(node)
+    return Decision("local", inputs, tuple(out for _ in several) if several is not None else out)
+
+
+def _broadcast_view(node: fx.Node, ctx: RuleContext) -> Decision:
+    """unsqueeze, squeeze, expand: split dims keep their split; an expand's sizes are made local."""
     x = node.args[0]
-    src = ctx.layout(x)
-    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
-    need = _without(src, [_norm_dim(dim, src.ndim)])
-    return Decision("local", {x.name: need}, need)
+    src = _without(ctx.layout(x), [])
+    in_shape, out_shape = shape_of(x), shape_of(node)
+    target = op_key(node)
+    if target == "unsqueeze":
+        dims = list(src.dims)
+        dims.insert(_norm_dim(node.args[1], len(out_shape)), ())
+    elif target == "squeeze":  # drops the named size-1 dims, or all of them
+        named = node.args[1] if len(node.args) > 1 else range(len(in_shape))
+        named = {_norm_dim(d, len(in_shape)) for d in (named if isinstance(named, (list, tuple, range)) else [named])}
+        dims = [d for i, d in enumerate(src.dims) if not (i in named and in_shape[i] == 1)]
+    else:
+        dims = [()] * (len(out_shape) - src.ndim) + list(src.dims)
+    out = src.with_dims(dims)
+    divisors = {o: out.num_shards(o) for o in range(len(out_shape)) if dims[o]} if target == "expand" else {}
+    return Decision("local", {x.name: src}, out, shape_divisors=divisors)
 
 
 def _reduction(node: fx.Node, ctx: RuleContext) -> Decision:
@@ -274,8 +345,14 @@ def _cross_entropy(node: fx.Node, ctx: RuleContext, vocab: bool | None = None) -
     ``vocab`` forces the choice, for the search (True slices replicated logits); None if it cannot apply."""
     logits, target = node.args[:2]
     src = ctx.layout(logits)
-    defaults = {"weight": None, "size_average": None, "reduce": None, "reduction": "mean", "label_smoothing": 0.0}
-    plain = len(node.args) == 2 and all(node.kwargs.get(k, v) == v for k, v in defaults.items()) and src.ndim == 2
+    if op_key(node) == "cross_entropy_loss":  # aten's: (input, target, weight, reduction, ignore_index, smoothing)
+        given = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), node.args[2:])) | node.kwargs
+        defaults, rest = {"weight": None, "reduction": 1, "label_smoothing": 0.0}, ()
+    else:
+        given = node.kwargs
+        defaults = {"weight": None, "size_average": None, "reduce": None, "reduction": "mean", "label_smoothing": 0.0}
+        rest = node.args[2:]
+    plain = not rest and all(given.get(k, v) == v for k, v in defaults.items()) and src.ndim == 2
     if vocab is None:
         vocab = plain and bool(src.dims[1]) and not src.dims[0] and not src.partial
     if not vocab:
@@ -296,20 +373,23 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None
     ``ctx.sequence`` every row-parallel product scatters where it can."""
     x = node.args[0]
     src = ctx.layout(x)
+    order = linear_dims(module)  # GPT-2's Conv1D stores its weight transposed: layouts are flipped to match
+    out_features, in_features = (module.weight.shape[d] for d in order)
     fixed = ctx.param_layouts.get(id(module.weight))
+    fixed = fixed.with_dims([fixed.dims[d] for d in order]) if fixed is not None else None
     last = src.dims[-1]
     if mode is not None:
         rows, cols = {"column": (ctx.all_axes, ()), "row": ((), last or ctx.all_axes),
                       "row_scatter": ((), last or ctx.all_axes)}.get(mode, ((), ()))
         n = ctx.num_devices
-        if mode != "replicated" and (not ctx.all_axes or module.in_features % n or module.out_features % n):
+        if mode != "replicated" and (not ctx.all_axes or in_features % n or out_features % n):
             return None
     elif fixed is not None:
         rows, cols = fixed.dims
         mode = "replicated" if fixed.is_replicated or (rows and cols) else "column" if rows else "row"
-    elif last and not src.partial and module.in_features % src.num_shards(src.ndim - 1) == 0:
+    elif last and not src.partial and in_features % src.num_shards(src.ndim - 1) == 0:
         mode, rows, cols = "row", (), last
-    elif ctx.all_axes and module.out_features % ctx.num_devices == 0:
+    elif ctx.all_axes and out_features % ctx.num_devices == 0:
         mode, rows, cols = "column", ctx.all_axes, ()
     else:
         mode = "replicated"
@@ -326,7 +406,8 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None
             out = out.with_dims([cols if d == seq else dims for d, dims in enumerate(out.dims)])
         elif mode == "row_scatter":
             return None
-    params = {"weight": w} | ({"bias": Layout(ctx.op_axes, (w.dims[0],))} if module.bias is not None else {})
+    bias = {"bias": Layout(ctx.op_axes, (w.dims[0],))} if getattr(module, "bias", None) is not None else {}
+    params = {"weight": w.with_dims([w.dims[d] for d in order])} | bias
     impl = "local" if mode == "replicated" else "dtensor"
     return Decision(impl, {x.name: x_need}, out, params=params)
 

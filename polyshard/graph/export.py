@@ -1,0 +1,182 @@
+"""Capture with torch.export: the model's own Python runs on fake tensors, so control flow on shapes,
+keyword arguments and structured outputs (``ModelOutput``) simply work.
+
+The exported aten graph is then put in the form the rules read, the form :mod:`capture` gives: each
+parameter and buffer is an attribute of the user's own module, and each leaf module (Linear, Embedding,
+LayerNorm, GPT-2's Conv1D, a pinned module) is one call, whatever ops it ran inside.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from polyshard.errors import PolyshardError
+
+SIGNATURE_KEY = "polyshard_call_signature"
+# Ops that only assert what export saw; they would pin the capture's device into the program.
+_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """How a call with the user's (args, kwargs) maps to the graph's tensor inputs, and its outputs back
+    to the user's structure. Non-tensor arguments were fixed at capture (``constants``)."""
+
+    in_spec: TreeSpec
+    tensor_positions: tuple[int, ...]
+    constants: tuple
+    out_spec: TreeSpec
+
+    def flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.in_spec:
+            raise PolyshardError(f"called with arguments shaped {spec}, but the model was captured with {self.in_spec}; "
+                                 "call it as in example_inputs")
+        for i, (value, fixed) in enumerate(zip(leaves, self.constants)):
+            if i not in self.tensor_positions and value != fixed:
+                raise PolyshardError(f"non-tensor argument {i} is {value!r} but the model was captured with {fixed!r}")
+        return [leaves[i] for i in self.tensor_positions]
+
+    def unflatten(self, outputs) -> Any:
+        return tree_unflatten(list(outputs) if isinstance(outputs, (tuple, list)) else [outputs], self.out_spec)
+
+
+def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[[nn.Module], bool]) -> fx.GraphModule:
+    """``model`` exported at the example's shapes, in the form of :func:`polyshard.graph.capture.capture`;
+    its call signature is in ``gm.meta[SIGNATURE_KEY]``."""
+    try:
+        ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    except Exception as exc:  # export raises many kinds; each means "this code cannot be captured"
+        raise PolyshardError(_capture_error(model, exc)) from exc
+    graph = ep.graph_module.graph
+    graph.owning_module = None  # rebuilt below, over the user's modules
+    sig = ep.graph_signature
+    attrs: dict[str, Any] = {}
+    _inline_state(graph, sig, model, ep.constants, attrs)
+    signature = _bind_user_inputs(graph, sig, ep.call_spec.in_spec, args, kwargs, ep.call_spec.out_spec)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERTS:
+            graph.erase_node(node)
+        elif node.op == "get_attr" and node.target.startswith("submod_"):  # higher-order ops' bodies
+            attrs[node.target] = getattr(ep.graph_module, node.target)
+    for node in graph.nodes:
+        _clean_stack(node)
+    _collapse_leaves(graph, model, is_leaf, attrs)
+    for node in graph.nodes:
+        _set_tensor_meta(node)
+    for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:  # a collapsed leaf's own state
+        graph.erase_node(node)
+        attrs.pop(node.target, None)
+    root = nn.Module()  # the model's own children, plus export's extras, without touching the model
+    root._modules, root._parameters, root._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
+    for name in [n for n in attrs if "." not in n and not hasattr(root, n)]:
+        setattr(root, name, attrs[name])
+    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    gm.meta[SIGNATURE_KEY] = signature
+    return gm
+
+
+def _inline_state(graph: fx.Graph, sig, model: nn.Module, constants: dict, attrs: dict) -> None:
+    """Lifted parameters, buffers and constants become attributes again, the model's own objects."""
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    if sig.buffers_to_mutate:
+        raise PolyshardError(f"{type(model).__name__} updates buffers in forward ({', '.join(sig.buffers_to_mutate.values())}, "
+                             "e.g. BatchNorm running statistics); polyshard cannot split such a model yet")
+    first = next(n for n in graph.nodes if n.op != "placeholder") if len(graph.nodes) else None
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in lifted]:
+        fqn = lifted[node.name]
+        target = fqn if fqn in state else f"_constant_{len(attrs)}"
+        attrs[target] = state[fqn] if fqn in state else constants[fqn]
+        with graph.inserting_before(first):
+            new = graph.get_attr(target)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+def _bind_user_inputs(graph: fx.Graph, sig, in_spec: TreeSpec, args, kwargs, out_spec: TreeSpec) -> CallSignature:
+    """Tensor inputs stay placeholders; non-tensor ones become the constants export specialized on."""
+    leaves, _ = tree_flatten((tuple(args), dict(kwargs)))
+    positions = []
+    for i, (node, value) in enumerate(zip([n for n in graph.nodes if n.op == "placeholder"], leaves)):
+        if isinstance(value, torch.Tensor):
+            positions.append(i)
+            continue
+        for user in list(node.users):
+            user.replace_input_with(node, value)
+        graph.erase_node(node)
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = (tuple(output.args[0][: len(sig.user_outputs)]),)
+    return CallSignature(in_spec, tuple(positions), tuple(leaves), out_spec)
+
+
+def _clean_stack(node: fx.Node) -> None:
+    """Module paths as fx writes them: no root entry, no "@n" suffix for a module's later calls."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        node.meta["nn_module_stack"] = {k: (path.split("@")[0], kind) for k, (path, kind) in stack.items() if path}
+
+
+def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Module], bool], attrs: dict) -> None:
+    """Each run of ops inside one call of a leaf module becomes one ``call_module`` node."""
+    runs: list[tuple[tuple, list[fx.Node]]] = []
+    for node in graph.nodes:
+        leaf = _leaf_of(node, model, is_leaf)
+        if leaf is None:
+            continue
+        if runs and runs[-1][0] == leaf and runs[-1][1][-1].next is node:
+            runs[-1][1].append(node)
+        else:
+            runs.append((leaf, [node]))
+    for (key, path), nodes in runs:
+        inside, module = set(nodes), model.get_submodule(path)
+        state = {id(t) for t in [*module.parameters(), *module.buffers()]}
+        own = {i for n in nodes for i in n.all_input_nodes if i.op == "get_attr" and id(attrs.get(i.target)) in state}
+        inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside and i not in own))
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        if len(inputs) != 1 or len(outputs) != 1:
+            continue  # runs traced through, op by op
+        attrs[path] = module
+        with graph.inserting_before(nodes[0]):
+            call = graph.call_module(path, (inputs[0],))
+        call.meta = dict(outputs[0].meta)
+        outputs[0].replace_all_uses_with(call)
+        for n in reversed(nodes):
+            graph.erase_node(n)
+
+
+def _leaf_of(node: fx.Node, model: nn.Module, is_leaf) -> tuple | None:
+    """(stack key, path) of the outermost leaf module ``node`` runs inside, if any."""
+    if node.op != "call_function":
+        return None
+    for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+        if is_leaf(model.get_submodule(path)):
+            return key, path
+    return None
+
+
+def _set_tensor_meta(node: fx.Node) -> None:
+    """``meta["tensor_meta"]`` from export's fake values, as shape propagation records it."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    elif isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val):
+        node.meta["tensor_meta"] = tuple(_extract_tensor_metadata(v) for v in val)
+
+
+def _capture_error(model: nn.Module, exc: Exception) -> str:
+    """One message naming where in the model's own source capture stopped, and what to do."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} (`{(frames[-1].line or '').strip()}`)" if frames else ""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"could not capture {type(model).__name__}{where}: {type(exc).__name__}: {first_line}. Control flow on "
+            "tensor values cannot be captured: compute it from shapes, move it out of forward, or pin the module "
+            "that holds it with polyshard.shard")

@@ -1,0 +1,102 @@
+"""transformers models built from a config: random weights, or local safetensors; nothing is downloaded.
+
+A spec is a tiny family name (``llama``, ``gpt2``, ...: a few layers of the family's real code, for tests
+and examples), a shipped config (``llama-3-8b``, ...: real sizes, for planning), or a path to a
+``config.json`` or to a directory holding one (with ``*.safetensors`` weights, which are loaded).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from polyshard.errors import PolyshardError
+
+# Tiny members of each family: the family's own modules at test sizes (dropout off, so runs compare).
+TINY: dict[str, dict] = {
+    "gpt2": dict(model_type="gpt2", vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32),
+    "qwen2": dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32),
+    "mistral": dict(model_type="mistral", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, head_dim=8),
+    "gpt_neox": dict(model_type="gpt_neox", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0),
+    "opt": dict(model_type="opt", vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
+                attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),
+}
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise PolyshardError("hf: models need transformers; install polyshard with `pip install -e .[hf]`") from exc
+    return transformers
+
+
+def shipped() -> list[str]:
+    """Names of the real-size configs shipped with polyshard."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def config_dict(spec: str) -> tuple[dict, Path | None]:
+    """The config a spec names, and the directory its weights lie in (None: random init)."""
+    if spec in TINY:
+        return dict(TINY[spec]), None
+    if (CONFIG_DIR / f"{spec}.json").exists():
+        return json.loads((CONFIG_DIR / f"{spec}.json").read_text()), None
+    path = Path(spec)
+    folder = path if path.is_dir() else None
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise PolyshardError(f"unknown hf model {spec!r}: not a family ({', '.join(TINY)}), a shipped config "
+                             f"({', '.join(shipped())}), a config.json or a directory holding one")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PolyshardError(f"{path} is not JSON: {exc}") from exc
+    if "model_type" not in raw:
+        raise PolyshardError(f"{path} names no model_type; transformers configs carry one (e.g. \"llama\")")
+    return raw, folder if folder is not None and any(folder.glob("*.safetensors")) else None
+
+
+def build(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+          **overrides) -> nn.Module:
+    """The causal language model ``spec`` names, in ``dtype`` on ``device`` ("meta": shapes only)."""
+    transformers = _transformers()
+    raw, weights = config_dict(spec)
+    raw = raw | overrides
+    model_type = raw.pop("model_type")
+    try:
+        cfg = transformers.AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError) as exc:
+        raise PolyshardError(f"transformers has no model type {model_type!r}: {exc}") from exc
+    cfg.use_cache = False
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if weights is not None and str(device) != "meta":
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted(weights.glob("*.safetensors")):
+            state |= load_file(str(f))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m or not cfg.tie_word_embeddings]:
+            raise PolyshardError(f"weights in {weights} do not fit the config: missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]}")
+    return model.train()
+
+
+def batch(model: nn.Module, rows: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random batch in the model's own keywords: ``input_ids`` and ``labels`` (shifted inside the model)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (rows, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
