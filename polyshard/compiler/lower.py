@@ -81,6 +81,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
                 with graph.inserting_before(node):
                     moved[key] = graph.call_function(Redistribute(src, dst, mesh), (inp,))
             node.replace_input_with(inp, moved[key])
+        if node.target is torch.ops.aten.view.default:  # a piece a redistribution made may not be viewable
+            node.target = torch.ops.aten.reshape.default
         if _reads_size(node):
             _global_size(node, out_layout[node.args[0].name], graph)
         elif entry.shape_divisors:
@@ -98,7 +100,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
 
 
 def _reads_size(node: fx.Node) -> bool:
-    return (node.op == "call_method" and node.target == "size") or (
+    return (node.op == "call_method" and node.target == "size") or op_key(node) == "sym_size" or (
         node.op == "call_function" and node.target is getattr and node.args[1] == "shape")
 
 
@@ -107,7 +109,7 @@ def _global_size(node: fx.Node, layout: Layout, graph: fx.Graph) -> None:
     if all(m == 1 for m in multipliers):
         return
     with graph.inserting_after(node):
-        new = graph.call_function(GlobalSize(multipliers), (node.args[0],) + tuple(node.args[1:2]) if node.target == "size" else (node.args[0],))
+        new = graph.call_function(GlobalSize(multipliers), (node.args[0],) + tuple(node.args[1:2]) if node.target != getattr else (node.args[0],))
     node.replace_all_uses_with(new)
     graph.erase_node(node)
 

@@ -8,6 +8,8 @@ LayerNorm, GPT-2's Conv1D, a pinned module) is one call, whatever ops it ran ins
 
 from __future__ import annotations
 
+import inspect
+import operator
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -15,7 +17,8 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.export import Dim
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from polyshard.errors import PolyshardError
 
@@ -49,10 +52,18 @@ class CallSignature:
 
 
 def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[[nn.Module], bool]) -> fx.GraphModule:
-    """``model`` exported at the example's shapes, in the form of :func:`polyshard.graph.capture.capture`;
-    its call signature is in ``gm.meta[SIGNATURE_KEY]``."""
+    """``model`` exported in the form of :func:`polyshard.graph.capture.capture`, its call signature in
+    ``gm.meta[SIGNATURE_KEY]``. The batch dim stays symbolic where the code allows, so one graph runs any
+    batch (each rank's, each micro-batch, a one-row capture for the search); shapes are recorded at the
+    example's batch."""
+    rows, dynamic = _batch_dims(model, args, kwargs)
+    tiled = tree_map(lambda t: t.repeat(2, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) and rows == 1 else t,
+                     (tuple(args), dict(kwargs)))  # export fixes a size-1 dim: trace two rows
     try:
-        ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+        ep = torch.export.export(model, *tiled, dynamic_shapes=dynamic, strict=False)
+        if rows == 1 and not _symbolic_batch(ep.graph):  # the code fixed the batch: capture the one row as is
+            tiled = (tuple(args), dict(kwargs))
+            ep = torch.export.export(model, *tiled, strict=False)
     except Exception as exc:  # export raises many kinds; each means "this code cannot be captured"
         raise PolyshardError(_capture_error(model, exc)) from exc
     graph = ep.graph_module.graph
@@ -60,7 +71,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     sig = ep.graph_signature
     attrs: dict[str, Any] = {}
     _inline_state(graph, sig, model, ep.constants, attrs)
-    signature = _bind_user_inputs(graph, sig, ep.call_spec.in_spec, args, kwargs, ep.call_spec.out_spec)
+    signature = _bind_user_inputs(graph, sig, ep.call_spec.in_spec, *tiled, ep.call_spec.out_spec)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTS:
             graph.erase_node(node)
@@ -68,9 +79,12 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
             attrs[node.target] = getattr(ep.graph_module, node.target)
     for node in graph.nodes:
         _clean_stack(node)
+    _split_to_slices(graph)
     _collapse_leaves(graph, model, is_leaf, attrs)
+    batch = dict.fromkeys(_symbolic_batch(graph), rows)
+    grads = _needs_grad(graph, attrs)
     for node in graph.nodes:
-        _set_tensor_meta(node)
+        _set_tensor_meta(node, batch, node in grads)
     for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:  # a collapsed leaf's own state
         graph.erase_node(node)
         attrs.pop(node.target, None)
@@ -122,7 +136,35 @@ def _clean_stack(node: fx.Node) -> None:
     """Module paths as fx writes them: no root entry, no "@n" suffix for a module's later calls."""
     stack = node.meta.get("nn_module_stack")
     if stack:
-        node.meta["nn_module_stack"] = {k: (path.split("@")[0], kind) for k, (path, kind) in stack.items() if path}
+        node.meta["nn_module_stack"] = {k: (path.split("@")[0], kind) for k, (path, kind) in stack.items()
+                                        if path and not path.startswith("_empty")}  # export's placeholder entry
+
+
+_SPLITS = {torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.chunk.default,
+           torch.ops.aten.unbind.int}
+
+
+def _split_to_slices(graph: fx.Graph) -> None:
+    """A split's pieces become one slice (or select) each: rules and search see single tensors, not tuples."""
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _SPLITS]:
+        if not all(u.target is operator.getitem for u in node.users):
+            continue
+        x, pieces = node.args[0], node.meta["val"]
+        dim = node.kwargs.get("dim", node.args[-1] if node.target is torch.ops.aten.unbind.int or len(node.args) > 2 else 0)
+        dim = dim if isinstance(dim, int) else 0
+        starts = [0]
+        for p in pieces:
+            starts.append(starts[-1] + (1 if node.target is torch.ops.aten.unbind.int else p.shape[dim]))
+        for user in list(node.users):
+            i = user.args[1]
+            with graph.inserting_before(user):
+                piece = (graph.call_function(torch.ops.aten.select.int, (x, dim, i))
+                         if node.target is torch.ops.aten.unbind.int else
+                         graph.call_function(torch.ops.aten.slice.Tensor, (x, dim, starts[i], starts[i + 1])))
+            piece.meta = dict(user.meta)
+            user.replace_all_uses_with(piece)
+            graph.erase_node(user)
+        graph.erase_node(node)
 
 
 def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Module], bool], attrs: dict) -> None:
@@ -140,9 +182,10 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         inside, module = set(nodes), model.get_submodule(path)
         state = {id(t) for t in [*module.parameters(), *module.buffers()]}
         own = {i for n in nodes for i in n.all_input_nodes if i.op == "get_attr" and id(attrs.get(i.target)) in state}
-        inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside and i not in own))
+        inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside and i not in own
+                                    and isinstance(i.meta.get("val"), torch.Tensor)))  # sizes: the module reads its own
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        if len(inputs) != 1 or len(outputs) != 1:
+        if len(inputs) != 1 or len(outputs) != 1 or not _called_on_one_tensor(module):
             continue  # runs traced through, op by op
         attrs[path] = module
         with graph.inserting_before(nodes[0]):
@@ -151,6 +194,14 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         outputs[0].replace_all_uses_with(call)
         for n in reversed(nodes):
             graph.erase_node(n)
+
+
+def _called_on_one_tensor(module: nn.Module) -> bool:
+    """Whether a call with the run's one tensor input reproduces it: torch's own forward (a subclass may
+    take other arguments: OPT's positional embedding reads the attention mask), or a pinned module."""
+    own = {nn.Linear: nn.Linear.forward, nn.Embedding: nn.Embedding.forward, nn.LayerNorm: nn.LayerNorm.forward}
+    forward = type(module).forward
+    return forward in own.values() or type(module).__name__ == "Conv1D" or hasattr(module, "_polyshard_pin")
 
 
 def _leaf_of(node: fx.Node, model: nn.Module, is_leaf) -> tuple | None:
@@ -163,13 +214,57 @@ def _leaf_of(node: fx.Node, model: nn.Module, is_leaf) -> tuple | None:
     return None
 
 
-def _set_tensor_meta(node: fx.Node) -> None:
+def _batch_dims(model: nn.Module, args, kwargs) -> tuple[int, Any]:
+    """The example's rows, and export's dynamic_shapes marking every tensor input's dim 0 as the batch."""
+    tensors = [t for t in tree_leaves((tuple(args), dict(kwargs))) if isinstance(t, torch.Tensor)]
+    rows = {t.size(0) for t in tensors if t.dim()}
+    if len(rows) != 1:  # no common leading dim: shapes stay as given
+        return 0, None
+    mark = lambda t: {0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() else None  # noqa: E731
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    return rows.pop(), {name: tree_map(mark, value) for name, value in bound.items()}
+
+
+def _symbolic_batch(graph: fx.Graph) -> set:
+    """The symbols export kept for the inputs' leading dims (none if the code fixed the batch)."""
+    return {d.node.expr for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+            for d in n.meta["val"].shape[:1] if isinstance(d, torch.SymInt)}
+
+
+def _needs_grad(graph: fx.Graph, attrs: dict) -> set[fx.Node]:
+    """The values that depend on a trainable parameter, as autograd will see them in training (export
+    records its values without grad)."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "get_attr":
+            grad = getattr(attrs.get(node.target), "requires_grad", False)
+        elif node.op == "call_module":
+            grad = any(p.requires_grad for p in attrs[node.target].parameters()) or any(
+                i in out for i in node.all_input_nodes)
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            grad = node.args[0] is not False and any(i in out for i in node.all_input_nodes)
+        else:
+            grad = any(i in out for i in node.all_input_nodes)
+        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        if grad and (floating or node.target is operator.getitem or isinstance(val, (tuple, list))):
+            out.add(node)
+    return out
+
+
+def _concrete(val: torch.Tensor, batch: dict, grad: bool) -> torch.Tensor:
+    """A meta tensor of ``val``'s shape with the batch symbol at the example's rows."""
+    shape = [int(d) if not isinstance(d, torch.SymInt) else int(d.node.expr.xreplace(batch)) for d in val.shape]
+    return torch.empty(shape, dtype=val.dtype, device="meta", requires_grad=grad and val.dtype.is_floating_point)
+
+
+def _set_tensor_meta(node: fx.Node, batch: dict, grad: bool) -> None:
     """``meta["tensor_meta"]`` from export's fake values, as shape propagation records it."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+        node.meta["tensor_meta"] = _extract_tensor_metadata(_concrete(val, batch, grad))
     elif isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val):
-        node.meta["tensor_meta"] = tuple(_extract_tensor_metadata(v) for v in val)
+        node.meta["tensor_meta"] = tuple(_extract_tensor_metadata(_concrete(v, batch, grad)) for v in val)
 
 
 def _capture_error(model: nn.Module, exc: Exception) -> str:

@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.utils._pytree import tree_map
 
 from polyshard.cluster import Cluster
 from polyshard.compiler.lower import lower
 from polyshard.compiler.redistribute import to_dtensor
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture, shape_of
+from polyshard.graph.export import SIGNATURE_KEY, CallSignature
 from polyshard.graph.regions import marked_modules
 from polyshard.mesh import Mesh
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_seconds, op_overhead
@@ -100,9 +102,8 @@ def split_graph(gm: fx.GraphModule, plan: Plan, boundaries: Sequence[str]) -> Sp
     chunks = len(boundaries) + 1
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    output = nodes[-1]
-    loss = output.args[0]
-    if not isinstance(loss, fx.Node) or shape_of(loss) != ():
+    output, loss = nodes[-1], loss_node(gm)
+    if loss is None:
         raise PolyshardError(f"pipeline stages need {type(gm).__name__}.forward to return the loss "
                              "(one 0-dim tensor), so the last stage can start backward from it")
     inputs, copied, received = [], [], []
@@ -115,6 +116,14 @@ def split_graph(gm: fx.GraphModule, plan: Plan, boundaries: Sequence[str]) -> Sp
     edges = tuple(_edge(n, chunk_of[n.name], c, plan) for c, values in enumerate(received) for n in values)
     canonical, tied = _parameter_uses(gm, chunk_of, copied)
     return Split(chunk_of, tuple(inputs), tuple(copied), edges, tied, canonical, loss.meta["tensor_meta"].dtype)
+
+
+def loss_node(gm: fx.GraphModule) -> fx.Node | None:
+    """The value a pipeline trains on: the graph's output if a 0-dim tensor, else the first such among its
+    outputs (a transformers model returns its loss with the logits, which stages do not hand on)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    values = out if isinstance(out, (tuple, list)) else [out]
+    return next((v for v in values if isinstance(v, fx.Node) and shape_of(v) == ()), None)
 
 
 def _recomputable(node: fx.Node) -> bool:
@@ -184,7 +193,7 @@ def build_chunk(gm: fx.GraphModule, plan: Plan, split: Split, c: int, mesh: Mesh
             env[node] = graph.node_copy(node, env.__getitem__)
             entries[env[node].name] = plan.nodes[node.name]
     if c == split.chunks - 1:
-        out = graph.output(env[nodes["output"].args[0]])
+        out = graph.output(env[loss_node(gm)])
         entries[out.name] = plan.nodes["output"]
     else:
         out = graph.output(tuple(env[nodes[split.edges[k].name]] for k in split.sent(c)))
@@ -226,8 +235,9 @@ class PipelineModule(nn.Module, Pausable):
 
     def __init__(self, chunks: dict[int, fx.GraphModule], split: Split, plan: Plan, mesh: Mesh,
                  seconds: tuple[list[float], list[float]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 recompute_paths: dict[str, str] | None = None):
+                 recompute_paths: dict[str, str] | None = None, signature: CallSignature | None = None):
         super().__init__()
+        self.signature = signature  # how keyword calls map to the graph's inputs (captured by export)
         self.chunks = nn.ModuleDict({str(c): apply_recompute(m, plan.recompute, plan.recompute_comm, recompute_paths)
                                      for c, m in chunks.items()})
         self.split, self.plan, self.mesh, self.seconds = split, plan, mesh, seconds
@@ -257,11 +267,14 @@ class PipelineModule(nn.Module, Pausable):
             self.split = replace(self.split, edges=tuple(replace(e, dtype=dtype) if e.dtype.is_floating_point else e
                                                          for e in self.split.edges))
 
-    def train_step(self, *batch: torch.Tensor, scale: float = 1.0, record: bool = False) -> torch.Tensor:
+    def train_step(self, *batch: torch.Tensor, scale: float = 1.0, record: bool = False,
+                   **keywords: torch.Tensor) -> torch.Tensor:
         """Forward and backward of this rank's batch in ``plan.micro_batches`` micro-batches; gradients
         of ``scale`` x the batch's mean loss are added to ``.grad``, then averaged over the data group
         and summed over tied copies (not in :meth:`no_sync`). Returns the mean loss on every stage.
         ``record``: keep each action's start and end in :attr:`timings`."""
+        if self.signature is not None:  # called as the model is, e.g. train_step(input_ids=..., labels=...)
+            batch = self.signature.flatten(batch, keywords)
         step = _Step(self, [micro_batches(t, self.plan.micro_batches) for t in batch], scale)
         if record:
             dist.barrier(group=self.pipe_group)
@@ -411,7 +424,8 @@ def pipeline_split(model: nn.Module, example_inputs: Sequence[torch.Tensor], pla
     stage boundaries, else the modules marked by :func:`pipeline_stage`, else balanced ones (the
     cuts are recorded in the plan). Needs no process group."""
     check_schedule(plan.schedule, pp, plan.micro_batches, plan.virtual_stages)
-    micro = [micro_batches(t, plan.micro_batches)[0] if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    micro = tree_map(lambda t: micro_batches(t, plan.micro_batches)[0] if isinstance(t, torch.Tensor) else t,
+                     example_inputs)
     gm = capture(model, micro)
     chunks = pp * plan.virtual_stages
     boundaries = plan.stage_boundaries or stage_boundaries_of(model) or balanced_boundaries(gm, chunks, plan)
@@ -447,4 +461,5 @@ def parallelize_pipeline(model: nn.Module, example_inputs: Sequence[torch.Tensor
     gm, split = pipeline_split(model, example_inputs, plan, mesh.pp)
     seconds = chunk_seconds(gm, plan, split, mesh.cluster or Cluster.from_env())
     mine = {c: build_chunk(gm, plan, split, c, mesh) for c in range(mesh.stage, split.chunks, mesh.pp)}
-    return PipelineModule(mine, split, plan, mesh, seconds, bucket_bytes, marked_modules(model))
+    return PipelineModule(mine, split, plan, mesh, seconds, bucket_bytes, marked_modules(model),
+                          gm.meta.get(SIGNATURE_KEY))

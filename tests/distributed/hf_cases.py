@@ -8,44 +8,61 @@ two orders under the tolerance, while a wrong gradient still moves parameters by
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 import polyshard as ps
 from polyshard.models import hf
+from polyshard.runtime.pipeline import PipelineModule
+from polyshard.runtime.zero import setup_zero
 from tests.distributed.cases import rel_err
 
 LR = 1e-3
 
 
-def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int = 8, **options) -> dict:
-    """Worst loss and parameter errors after ``steps`` AdamW steps; ``options`` go to parallelize."""
+def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int = 8, zero: int | None = None,
+              layers: int | None = None, **options) -> dict:
+    """Worst loss and parameter errors after ``steps`` AdamW steps; ``zero``: optimizer parallel level (by
+    :func:`setup_zero`); ``layers``: decoder layers instead of the tiny config's; ``options`` go to parallelize."""
     ps.init(mesh)
     torch.manual_seed(0)
-    ref = hf.build(family, torch.float64)
-    par = hf.build(family, torch.float64)
+    depth = {} if layers is None else {"n_layer" if family == "gpt2" else "num_hidden_layers": layers}
+    ref = hf.build(family, torch.float64, **depth)
+    par = hf.build(family, torch.float64, **depth)
     par.load_state_dict(ref.state_dict())
     batches = [hf.batch(ref, batch, seq, seed=s) for s in range(steps)]
     rows = batch // ps.current_mesh().num_data_shards
-    example = {k: v[:rows] for k, v in batches[0].items()}
-    pm = ps.parallelize(par, example_inputs=example, **options)
+    pm = ps.parallelize(par, example_inputs={k: v[:rows] for k, v in batches[0].items()}, **options)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    opt = setup_zero(pm, zero, "adamw", threshold_bytes=256, lr=LR) if zero is not None else \
+        torch.optim.AdamW(pm.parameters(), lr=LR)
+    group = opt.group if zero is not None else pm.mesh.data_group()
     loss_err = 0.0
     for b in batches:
         ref_loss = ref(**b).loss
         ref_loss.backward()
         ref_opt.step(), ref_opt.zero_grad()
         ids, labels = pm.local_batch(b["input_ids"], b["labels"])
-        loss = pm(input_ids=ids, labels=labels).loss
-        loss.backward()
+        if isinstance(pm, PipelineModule):  # forward and backward through the schedule
+            loss = pm.train_step(input_ids=ids, labels=labels)
+        else:
+            loss = pm(input_ids=ids, labels=labels).loss
+            (opt.scale_loss(loss) if zero is not None else loss).backward()
         opt.step(), opt.zero_grad()
         total = loss.detach().clone()
-        if pm.grad_sync is not None:
-            dist.all_reduce(total, group=pm.grad_sync.group)
-            total /= pm.grad_sync.world
+        if group is not None:
+            dist.all_reduce(total, group=group)
+            total /= dist.get_world_size(group)
         loss_err = max(loss_err, rel_err(total, ref_loss.detach()))
-    full = pm.full_state_dict()
+    with opt.gathered() if zero is not None else contextlib.nullcontext():
+        full = pm.full_state_dict()
     param_err = max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters() if k in full)
-    return {"loss_err": loss_err, "param_err": param_err, "missing": sorted(set(dict(ref.named_parameters())) - set(full)),
-            "layouts": {k: str(v) for k, v in pm.plan.params.items()}}
+    result = {"loss_err": loss_err, "param_err": param_err,
+              "worst": max((rel_err(full[k], p.detach()), k) for k, p in ref.named_parameters() if k in full),
+              "missing": sorted(set(dict(ref.named_parameters())) - set(full)),
+              "layouts": {k: str(v) for k, v in pm.plan.params.items()}}
+    if zero is not None:
+        opt.remove()
+    return result

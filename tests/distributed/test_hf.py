@@ -1,4 +1,7 @@
-"""transformers models as written (tiny configs, random init) on 2-4 gloo ranks vs one device."""
+"""transformers models as written (tiny configs, random init) on 4 gloo ranks vs one device: every
+parallel mode, the loss the model computes itself, 3 AdamW steps in float64."""
+
+from functools import partial
 
 import pytest
 
@@ -7,6 +10,22 @@ pytest.importorskip("transformers", reason="the [hf] extra (part of [dev]) is no
 from tests.distributed import hf_cases  # noqa: E402
 
 TOL = 1e-5
+MODES = {
+    "dp": ("dp=4", {}),
+    "tp": ("tp=4", {}),
+    "dp_tp": ("dp=2,tp=2", {}),
+    "search": ("dp=2,tp=2", {"search": True}),
+    "pp_1f1b": ("dp=2,pp=2", {"micro_batches": 2}),
+    "pp_tp_gpipe": ("pp=2,tp=2", {"micro_batches": 2, "schedule": "gpipe"}),
+    "pp_interleaved": ("pp=2,dp=2", {"micro_batches": 2, "schedule": "interleaved", "virtual_stages": 2,
+                                     "layers": 4}),
+    "zero1": ("dp=4", {"zero": 1}),
+    "zero2_tp": ("dp=2,tp=2", {"zero": 2}),
+    "zero3": ("dp=4", {"zero": 3}),
+    "recompute_full": ("tp=4", {"recompute": "full"}),
+    "recompute_selective": ("dp=2,tp=2", {"recompute": "selective"}),
+    "multi_copy": ("tp=4", {"copies": 2}),
+}
 
 
 def _check(results):
@@ -15,6 +34,23 @@ def _check(results):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("mesh", ["dp=4", "tp=4", "dp=2,tp=2"])
-def test_hf_data_and_tensor_parallel(pools, family, mesh):
-    _check(pools(4).run(hf_cases.hf_parity, mesh, family))
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_gpt2_and_llama_in_every_mode(pools, family, mode):
+    mesh, options = MODES[mode]
+    _check(pools(4).run(partial(hf_cases.hf_parity, **options), mesh, family))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt_neox"])
+@pytest.mark.parametrize("mode", ["dp_tp", "pp_1f1b"])
+def test_more_families(pools, family, mode):
+    mesh, options = MODES[mode]
+    _check(pools(4).run(partial(hf_cases.hf_parity, **options), mesh, family))
+
+
+def test_tensor_parallel_splits_llama_as_megatron_does(pools):
+    layouts = pools(4).run(hf_cases.hf_parity, "dp=2,tp=2", "llama")[0]["layouts"]
+    assert layouts["model.layers.0.self_attn.q_proj.weight"] == "S(0)"   # column-parallel
+    assert layouts["model.layers.0.self_attn.o_proj.weight"] == "S(1)"   # row-parallel
+    assert layouts["model.layers.0.mlp.gate_proj.weight"] == "S(0)"
+    assert layouts["model.layers.0.mlp.down_proj.weight"] == "S(1)"
+    assert layouts["lm_head.weight"] == "S(0)"                          # vocabulary-parallel head and loss

@@ -31,7 +31,7 @@ ELEMENTWISE = {
     "__and__", "__or__", "bitwise_and", "bitwise_or", "bitwise_not", "logical_and", "logical_or", "logical_not",
     "where", "masked_fill", "zeros_like", "ones_like", "full_like", "empty_like", "lift_fresh_copy",
 }
-NON_TENSOR = {"size", "dim", "ndimension"}
+NON_TENSOR = {"size", "dim", "ndimension", "sym_size"}
 CREATION = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.ones_like,
             torch.zeros_like, "arange", "full", "zeros", "ones", "empty", "scalar_tensor"}
 # New tensors of a given size: the tensor they are called on only lends its dtype and device.

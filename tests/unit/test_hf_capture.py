@@ -1,0 +1,92 @@
+"""transformers models captured as written: every op ruled, leaf modules whole, errors that say where."""
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers", reason="the [hf] extra (part of [dev]) is not installed")
+
+from polyshard.errors import PolyshardError  # noqa: E402
+from polyshard.graph.capture import capture  # noqa: E402
+from polyshard.graph.export import SIGNATURE_KEY  # noqa: E402
+from polyshard.models import hf  # noqa: E402
+from polyshard.planner.propagate import propagate  # noqa: E402
+
+
+def _unruled(gm) -> list[str]:
+    warnings: list[str] = []
+    propagate(gm, (("tp", 2),), warnings.append)
+    return [w for w in warnings if w.startswith("no sharding rule")]
+
+
+@pytest.mark.parametrize("family", sorted(hf.TINY))
+def test_every_family_is_captured_and_counted(family):
+    model = hf.build(family)
+    gm = capture(model, hf.batch(model, 2, 8))
+    unruled = _unruled(gm)
+    print(f"{family}: {len(unruled)} op kinds replicated for want of a rule {unruled}")
+    if family in ("gpt2", "llama", "qwen2", "mistral", "gpt_neox"):
+        assert unruled == []
+    linears = sum(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert len(calls) >= linears  # each projection is one call the rules see whole
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_captured_graph_computes_the_models_own_output(family):
+    torch.manual_seed(0)
+    model = hf.build(family, torch.float64)
+    batch = hf.batch(model, 3, 8, seed=1)
+    gm = capture(model, hf.batch(model, 2, 8))  # the batch dim stays symbolic: any rows run
+    signature = gm.meta[SIGNATURE_KEY]
+    out = signature.unflatten(gm(*signature.flatten((), batch)))
+    ref = model(**batch)
+    assert type(out) is type(ref)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+
+
+def test_one_row_capture_names_nodes_as_the_full_batch_does():
+    model = hf.build("gpt2")
+    names = [[n.name for n in capture(model, hf.batch(model, rows, 8)).graph.nodes] for rows in (1, 4)]
+    assert names[0] == names[1]  # the search plans on one row, the runtime lowers the rank's batch
+
+
+def test_a_call_unlike_the_capture_is_refused():
+    model = hf.build("llama")
+    gm = capture(model, hf.batch(model, 2, 8))
+    with pytest.raises(PolyshardError, match="captured with"):
+        gm.meta[SIGNATURE_KEY].flatten((), {"input_ids": torch.zeros(2, 8, dtype=torch.long)})
+
+
+def test_real_size_config_captures_on_meta_without_weights():
+    model = hf.build("llama-3-8b", device="meta", num_hidden_layers=2)
+    ids = torch.zeros(1, 128, dtype=torch.long, device="meta")
+    gm = capture(model, {"input_ids": ids, "labels": ids})
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert _unruled(gm) == []
+
+
+class _BranchesOnValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, **kwargs):
+        if self.fc(x).sum() > 0:  # control flow on a tensor's value
+            return x.sum()
+        return -x.sum()
+
+
+def test_uncapturable_code_gets_one_error_naming_its_line():
+    with pytest.raises(PolyshardError, match=r"could not capture _BranchesOnValues at .*test_hf_capture.py:\d+"):
+        capture(_BranchesOnValues(), {"x": torch.randn(2, 4)})
+
+
+def test_unknown_hf_spec_lists_what_is_known(tmp_path):
+    with pytest.raises(PolyshardError, match="llama-3-70b"):
+        hf.build("no-such-model")
+    bad = tmp_path / "config.json"
+    bad.write_text("{}")
+    with pytest.raises(PolyshardError, match="model_type"):
+        hf.build(str(bad))
