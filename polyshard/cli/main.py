@@ -39,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                    "the current torchrun world)")
     t.add_argument("--mesh", default="", help="named mesh, e.g. dp=2,tp=2 (default: dp=NPROC); 'dp' splits batches, "
                    "other axes split operators")
-    t.add_argument("--model", default="gpt-small", help="model name (see `polyshard models`; default gpt-small)")
+    t.add_argument("--model", default="gpt-small", help="model name (see `polyshard models`; default gpt-small), or "
+                   "hf:FAMILY (e.g. hf:llama, a tiny transformers model), hf:CONFIG.json or hf:DIR with config.json "
+                   "and safetensors weights")
     t.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
     t.add_argument("--batch-size", type=int, default=8, help="global batch rows per step (default 8)")
     t.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps per step (default 1)")
@@ -152,8 +154,9 @@ def _train(args) -> int:
 
 def _planning_flags(p: argparse.ArgumentParser) -> None:
     """What `plan` and `cost` share: the model, the cluster, the batch and the memory budget."""
-    p.add_argument("--model", required=True, help="a name from `polyshard models`, or a shape such as "
-                   "'gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200' (ffn defaults to 4 x hidden)")
+    p.add_argument("--model", required=True, help="a name from `polyshard models`, a shape such as "
+                   "'gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200' (ffn defaults to 4 x hidden), or a "
+                   "transformers model: hf:llama-3-70b (shipped configs in `polyshard models`) or hf:CONFIG.json")
     p.add_argument("--cluster", required=True, help="NODESxDEVICESxTYPE (e.g. 128x8xA100-80G), cpu-gloo:N, or a YAML "
                    "file from `polyshard calibrate`")
     p.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=0,
@@ -309,6 +312,10 @@ def _models(args) -> int:
         n = c.num_params()
         size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
         print(f"{name:<18} {c.num_layers:>6} {c.hidden:>6} {c.num_heads:>5} {c.vocab_size:>6} {c.seq_len:>5} {size:>10}")
+    from polyshard.models import hf
+
+    print(f"transformers models (the [hf] extra): hf:FAMILY, tiny ({', '.join(hf.TINY)}); real sizes, for planning: "
+          f"{', '.join('hf:' + n for n in hf.shipped())}; or hf:CONFIG.json, hf:DIR (config.json + safetensors)")
     return 0
 
 

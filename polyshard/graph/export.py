@@ -40,7 +40,8 @@ class CallSignature:
     def flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.in_spec:
-            raise PolyshardError(f"called with arguments shaped {spec}, but the model was captured with {self.in_spec}; "
+            raise PolyshardError(f"called with arguments shaped {spec}, but the model was captured with "
+                                 f"{self.in_spec}; "
                                  "call it as in example_inputs")
         for i, (value, fixed) in enumerate(zip(leaves, self.constants)):
             if i not in self.tensor_positions and value != fixed:
@@ -102,7 +103,8 @@ def _inline_state(graph: fx.Graph, sig, model: nn.Module, constants: dict, attrs
     state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
     if sig.buffers_to_mutate:
-        raise PolyshardError(f"{type(model).__name__} updates buffers in forward ({', '.join(sig.buffers_to_mutate.values())}, "
+        mutated = ", ".join(sig.buffers_to_mutate.values())
+        raise PolyshardError(f"{type(model).__name__} updates buffers in forward ({mutated}, "
                              "e.g. BatchNorm running statistics); polyshard cannot split such a model yet")
     first = next(n for n in graph.nodes if n.op != "placeholder") if len(graph.nodes) else None
     for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in lifted]:
@@ -150,7 +152,8 @@ def _split_to_slices(graph: fx.Graph) -> None:
         if not all(u.target is operator.getitem for u in node.users):
             continue
         x, pieces = node.args[0], node.meta["val"]
-        dim = node.kwargs.get("dim", node.args[-1] if node.target is torch.ops.aten.unbind.int or len(node.args) > 2 else 0)
+        unbind = node.target is torch.ops.aten.unbind.int
+        dim = node.kwargs.get("dim", node.args[-1] if unbind or len(node.args) > 2 else 0)
         dim = dim if isinstance(dim, int) else 0
         starts = [0]
         for p in pieces:

@@ -33,6 +33,8 @@ def config(name: str, seq_len: int | None = None) -> GPTConfig:
     """The GPT a name describes: one of CONFIGS, or a shape such as
     ``gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200`` (ffn defaults to 4 x hidden);
     ``seq_len`` overrides its sequence length."""
+    if name.startswith("hf:"):
+        return build(name, device="meta", seq_len=seq_len).cfg
     if name.startswith("gpt:"):
         cfg = _parse_shape(name)
     elif name in CONFIGS:
@@ -90,8 +92,13 @@ def _shape_value(key: str, value: str, part: str, name: str) -> object:
 
 
 def build(name: str, device: str | torch.device = "cpu", seed: int = 0, seq_len: int | None = None) -> GPT:
-    """The GPT a name or shape describes (see :func:`config`); on ``device="meta"`` no memory is used
-    (for planning)."""
+    """The model a name describes: a GPT (see :func:`config`), or ``hf:<family, shipped config or
+    config.json>`` for a transformers model (see :mod:`polyshard.models.hf`); on ``device="meta"`` no
+    memory is used (for planning)."""
+    if name.startswith("hf:"):
+        from polyshard.models.hf import causal_lm
+
+        return causal_lm(name[3:], device, seed, seq_len)
     cfg = config(name, seq_len)
     torch.manual_seed(seed)
     with torch.device(device):

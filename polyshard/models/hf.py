@@ -17,17 +17,17 @@ from polyshard.errors import PolyshardError
 
 # Tiny members of each family: the family's own modules at test sizes (dropout off, so runs compare).
 TINY: dict[str, dict] = {
-    "gpt2": dict(model_type="gpt2", vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "llama": dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    "gpt2": dict(model_type="gpt2", vocab_size=256, bos_token_id=0, eos_token_id=0, n_embd=32, n_layer=2, n_head=4,
+                 n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32),
-    "qwen2": dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    "qwen2": dict(model_type="qwen2", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32),
-    "mistral": dict(model_type="mistral", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    "mistral": dict(model_type="mistral", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, head_dim=8),
-    "gpt_neox": dict(model_type="gpt_neox", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    "gpt_neox": dict(model_type="gpt_neox", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0),
-    "opt": dict(model_type="opt", vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+    "opt": dict(model_type="opt", vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
                 attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),
 }
@@ -100,3 +100,47 @@ def batch(model: nn.Module, rows: int, seq: int, seed: int = 0) -> dict[str, tor
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (rows, seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+class Shape:
+    """A transformers model's size in the terms polyshard's reports use (those of GPTConfig)."""
+
+    def __init__(self, model: nn.Module, seq_len: int):
+        c = model.config
+        self.num_layers, self.hidden = c.num_hidden_layers, c.hidden_size
+        self.num_heads, self.vocab_size, self.seq_len = c.num_attention_heads, c.vocab_size, seq_len
+        self._params = sum(p.numel() for p in model.parameters())
+
+    def num_params(self) -> int:
+        return self._params
+
+
+class CausalLM(nn.Module):
+    """A transformers causal LM in the interface polyshard's trainer drives, ``(ids, next ids) -> loss``:
+    the model shifts its labels itself, so it is called as its users call it, ``model(input_ids=ids,
+    labels=ids).loss``, and the next ids only stand for that shift."""
+
+    def __init__(self, model: nn.Module, seq_len: int):
+        super().__init__()
+        self.model = model
+        self.cfg = Shape(model, seq_len)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def example_inputs(self, batch_size: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+        device = next(self.model.parameters()).device
+        idx = torch.zeros(batch_size, self.cfg.seq_len, dtype=torch.long, device=device)
+        return idx, idx
+
+
+def causal_lm(spec: str, device: str | torch.device = "cpu", seed: int = 0, seq_len: int | None = None) -> CausalLM:
+    """The model ``hf:<spec>`` names, for the trainer and planner; ``seq_len`` defaults to the config's
+    longest sequence, at most 2048."""
+    torch.manual_seed(seed)
+    model = build(spec, device=device)
+    longest = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 2048)
+    seq = seq_len or min(longest, 2048)
+    if seq > longest:
+        raise PolyshardError(f"hf:{spec} takes sequences of at most {longest} tokens, not {seq}")
+    return CausalLM(model, seq)

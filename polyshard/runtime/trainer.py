@@ -86,8 +86,13 @@ def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
     """Every flag checked before any process starts; returns the mesh shape."""
     from polyshard.mesh import check_mesh, parse_mesh
 
-    if cfg.model not in models.CONFIGS:
-        raise PolyshardError(f"--model {cfg.model!r} is unknown; `polyshard models` lists: {', '.join(models.CONFIGS)}")
+    if cfg.model.startswith("hf:"):
+        from polyshard.models.hf import config_dict
+
+        config_dict(cfg.model[3:])  # names a family, a shipped config or a config.json, or says what does
+    elif cfg.model not in models.CONFIGS:
+        raise PolyshardError(f"--model {cfg.model!r} is unknown; `polyshard models` lists: {', '.join(models.CONFIGS)}"
+                             " and hf:<family or config.json>")
     if cfg.plan and (cfg.mesh or cfg.auto):
         raise PolyshardError("--plan fixes the mesh: leave out --mesh and --auto")
     if cfg.auto and cfg.mesh:

@@ -99,3 +99,18 @@ def test_explain_timeline_matches_the_plans_step(capsys, tmp_path):
     drawn_ms = float(out.split("timeline: ")[1].split(": schedule ")[1].split(" ms")[0])
     assert drawn_ms == pytest.approx(chosen["pipeline"]["span_s"] * 1e3, rel=1e-3)
     assert f"step {chosen['step_s'] * 1e3:.4g} ms" in out
+
+
+def test_plan_takes_a_transformers_config(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 1024, "hidden_size": 256,
+                                  "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+                                  "num_key_value_heads": 2, "max_position_embeddings": 128}))
+    code, out, _ = _run(capsys, "plan", "--model", f"hf:{config}", "--cluster", "2x8xA100-80G",
+                        "--global-batch", "64", "--json")
+    assert code == 0
+    result = json.loads(out)
+    config_kv = dict(kv.split("=") for kv in result["config"].split(","))
+    assert int(config_kv["dp"]) * int(config_kv["tp"]) * int(config_kv["pp"]) == 16
+    assert result["step_s"] > 0 and result["model_tflops_per_device"] > 0
