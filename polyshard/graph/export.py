@@ -58,8 +58,10 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     batch (each rank's, each micro-batch, a one-row capture for the search); shapes are recorded at the
     example's batch."""
     rows, dynamic = _batch_dims(model, args, kwargs)
-    tiled = tree_map(lambda t: t.repeat(2, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) and rows == 1 else t,
-                     (tuple(args), dict(kwargs)))  # export fixes a size-1 dim: trace two rows
+    # export fixes a size-1 dim, so one row is traced as two; a tensor passed twice (ids as labels) would
+    # be traced as one input, so each is traced as its own copy, as a one-row slice of it will be
+    tiled = tree_map(lambda t: (t.repeat(2 if rows == 1 else 1, *[1] * (t.dim() - 1)) if t.dim() else t.clone())
+                     if isinstance(t, torch.Tensor) else t, (tuple(args), dict(kwargs)))
     try:
         ep = torch.export.export(model, *tiled, dynamic_shapes=dynamic, strict=False)
         if rows == 1 and not _symbolic_batch(ep.graph):  # the code fixed the batch: capture the one row as is
