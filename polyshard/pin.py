@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -35,3 +36,31 @@ def make_pin(in_strategy: Strategy, out_strategy: Sequence | None, fn: Callable 
                 raise PolyshardError(f"`{name}`: entry {c!r} of {tuple(s)} is not a positive slice count or axis name")
     out = tuple(out_strategy) if out_strategy is not None else None
     return Pin(tuple(tuple(s) for s in in_strategy), out, fn, name)
+
+
+# transformers' tensor-parallel styles (a model's ``_tp_plan``) as pins: (weight spec, output replicated)
+_TP_STYLES = {"colwise": ("out", False), "rowwise": ("in", False), "colwise_gather_output": ("out", True),
+              "embedding_rowwise": ("rows", False)}
+
+
+def tp_plan_pins(plan: dict[str, str], calls: dict[str, int], axes: tuple[str, ...]) -> dict[str, Pin]:
+    """The pins a transformers ``_tp_plan`` asks for (``{"model.layers.*.mlp.up_proj": "colwise", ...}``),
+    per module path among ``calls`` (path -> rank of the module's input), splitting over ``axes``."""
+    unknown = sorted({s for s in plan.values() if s not in _TP_STYLES})
+    if unknown:
+        raise PolyshardError(f"tensor-parallel styles {unknown} in the model's tp plan have no polyshard "
+                             f"equivalent; known: {', '.join(_TP_STYLES)}")
+    split = axes if len(axes) > 1 else axes[0]
+    pins = {}
+    for path, ndim in calls.items():
+        style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(path, pattern)), None)
+        if style is None:
+            continue
+        weight, gather = _TP_STYLES[style]
+        x = [None] * ndim
+        if weight == "in":
+            x[-1] = split
+        w = {"out": (split, None), "in": (None, split), "rows": (split, None)}[weight]
+        out = (None,) * (ndim + (weight == "rows")) if gather else None
+        pins[path] = Pin((tuple(x), w), out, None, f"{path} ({style})")
+    return pins

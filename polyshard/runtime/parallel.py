@@ -15,13 +15,14 @@ from polyshard.cluster import Cluster
 from polyshard.compiler.lower import lower
 from polyshard.compiler.redistribute import to_dtensor
 from polyshard.errors import PolyshardError
-from polyshard.graph.capture import batch_rows, capture
+from polyshard.graph.capture import PIN_ATTR, batch_rows, capture, shape_of
 from polyshard.graph.export import SIGNATURE_KEY
 from polyshard.mesh import Mesh, current_mesh
 from polyshard.planner.cost.overlap import choose_copies
 from polyshard.planner.config import Fixed
 from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
 from polyshard.planner.propagate import propagate
+from polyshard.pin import tp_plan_pins
 from polyshard.planner.search import search as search_plan
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
 from polyshard.runtime.fusion import fusion_groups
@@ -101,7 +102,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
                 copies: int | str | None = None, search: bool = False,
                 memory_limit_bytes: float | None = None, recompute: str | None = None,
                 recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
-                virtual_stages: int | None = None, sequence_parallel: bool = False) -> ParallelModule:
+                virtual_stages: int | None = None, sequence_parallel: bool = False,
+                tp_plan: bool = False) -> ParallelModule:
     """Split ``model`` over the mesh: pinned ops keep their strategies, the others follow the op rules.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values): the positional arguments, or a
@@ -118,6 +120,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
     plan's (or these) ``schedule``, ``micro_batches`` and ``virtual_stages``.
     ``sequence_parallel``: row-parallel products reduce-scatter along the sequence instead of
     all-reducing, so norms, dropout and residual adds run on a slice of it (Megatron's sequence parallel).
+    ``tp_plan``: pin the modules a transformers model's own tensor-parallel plan names (its ``_tp_plan``:
+    colwise, rowwise, ...) over the operator axes; the other ops follow the rules (or the search).
     """
     if recompute is not None:
         check_choice("recompute", recompute, RECOMPUTE_MODES)
@@ -132,6 +136,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
             )
         example_inputs = model.example_inputs()
     gm = capture(model, example_inputs)
+    if tp_plan:
+        _pin_tp_plan(model, gm, mesh)
     if plan is None:
         seen: set[str] = set()
 
@@ -168,6 +174,23 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
 
         return parallelize_pipeline(model, example_inputs, plan, mesh, bucket_bytes)
     return ParallelModule(lower(gm, plan, mesh), plan, mesh, bucket_bytes, marked_modules(model))
+
+
+def _pin_tp_plan(model: nn.Module, gm: fx.GraphModule, mesh: Mesh) -> None:
+    """Pins from the model's own tensor-parallel plan, for the modules the graph calls whole."""
+    plan = getattr(model, "_tp_plan", None)
+    if not plan:
+        raise PolyshardError(f"tp_plan=True, but {type(model).__name__} carries no tensor-parallel plan "
+                             "(transformers models have one in `_tp_plan`)")
+    if not mesh.op_axes:
+        raise PolyshardError(f"tp_plan=True needs an operator axis to split over; the mesh {mesh} has none")
+    calls = {n.target: len(shape_of(n.args[0])) for n in gm.graph.nodes if n.op == "call_module"}
+    for path, pin in tp_plan_pins(plan, calls, tuple(a for a, _ in mesh.op_axes)).items():
+        module = model.get_submodule(path)
+        if type(module) not in (nn.Linear, nn.Embedding):
+            raise PolyshardError(f"the tp plan splits `{path}`, a {type(module).__name__}; polyshard pins plans "
+                                 "on Linear and Embedding modules; leave tp_plan off and let the rules split it")
+        setattr(module, PIN_ATTR, pin)
 
 
 def micro_batch_interleaved(model: nn.Module, copies: int = 2) -> nn.Module:

@@ -26,6 +26,8 @@ MODES = {
     "recompute_selective": ("dp=2,tp=2", {"recompute": "selective"}),
     "multi_copy": ("tp=4", {"copies": 2}),
 }
+# the model's own tensor-parallel plan as pins (GPT-2 carries none: its refusal is a unit test)
+TP_PLAN = {"tp_plan": ("dp=2,tp=2", {"tp_plan": True}), "tp_plan_search": ("tp=4", {"tp_plan": True, "search": True})}
 
 
 def _check(results):
@@ -37,6 +39,13 @@ def _check(results):
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_gpt2_and_llama_in_every_mode(pools, family, mode):
     mesh, options = MODES[mode]
+    _check(pools(4).run(partial(hf_cases.hf_parity, **options), mesh, family))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("mode", sorted(TP_PLAN))
+def test_the_models_own_tp_plan_as_pins(pools, family, mode):
+    mesh, options = TP_PLAN[mode]
     _check(pools(4).run(partial(hf_cases.hf_parity, **options), mesh, family))
 
 

@@ -90,3 +90,30 @@ def test_unknown_hf_spec_lists_what_is_known(tmp_path):
     bad.write_text("{}")
     with pytest.raises(PolyshardError, match="model_type"):
         hf.build(str(bad))
+
+
+def test_tp_plan_styles_become_pins_over_the_operator_axes():
+    from polyshard.pin import tp_plan_pins
+
+    plan = {"lm_head": "colwise_gather_output", "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.*.mlp.down_proj": "rowwise", "model.embed_tokens": "embedding_rowwise"}
+    calls = {"lm_head": 3, "model.layers.0.mlp.up_proj": 3, "model.layers.1.mlp.down_proj": 3,
+             "model.embed_tokens": 2, "model.layers.0.self_attn.q_proj": 3}
+    pins = tp_plan_pins(plan, calls, ("tp",))
+    assert pins["model.layers.0.mlp.up_proj"].in_strategy == ((None, None, None), ("tp", None))
+    assert pins["model.layers.1.mlp.down_proj"].in_strategy == ((None, None, "tp"), (None, "tp"))
+    assert pins["lm_head"].out_strategy == (None, None, None)  # its output gathered
+    assert pins["model.embed_tokens"].in_strategy == ((None, None), ("tp", None))
+    assert "model.layers.0.self_attn.q_proj" not in pins
+    with pytest.raises(PolyshardError, match="sequence_parallel_x"):
+        tp_plan_pins({"lm_head": "sequence_parallel_x"}, calls, ("tp",))
+
+
+def test_tp_plan_on_a_model_without_one_is_refused():
+    import polyshard as ps
+    from polyshard.mesh import Mesh
+
+    model = hf.build("gpt2")
+    with pytest.raises(PolyshardError, match="carries no tensor-parallel plan"):
+        ps.parallelize(model, example_inputs=hf.batch(model, 2, 8), mesh=Mesh((("tp", 2),), ("dp",), "cpu", 0),
+                       tp_plan=True)
