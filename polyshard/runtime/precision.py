@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from polyshard.errors import PolyshardError
 
@@ -32,6 +32,30 @@ def cast_inputs(module: nn.Module, dtype: torch.dtype):
     def hook(_, args):
         return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
     return module.register_forward_pre_hook(hook)
+
+
+_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
+
+
+def compute_casts_in(module: nn.Module, dtype: torch.dtype) -> None:
+    """Casts to float32 written into captured programs (transformers' norms and logits ``.float()``,
+    recorded by torch.export at the capture's dtype) cast to ``dtype`` instead, so a program computes
+    in ``dtype`` throughout rather than mixing it with float32."""
+    programs = [m for m in module.modules() if isinstance(m, fx.GraphModule)]
+    programs += [getattr(module, "_single_copy")] if hasattr(module, "_single_copy") else []
+    for gm in programs:
+        changed = False
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target not in _CASTS:
+                continue
+            if node.kwargs.get("dtype") == torch.float32:
+                node.kwargs = {**node.kwargs, "dtype": dtype}
+                changed = True
+            elif len(node.args) > 1 and node.args[1] == torch.float32:
+                node.args = (node.args[0], dtype, *node.args[2:])
+                changed = True
+        if changed:
+            gm.recompile()
 
 
 @dataclass

@@ -36,7 +36,7 @@ from polyshard.planner.plan import ZERO_LEVELS
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, Pausable
 from polyshard.runtime.fusion import CommStats, fusion_groups, plan_buckets
 from polyshard.runtime.pipeline import PipelineModule
-from polyshard.runtime.precision import LossScaler, cast_inputs, compute_dtype
+from polyshard.runtime.precision import LossScaler, cast_inputs, compute_casts_in, compute_dtype
 
 
 class Bucket:
@@ -160,6 +160,7 @@ class ZeroOptimizer(Pausable):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         if precision != "fp32":
             self._hooks += [cast_inputs(part, self.dtype) for part in parts]
+            compute_casts_in(module, self.dtype)
         if units:
             self._hook_modules(parts)
 

@@ -23,20 +23,27 @@ LR = 1e-3
 
 
 def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int = 8, zero: int | None = None,
-              layers: int | None = None, **options) -> dict:
-    """Worst loss and parameter errors after ``steps`` AdamW steps; ``zero``: optimizer parallel level (by
-    :func:`setup_zero`); ``layers``: decoder layers instead of the tiny config's; ``options`` go to parallelize."""
+              layers: int | None = None, precision: str = "fp32", **options) -> dict:
+    """Worst loss and parameter errors after ``steps`` optimizer steps; ``zero``: optimizer parallel level (by
+    :func:`setup_zero`); ``layers``: decoder layers instead of the tiny config's; ``precision``: "bf16" or
+    "fp16" computes in half precision over fp32 masters, against an fp32 reference (the others: float64);
+    ``options`` go to parallelize."""
     ps.init(mesh)
     torch.manual_seed(0)
     depth = {} if layers is None else {"n_layer" if family == "gpt2" else "num_hidden_layers": layers}
-    ref = hf.build(family, torch.float64, **depth)
-    par = hf.build(family, torch.float64, **depth)
+    dtype = torch.float64 if precision == "fp32" else torch.float32
+    zero = 0 if zero is None and precision != "fp32" else zero
+    ref = hf.build(family, dtype, **depth)
+    par = hf.build(family, dtype, **depth)
     par.load_state_dict(ref.state_dict())
     batches = [hf.batch(ref, batch, seq, seed=s) for s in range(steps)]
     rows = batch // ps.current_mesh().num_data_shards
     pm = ps.parallelize(par, example_inputs={k: v[:rows] for k, v in batches[0].items()}, **options)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    opt = setup_zero(pm, zero, "adamw", threshold_bytes=256, lr=LR) if zero is not None else \
+    # half precision: SGD with momentum, which passes rounding through unamplified (AdamW would turn noise
+    # on the key bias's gradient, zero in exact arithmetic, into full-size updates)
+    name, kwargs = ("adamw", {"lr": LR}) if precision == "fp32" else ("sgd", {"lr": 0.1, "momentum": 0.9})
+    ref_opt = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name](ref.parameters(), **kwargs)
+    opt = setup_zero(pm, zero, name, precision, threshold_bytes=256, **kwargs) if zero is not None else \
         torch.optim.AdamW(pm.parameters(), lr=LR)
     group = opt.group if zero is not None else pm.mesh.data_group()
     loss_err = 0.0
@@ -58,9 +65,9 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
         loss_err = max(loss_err, rel_err(total, ref_loss.detach()))
     with opt.gathered() if zero is not None else contextlib.nullcontext():
         full = pm.full_state_dict()
-    param_err = max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters() if k in full)
+    param_err = max(rel_err(full[k].to(p.dtype), p.detach()) for k, p in ref.named_parameters() if k in full)
     result = {"loss_err": loss_err, "param_err": param_err,
-              "worst": max((rel_err(full[k], p.detach()), k) for k, p in ref.named_parameters() if k in full),
+              "worst": max((rel_err(full[k].to(p.dtype), p.detach()), k) for k, p in ref.named_parameters() if k in full),
               "missing": sorted(set(dict(ref.named_parameters())) - set(full)),
               "layouts": {k: str(v) for k, v in pm.plan.params.items()}}
     if zero is not None:
