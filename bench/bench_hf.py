@@ -10,8 +10,9 @@ vocabulary (captured by torch.fx); the ratio is HF / GPT, measured in one run.
 ``tp``: the same small Llama (same seed and weights, same batches, AdamW) trained with polyshard
 (``ps.parallelize`` on tp=N, the model called as written) and with torch's ``parallelize_module``
 driven by the model's own tensor-parallel plan, ``_tp_plan`` (q/k/v, gate and up colwise, o and
-down rowwise, the embedding split over the vocabulary, lm_head colwise with its output gathered). Timed in alternating blocks (ABBA) over rounds; the figure per
-system is the median tokens/s, ratio = polyshard / torch, paired = median of per-round ratios.
+down rowwise, the embedding split over the vocabulary, lm_head colwise with its output gathered).
+Timed in alternating blocks (ABBA) over rounds; the figure per system is the median tokens/s,
+ratio = polyshard / torch, paired = median of per-round ratios.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def plan_times(devices: list[int]) -> None:
     for r in rows:
         print(f"| {r['model']} | {r['devices']} | {r['capture_s']:.1f} s | {r['plan_s']:.1f} s | {r['pick']} |")
     for n in devices:
-        a, b = (next(r for r in rows if r["model"] == m and r["devices"] == n) for m in ("hf:llama-3-70b", GPT_OF_LLAMA_70B))
+        a, b = (next(r for r in rows if r["model"] == m and r["devices"] == n)
+                for m in ("hf:llama-3-70b", GPT_OF_LLAMA_70B))
         print(json.dumps({"bench": "hf-plan", "devices": n, "hf": a, "gpt": b,
                           "plan_ratio": round(a["plan_s"] / b["plan_s"], 3)}))
 

@@ -65,9 +65,8 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
         loss_err = max(loss_err, rel_err(total, ref_loss.detach()))
     with opt.gathered() if zero is not None else contextlib.nullcontext():
         full = pm.full_state_dict()
-    param_err = max(rel_err(full[k].to(p.dtype), p.detach()) for k, p in ref.named_parameters() if k in full)
-    result = {"loss_err": loss_err, "param_err": param_err,
-              "worst": max((rel_err(full[k].to(p.dtype), p.detach()), k) for k, p in ref.named_parameters() if k in full),
+    errors = [(rel_err(full[k].to(p.dtype), p.detach()), k) for k, p in ref.named_parameters() if k in full]
+    result = {"loss_err": loss_err, "param_err": max(errors)[0], "worst": max(errors),
               "missing": sorted(set(dict(ref.named_parameters())) - set(full)),
               "layouts": {k: str(v) for k, v in pm.plan.params.items()}}
     if zero is not None:
