@@ -117,3 +117,15 @@ def test_tp_plan_on_a_model_without_one_is_refused():
     with pytest.raises(PolyshardError, match="carries no tensor-parallel plan"):
         ps.parallelize(model, example_inputs=hf.batch(model, 2, 8), mesh=Mesh((("tp", 2),), ("dp",), "cpu", 0),
                        tp_plan=True)
+
+
+def test_a_directory_with_safetensors_loads_its_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    saved = hf.build("llama")
+    saved.config.to_json_file(str(tmp_path / "config.json"))
+    save_file({k: v.contiguous() for k, v in saved.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    loaded = hf.build(str(tmp_path))
+    for name, p in saved.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], p), name
