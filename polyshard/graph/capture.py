@@ -33,6 +33,14 @@ def is_conv1d(m: nn.Module) -> bool:
     return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
 
 
+def is_rms_norm(m: nn.Module) -> bool:
+    """An RMSNorm (torch's, or a transformers family's own class): one per-feature weight, no children.
+    Kept whole so a sequence-split input runs it on DTensors, its weight's gradient summed over the split."""
+    params = dict(m.named_parameters(recurse=False))
+    return (type(m).__name__.endswith("RMSNorm") and not any(True for _ in m.children())
+            and list(params) == ["weight"] and params["weight"].ndim == 1)
+
+
 def linear_dims(m: nn.Module) -> tuple[int, int] | None:
     """Which weight dims hold (outputs, inputs) for a Linear-like module (Linear: (0, 1), Conv1D: (1, 0))."""
     return (0, 1) if isinstance(m, nn.Linear) else (1, 0) if is_conv1d(m) else None
@@ -40,7 +48,7 @@ def linear_dims(m: nn.Module) -> tuple[int, int] | None:
 
 def is_leaf(m: nn.Module) -> bool:
     """Whether capture keeps ``m`` as one call: a module with a sharding rule, or a pinned one."""
-    return isinstance(m, LEAF_MODULES) or is_conv1d(m) or hasattr(m, PIN_ATTR)
+    return isinstance(m, LEAF_MODULES) or is_conv1d(m) or is_rms_norm(m) or hasattr(m, PIN_ATTR)
 
 
 class _Tracer(fx.Tracer):

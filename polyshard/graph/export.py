@@ -83,6 +83,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     for node in graph.nodes:
         _clean_stack(node)
     _split_to_slices(graph)
+    _drop_same_dtype_casts(graph)
     _collapse_leaves(graph, model, is_leaf, attrs)
     batch = dict.fromkeys(_symbolic_batch(graph), rows)
     grads = _needs_grad(graph, attrs)
@@ -172,6 +173,21 @@ def _split_to_slices(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
+_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
+
+
+def _drop_same_dtype_casts(graph: fx.Graph) -> None:
+    """A cast to the dtype a value has already returns the value itself (eager's ``.to``); export records it
+    as a node, which would tie a norm's float32 upcast to the residual stream that reuses it."""
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _CASTS]:
+        src, val = node.args[0], node.meta.get("val")
+        same_device = node.kwargs.get("device") in (None, getattr(src.meta.get("val"), "device", None))
+        if (isinstance(src, fx.Node) and isinstance(val, torch.Tensor) and same_device
+                and getattr(src.meta.get("val"), "dtype", None) == val.dtype):
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+
+
 def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Module], bool], attrs: dict) -> None:
     """Each run of ops inside one call of a leaf module becomes one ``call_module`` node."""
     runs: list[tuple[tuple, list[fx.Node]]] = []
@@ -206,7 +222,8 @@ def _called_on_one_tensor(module: nn.Module) -> bool:
     take other arguments: OPT's positional embedding reads the attention mask), or a pinned module."""
     own = {nn.Linear: nn.Linear.forward, nn.Embedding: nn.Embedding.forward, nn.LayerNorm: nn.LayerNorm.forward}
     forward = type(module).forward
-    return forward in own.values() or type(module).__name__ == "Conv1D" or hasattr(module, "_polyshard_pin")
+    return (forward in own.values() or type(module).__name__ == "Conv1D" or type(module).__name__.endswith("RMSNorm")
+            or hasattr(module, "_polyshard_pin"))
 
 
 def _leaf_of(node: fx.Node, model: nn.Module, is_leaf) -> tuple | None:

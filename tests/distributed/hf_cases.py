@@ -68,7 +68,8 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     errors = [(rel_err(full[k].to(p.dtype), p.detach()), k) for k, p in ref.named_parameters() if k in full]
     result = {"loss_err": loss_err, "param_err": max(errors)[0], "worst": max(errors),
               "missing": sorted(set(dict(ref.named_parameters())) - set(full)),
-              "layouts": {k: str(v) for k, v in pm.plan.params.items()}}
+              "layouts": {k: str(v) for k, v in pm.plan.params.items()},
+              "sequence_parallel": pm.plan.sequence_parallel}
     if zero is not None:
         opt.remove()
     return result

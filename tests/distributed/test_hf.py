@@ -25,6 +25,7 @@ MODES = {
     "recompute_full": ("tp=4", {"recompute": "full"}),
     "recompute_selective": ("dp=2,tp=2", {"recompute": "selective"}),
     "multi_copy": ("tp=4", {"copies": 2}),
+    "sequence_parallel": ("dp=2,tp=2", {"sequence_parallel": True}),
 }
 # the model's own tensor-parallel plan as pins (GPT-2 carries none: its refusal is a unit test)
 TP_PLAN = {"tp_plan": ("dp=2,tp=2", {"tp_plan": True}), "tp_plan_search": ("tp=4", {"tp_plan": True, "search": True})}
@@ -63,6 +64,11 @@ def test_the_models_own_tp_plan_as_pins(pools, family, mode):
 def test_more_families(pools, family, mode):
     mesh, options = MODES[mode]
     _check(pools(4).run(partial(hf_cases.hf_parity, **options), mesh, family))
+
+
+def test_sequence_parallel_reaches_llamas_rms_norms(pools):
+    result = pools(4).run(partial(hf_cases.hf_parity, sequence_parallel=True), "dp=2,tp=2", "llama")[0]
+    assert result["sequence_parallel"]  # row-parallel products reduce-scatter; RMSNorm runs on a slice
 
 
 def test_tensor_parallel_splits_llama_as_megatron_does(pools):

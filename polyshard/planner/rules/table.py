@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from polyshard.graph.capture import PIN_ATTR, is_conv1d, linear_dims, op_key, shape_of, shapes_of
+from polyshard.graph.capture import PIN_ATTR, is_conv1d, is_rms_norm, linear_dims, op_key, shape_of, shapes_of
 from polyshard.layout import Layout
 from polyshard.planner.rules.base import Decision, RuleContext
 from polyshard.planner.rules.einsum import (
@@ -84,6 +84,8 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
                 return rule(node, module, ctx)
         if is_conv1d(module):
             return _linear(node, module, ctx)
+        if is_rms_norm(module):
+            return _layer_norm(node, module, ctx)
         return _replicated(node, ctx, warn=True)
     target = op_key(node)
     pin = getattr(node.target, PIN_ATTR, None)
@@ -328,12 +330,13 @@ def _reduction(node: fx.Node, ctx: RuleContext) -> Decision:
     return Decision("local", {x.name: need}, need.with_dims(dims))
 
 
-def _layer_norm(node: fx.Node, module: nn.LayerNorm, ctx: RuleContext) -> Decision:
-    """Normalized dims whole, the others (batch, sequence) may stay split. On a split input the
-    whole weights get partial gradients: DTensor runs it, and sums them over the split axes."""
+def _layer_norm(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
+    """LayerNorm or RMSNorm: normalized dims whole, the others (batch, sequence) may stay split. On a
+    split input the whole weights get partial gradients: DTensor runs it, and sums them over the split axes."""
     x = node.args[0]
     src = ctx.layout(x)
-    need = _without(src, list(range(src.ndim - len(module.normalized_shape), src.ndim)))
+    normalized = len(getattr(module, "normalized_shape", None) or module.weight.shape)
+    need = _without(src, list(range(src.ndim - normalized, src.ndim)))
     params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
     impl = "dtensor" if params and not need.is_replicated else "local"
     return Decision(impl, {x.name: need}, need, params=params)
