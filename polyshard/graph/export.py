@@ -173,13 +173,13 @@ def _split_to_slices(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
+CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
 
 
 def _drop_same_dtype_casts(graph: fx.Graph) -> None:
     """A cast to the dtype a value has already returns the value itself (eager's ``.to``); export records it
     as a node, which would tie a norm's float32 upcast to the residual stream that reuses it."""
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _CASTS]:
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in CASTS]:
         src, val = node.args[0], node.meta.get("val")
         same_device = node.kwargs.get("device") in (None, getattr(src.meta.get("val"), "device", None))
         if (isinstance(src, fx.Node) and isinstance(val, torch.Tensor) and same_device
@@ -218,12 +218,11 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
 
 
 def _called_on_one_tensor(module: nn.Module) -> bool:
-    """Whether a call with the run's one tensor input reproduces it: torch's own forward (a subclass may
-    take other arguments: OPT's positional embedding reads the attention mask), or a pinned module."""
-    own = {nn.Linear: nn.Linear.forward, nn.Embedding: nn.Embedding.forward, nn.LayerNorm: nn.LayerNorm.forward}
-    forward = type(module).forward
-    return (forward in own.values() or type(module).__name__ == "Conv1D" or type(module).__name__.endswith("RMSNorm")
-            or hasattr(module, "_polyshard_pin"))
+    """Whether calling a leaf on the run's one tensor input reproduces the run: a subclass of torch's
+    Linear, Embedding or LayerNorm with a forward of its own may take other arguments (OPT's positional
+    embedding reads the attention mask)."""
+    base = next((b for b in (nn.Linear, nn.Embedding, nn.LayerNorm) if isinstance(module, b)), None)
+    return base is None or type(module).forward is base.forward
 
 
 def _leaf_of(node: fx.Node, model: nn.Module, is_leaf) -> tuple | None:

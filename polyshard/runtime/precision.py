@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from polyshard.errors import PolyshardError
+from polyshard.graph.export import CASTS
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,9 +35,6 @@ def cast_inputs(module: nn.Module, dtype: torch.dtype):
     return module.register_forward_pre_hook(hook)
 
 
-_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
-
-
 def compute_casts_in(module: nn.Module, dtype: torch.dtype) -> None:
     """Casts to float32 written into captured programs (transformers' norms and logits ``.float()``,
     recorded by torch.export at the capture's dtype) cast to ``dtype`` instead, so a program computes
@@ -46,7 +44,7 @@ def compute_casts_in(module: nn.Module, dtype: torch.dtype) -> None:
     for gm in programs:
         changed = False
         for node in gm.graph.nodes:
-            if node.op != "call_function" or node.target not in _CASTS:
+            if node.op != "call_function" or node.target not in CASTS:
                 continue
             if node.kwargs.get("dtype") == torch.float32:
                 node.kwargs = {**node.kwargs, "dtype": dtype}
