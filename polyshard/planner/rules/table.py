@@ -239,13 +239,11 @@ def _permute(node: fx.Node, ctx: RuleContext, order: list[int] | None = None) ->
     x = node.args[0]
     src = _without(ctx.layout(x), [])
     nd = src.ndim
-    if order is not None:
-        pass
-    elif op_key(node) in ("transpose", torch.transpose):
+    if order is None and op_key(node) in ("transpose", torch.transpose):
         a, b = (_norm_dim(d, nd) for d in node.args[1:3])
         order = list(range(nd))
         order[a], order[b] = order[b], order[a]
-    else:
+    elif order is None:
         dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
         order = [_norm_dim(d, nd) for d in dims]
     return Decision("local", {x.name: src}, src.with_dims([src.dims[o] for o in order]))
