@@ -134,13 +134,29 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.devices_per_node < 1:
             raise PolyshardError(
-                f"cluster of {self.num_nodes} nodes x {self.devices_per_node} devices: "
+                f"cluster of num_nodes={self.num_nodes} x devices_per_node={self.devices_per_node}: "
                 "both must be at least 1"
             )
         if self.device_type not in _BACKENDS:
             raise PolyshardError(
                 f"device_type {self.device_type!r} is unknown; use one of {sorted(_BACKENDS)}"
             )
+        positive = {f"{link}.bandwidth_bytes_per_s": getattr(self, link).bandwidth_bytes_per_s
+                    for link in ("intra_node", "inter_node")}
+        positive |= {f"flops_per_s.{dtype}": rate for dtype, rate in self.flops_per_s.items()}
+        if self.device_type == "cuda":  # a CPU's memory is the host's, 0 in its preset
+            positive["memory_bytes"] = self.memory_bytes
+        at_least_zero = {f"{link}.latency_s": getattr(self, link).latency_s for link in ("intra_node", "inter_node")}
+        at_least_zero |= {key: getattr(self, key) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS[:1]}
+        for key, value in positive.items():
+            if not value > 0:
+                raise PolyshardError(f"cluster {key} must be positive; got {value!r}")
+        for key, value in at_least_zero.items():
+            if not value >= 0:
+                raise PolyshardError(f"cluster {key} must be zero or more; got {value!r}")
+        for key in _RATE_KEYS[1:]:
+            if not 0 < getattr(self, key) <= 1:
+                raise PolyshardError(f"cluster {key} is a share of peak, in (0, 1]; got {getattr(self, key)!r}")
 
     @property
     def num_devices(self) -> int:

@@ -22,19 +22,51 @@ DEFAULT_DATA_AXES = ("dp",)
 PIPELINE_AXIS = "pp"
 
 
+# What each axis name does; the Python API takes other names when `init` is told their role.
+AXIS_ROLES = {"dp": "data parallel (splits each batch)", "tp": "operator parallel (splits layers' weights)",
+              "pp": "pipeline stages", "world": "operator parallel (init's default axis over all ranks)"}
+
+
 def parse_mesh(text: str) -> dict[str, int]:
     """``"dp=2,tp=2"`` -> ``{"dp": 2, "tp": 2}``."""
     out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, eq, size = part.partition("=")
-        if not eq or not name.strip().isidentifier() or not re.fullmatch(r"[0-9]+", size.strip()) or int(size) < 1:
+    parts = [p.strip() for p in text.split(",")]
+    if any(parts) and not all(parts[:-1]):  # a trailing comma is harmless, an empty entry a typo
+        raise PolyshardError(f"mesh {text!r} has an empty entry between commas; write e.g. 'dp=2,tp=2'")
+    for part in filter(None, parts):
+        name, eq, size = (s.strip() for s in part.partition("="))
+        if not eq or not name.isidentifier():
             raise PolyshardError(f"mesh entry {part!r} is not NAME=SIZE (e.g. 'dp=2,tp=2')")
-        if name.strip() in out:
-            raise PolyshardError(f"mesh axis {name.strip()!r} appears twice in {text!r}")
-        out[name.strip()] = int(size)
+        if not re.fullmatch(r"[+-]?[0-9]+", size):
+            raise PolyshardError(f"mesh entry {part!r}: the size must be a whole number of devices, at least 1")
+        out[name] = check_axis_size(name, int(size), out)
     if not out:
         raise PolyshardError(f"mesh {text!r} names no axes (e.g. 'dp=2,tp=2')")
     return out
+
+
+def check_axis_size(name: object, size: object, seen: dict) -> int:
+    """One mesh axis: a name not seen before and a whole number of devices, at least 1."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise PolyshardError(f"mesh axis name {name!r} must be an identifier such as 'dp' or 'tp'")
+    if name in seen:
+        raise PolyshardError(f"mesh axis {name!r} appears twice")
+    if type(size) is not int:
+        raise PolyshardError(f"mesh axis {name}={size!r}: the size must be a whole number of devices (an int), "
+                             f"not {type(size).__name__}")
+    if size < 1:
+        raise PolyshardError(f"mesh axis {name}={size}: the size must be at least 1")
+    return size
+
+
+def check_roles(shape: dict[str, int], data_axes: tuple[str, ...], op_axes: tuple[str, ...] = (),
+                where: str = "mesh") -> None:
+    """Every axis has a role: a known name, or one given by ``data_axes`` / ``op_axes``."""
+    unknown = [a for a in shape if a not in AXIS_ROLES and a not in data_axes and a not in op_axes]
+    if unknown:
+        roles = "; ".join(f"{n}: {r}" for n, r in AXIS_ROLES.items())
+        raise PolyshardError(f"{where} axis {unknown[0]!r} has no role; the axes are {roles}. In Python, name an "
+                             "axis of your own in init's data_axes or op_axes")
 
 
 def check_mesh(shape: dict[str, int], world_size: int) -> None:
@@ -173,11 +205,13 @@ def current_mesh() -> Mesh:
 
 
 def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = DEFAULT_DATA_AXES,
-         threads_per_rank: int | None = 1, cluster: Cluster | str | None = None) -> Mesh:
+         threads_per_rank: int | None = 1, cluster: Cluster | str | None = None,
+         op_axes: tuple[str, ...] = ()) -> Mesh:
     """Start the process group (from torchrun's environment, or a world of one) and set the mesh.
 
     ``mesh=None`` gives a 1-D mesh of all ranks named ``world`` (an op axis); an axis named ``pp``
-    holds pipeline stages.
+    holds pipeline stages, ``dp`` (or any name in ``data_axes``) splits batches, ``tp`` (or any name in
+    ``op_axes``) splits operators; other names are refused.
     On CPU each rank uses ``threads_per_rank`` threads (1 by default: ranks share the cores).
     ``cluster`` (a preset such as ``8xA100-80G``, a YAML path, or a Cluster) defaults to torchrun's
     environment; operator axes that span nodes get a warning, since they talk the most.
@@ -186,15 +220,21 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
     import torch
     import torch.distributed as dist
 
-    shape = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh) if mesh else None
+    shape = parse_mesh(mesh) if isinstance(mesh, str) else _checked(dict(mesh)) if mesh else None
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     shape = shape or {"world": world_size}
-    check_mesh(shape, world_size)
+    if threads_per_rank is not None and (type(threads_per_rank) is not int or threads_per_rank < 1):
+        raise PolyshardError(f"threads_per_rank must be a positive int or None; got {threads_per_rank!r}")
     unknown = [a for a in data_axes if a not in shape]
     if unknown and data_axes != DEFAULT_DATA_AXES:
         raise PolyshardError(f"data axes {unknown} are not in the mesh {shape}")
     if PIPELINE_AXIS in data_axes:
         raise PolyshardError(f"{PIPELINE_AXIS!r} is the pipeline axis; it cannot be a data axis too")
+    both = set(data_axes) & set(op_axes)
+    if both:
+        raise PolyshardError(f"axes {sorted(both)} are named as data axes and as operator axes; give each one role")
+    check_roles(shape, tuple(data_axes), tuple(op_axes))
+    check_mesh(shape, world_size)
     pipe = (PIPELINE_AXIS,) if PIPELINE_AXIS in shape else ()
     cluster = Cluster.load(cluster) if isinstance(cluster, str) else cluster or Cluster.from_env()
     if cluster.num_devices != world_size:
@@ -217,6 +257,13 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
     _current = Mesh(tuple(shape.items()), tuple(a for a in data_axes if a in shape), device_type, dist.get_rank(),
                     cluster, pipe[0] if pipe else None)
     return _current
+
+
+def _checked(shape: dict) -> dict[str, int]:
+    seen: dict[str, int] = {}
+    for name, size in shape.items():
+        seen[name] = check_axis_size(name, size, seen)
+    return seen
 
 
 def _warn_if_op_axes_span_nodes(shape: dict[str, int], quiet_axes: tuple[str, ...], cluster: Cluster) -> None:

@@ -32,7 +32,7 @@ def make_pin(in_strategy: Strategy, out_strategy: Sequence | None, fn: Callable 
         )
     for s in in_strategy:
         for c in s:
-            if not (c is None or isinstance(c, str) or (isinstance(c, int) and c >= 1)):
+            if not (c is None or isinstance(c, str) or (type(c) is int and c >= 1)):
                 raise PolyshardError(f"`{name}`: entry {c!r} of {tuple(s)} is not a positive slice count or axis name")
     out = tuple(out_strategy) if out_strategy is not None else None
     return Pin(tuple(tuple(s) for s in in_strategy), out, fn, name)

@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
         raise PolyshardError(f"--nproc must be at least 2 to time collectives, got {args.nproc}")
     if args.repeats < 1:
         raise PolyshardError(f"--repeats must be at least 1, got {args.repeats}")
+    if Path(args.out).is_dir():
+        raise PolyshardError(f"--out {args.out!r} is a folder; name a .yaml file")
     if not Path(args.out).resolve().parent.is_dir():
         raise PolyshardError(f"--out {args.out!r} is in a folder that does not exist; create it first")
     from polyshard.calibrate import message_sizes

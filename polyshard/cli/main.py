@@ -7,12 +7,16 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.errors import PolyshardError
 from polyshard.planner.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
                                    ZERO_LEVELS)
+
+ERRORS_ENV = "POLYSHARD_ERRORS_DIR"  # where ranks launched by `polyshard` leave the bad input they found
 
 # `train` flags that set a plan field of the same name (and win over a plan file's)
 PLAN_FLAGS = ("recompute", "recompute_comm", "offload", "zero", "optimizer", "precision", "schedule", "micro_batches",
@@ -25,12 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except PolyshardError as exc:
-        print(f"polyshard: error: {exc}", file=sys.stderr)
+        if args.debug:
+            traceback.print_exc()
+        errors = os.environ.get(ERRORS_ENV)
+        if errors and not args.debug:  # a rank launched by `_launch`, which says it once for all ranks
+            Path(errors, f"rank{os.environ.get('RANK', '0')}").write_text(str(exc))
+        else:
+            print(f"polyshard: error: {exc}", file=sys.stderr)
         return 2
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="polyshard", description="Train one PyTorch model across many devices.")
+    p.add_argument("--debug", action="store_true", help="with an error, also print where in polyshard it was raised")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train a GPT on text shipped with Python, across N processes",
@@ -39,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                    "the current torchrun world)")
     t.add_argument("--mesh", default="", help="named mesh, e.g. dp=2,tp=2 (default: dp=NPROC); 'dp' splits batches, "
                    "other axes split operators")
-    t.add_argument("--model", default="gpt-small", help="model name (see `polyshard models`; default gpt-small), or "
+    t.add_argument("--model", default="", help="model name (see `polyshard models`; default: the --plan's, else "
+                   "gpt-small), or "
                    "hf:FAMILY (e.g. hf:llama, a tiny transformers model), hf:CONFIG.json or hf:DIR with config.json "
                    "and safetensors weights")
     t.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
@@ -129,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
-    from polyshard.runtime.trainer import TrainConfig, check_config, train
+    from polyshard.runtime.train_config import TrainConfig, check_against_model, check_config
 
     settings = tuple((name, getattr(args, name)) for name in PLAN_FLAGS if getattr(args, name) is not None)
     cfg = TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
@@ -141,10 +153,13 @@ def _train(args) -> int:
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1)
     if args.nproc is not None and args.nproc < 1:
         raise PolyshardError(f"--nproc must be at least 1, got {args.nproc}")
-    check_config(cfg, world)
+    shape = check_config(cfg, world)
     if not in_torchrun:
+        check_against_model(cfg, shape)
         rest = _without_flag(sys.argv[1:] if args.nproc is not None else [], "--nproc")
         return _launch(world, ["-m", "polyshard.cli.main"] + (rest or ["train"]))
+    from polyshard.runtime.trainer import train
+
     train(cfg)
     import torch.distributed as dist
 
@@ -178,16 +193,18 @@ def _plan(args) -> int:
     from polyshard.cluster import Cluster, parse_bytes
     from polyshard.planner.config import Fixed
     from polyshard.planner.report import compare, render, summary
-    from polyshard.planner.search import search
+    from polyshard.planner.search import default_reserve_bytes, search
 
     cluster = Cluster.load(args.cluster)
     cfg = models.config(args.model, args.seq_len)
     fixed = Fixed.parse(args.config)
+    fixed.check_devices(cluster.num_devices)
     batch = args.batch_size or cluster.num_devices
     if batch < 1:
         raise PolyshardError(f"--global-batch must be at least 1, got {batch}")
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     reserve = parse_bytes(args.memory_reserve) if args.memory_reserve else None
+    _check_reserve(limit or cluster.memory_bytes, reserve, default_reserve_bytes(cluster))
     if args.pin and not Path(args.pin).is_file():
         raise PolyshardError(f"--pin file {args.pin!r} does not exist")
     if args.out and not Path(args.out).resolve().parent.is_dir():
@@ -195,7 +212,7 @@ def _plan(args) -> int:
     start = time.perf_counter()
     model = models.build(args.model, device="meta", seq_len=args.seq_len)
     if args.pin:
-        from polyshard.runtime.trainer import apply_strategies
+        from polyshard.runtime.train_config import apply_strategies
 
         apply_strategies(model, args.pin)
     plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, reserve_bytes=reserve)
@@ -225,11 +242,26 @@ def _plan(args) -> int:
     return 0
 
 
+def _check_reserve(limit: int, reserve: int | None, default: int) -> None:
+    """A reserve leaves some of the limit to plan with."""
+    from polyshard.cluster import format_bytes
+
+    if reserve is not None and reserve >= limit:
+        raise PolyshardError(f"--memory-reserve {format_bytes(reserve)} leaves nothing of the {format_bytes(limit)} "
+                             "per device (--memory-limit, or the device's memory); lower the reserve")
+    if reserve is None and limit and default >= limit:
+        raise PolyshardError(f"the {format_bytes(limit)} per device (--memory-limit, or the device's memory) is not "
+                             f"more than the default reserve of {format_bytes(default)}; raise the limit or set "
+                             "--memory-reserve")
+
+
 def _explain(args) -> int:
     from polyshard.planner.report import render
-    from polyshard.runtime.trainer import load_plan
+    from polyshard.runtime.train_config import load_plan
 
-    plan = load_plan(args.plan)
+    if args.layouts < 0:
+        raise PolyshardError(f"--layouts must be 0 or more, got {args.layouts}")
+    plan = load_plan(args.plan, "plan file")
     print(render(plan, layouts=args.layouts))
     if args.timeline:
         _draw_plan_timeline(plan, args.timeline, args.cluster)
@@ -300,7 +332,7 @@ def _run(args) -> int:
     if args.nproc < 1:
         raise PolyshardError(f"-n must be at least 1, got {args.nproc}")
     if not os.path.isfile(args.script):
-        raise PolyshardError(f"script {args.script!r} does not exist")
+        raise PolyshardError(f"script {args.script!r} does not exist" + " (it is a folder)" * os.path.isdir(args.script))
     return _launch(args.nproc, [args.script] + args.script_args)
 
 
@@ -320,14 +352,28 @@ def _models(args) -> int:
 
 
 def _launch(nproc: int, command: list[str]) -> int:
-    """torchrun on this machine: ``nproc`` ranks, one thread each, a free port."""
+    """torchrun on this machine: ``nproc`` ranks, one thread each, a free port. A bad input the ranks
+    find is said once, with exit code 2, instead of once per rank under torchrun's own report."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={port}", *command]
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="polyshard-errors-") as errors:
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors})
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+        last = b"\n"
+        while chunk := os.read(proc.stderr.fileno(), 1 << 16):
+            if not os.listdir(errors):  # after a rank's error, the rest is the other ranks stopping
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+                last = chunk[-1:]
+        code = proc.wait()
+        said = sorted({p.read_text() for p in Path(errors).iterdir()})
+    for message in said:
+        print(("" if last == b"\n" else "\n") + f"polyshard: error: {message}", file=sys.stderr)
+        last = b"\n"
+    return 2 if said else code
 
 
 def _without_flag(argv: list[str], flag: str) -> list[str]:

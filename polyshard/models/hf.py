@@ -82,6 +82,7 @@ def build(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.dev
     cfg.use_cache = False
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.loss_type = "ForCausalLM"  # what from_config leaves unset, and transformers warns about on first use
     if weights is not None and str(device) != "meta":
         from safetensors.torch import load_file
 

@@ -68,6 +68,18 @@ class Fixed:
         if self.v is not None and self.v > 1 and self.schedule not in (None, "interleaved"):
             raise PolyshardError(f"--config v={self.v} needs schedule=interleaved, not {self.schedule!r}")
 
+    def check_devices(self, devices: int) -> None:
+        """Raise unless the fixed dp / tp / pp can split ``devices``."""
+        given = {k: getattr(self, k) for k in ("dp", "tp", "pp") if getattr(self, k) is not None}
+        product = 1
+        for key, size in given.items():
+            product *= size
+            if devices % product:
+                raise PolyshardError(f"--config {','.join(f'{k}={v}' for k, v in given.items())} does not divide the "
+                                     f"{devices} devices of the cluster; choose sizes that divide {devices}")
+        if len(given) == 3 and product != devices:
+            raise PolyshardError(f"--config dp x tp x pp = {product}, and the cluster has {devices} devices")
+
     def allows(self, **settings) -> bool:
         """Whether every given setting agrees with what is fixed."""
         return all(getattr(self, k) is None or getattr(self, k) == v for k, v in settings.items())

@@ -122,6 +122,15 @@ class Plan:
     def from_json(text: str) -> Plan:
         try:
             raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PolyshardError(f"not a polyshard plan: not JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(raw, dict):
+            raise PolyshardError(f"not a polyshard plan: a plan is a JSON object, not a {type(raw).__name__}")
+        missing = [k for k in ("op_axes", "params", "nodes") if k not in raw]
+        if missing:
+            raise PolyshardError(f"not a polyshard plan: no {', '.join(map(repr, missing))} key; write plans with "
+                                 "`polyshard plan --out`")
+        try:
             return Plan(
                 op_axes=_axes_in(raw["op_axes"]),
                 params={k: _layout_in(v) for k, v in raw["params"].items()},
@@ -134,6 +143,8 @@ class Plan:
                 stage_boundaries=tuple(raw.get("stage_boundaries", ())), model=raw.get("model", ""),
                 global_batch=int(raw.get("global_batch", 0)), report=raw.get("report", {}),
             )
+        except PolyshardError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise PolyshardError(f"not a polyshard plan: {type(exc).__name__}: {exc}") from exc
 

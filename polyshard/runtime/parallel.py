@@ -12,6 +12,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_map
 
 from polyshard.cluster import Cluster
+from polyshard.compiler.check import check_plan
 from polyshard.compiler.lower import lower
 from polyshard.compiler.redistribute import to_dtensor
 from polyshard.errors import PolyshardError
@@ -138,7 +139,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
     gm = capture(model, example_inputs)
     if tp_plan:
         _pin_tp_plan(model, gm, mesh)
-    if plan is None:
+    if plan is not None:
+        check_plan(plan, gm, mesh.axes)
+    else:
         seen: set[str] = set()
 
         def warn(msg: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import gc
 import json
 import math
@@ -12,7 +11,6 @@ import os
 import resource
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +20,6 @@ import polyshard as ps
 from polyshard import models
 from polyshard.cluster import Cluster, parse_bytes
 from polyshard.planner.config import Fixed
-from polyshard.planner.plan import Plan
 from polyshard.planner.report import render
 from polyshard.planner.search import search
 from polyshard.data.corpus import TokenBatches, load_corpus
@@ -31,141 +28,8 @@ from polyshard.optim import OPTIMIZER_CLASSES, build_optimizer
 from polyshard.runtime.offload import OffloadedOptimizer
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.timeline import draw_timeline
+from polyshard.runtime.train_config import TrainConfig, apply_strategies, check_config, load_plan, model_name
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
-
-
-# The mesh axes `polyshard train` knows, by role (the Python API takes any names, see polyshard.init).
-TRAIN_AXES = {"dp": "data parallel (splits each batch)", "tp": "operator parallel (splits layers' weights)",
-              "pp": "pipeline stages"}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """model: a name from polyshard.models; mesh: e.g. "dp=2,tp=2"; steps: optimizer steps;
-    batch_size: global rows per step; accum: micro-steps per step; lr: learning rate; seed: init and
-    data; strategies: YAML of per-module pins; metrics: JSON-lines path; log_every: steps per line;
-    copies: interleaved slices per micro-batch ("auto": the cost model chooses);
-    plan: a plan file to run (mesh and layouts from it); auto: search a plan for the processes at hand;
-    memory_limit: bytes per device (e.g. "2GiB"): the planner fits the run under it, choosing
-    layouts, recompute and offload; settings: plan fields set from flags (recompute, offload, ...),
-    which win over the plan's; offload_dir: where disk offload keeps its files (an empty folder;
-    default: a temporary one, removed after the run); timeline: a PNG path where a pipelined run
-    draws its last step's schedule, measured beside predicted; sequence_parallel: row-parallel
-    products reduce-scatter along the sequence, so norms, dropout and residual adds run on a slice of it."""
-
-    model: str = "gpt-small"
-    mesh: str = ""
-    steps: int = 50
-    batch_size: int = 8
-    accum: int = 1
-    lr: float = 3e-3
-    seed: int = 0
-    strategies: str = ""
-    metrics: str = "runs/metrics.jsonl"
-    log_every: int = 10
-    copies: str = "1"
-    plan: str = ""
-    auto: bool = False
-    memory_limit: str = ""
-    settings: tuple[tuple[str, object], ...] = ()
-    offload_dir: str = ""
-    timeline: str = ""
-    sequence_parallel: bool = False
-
-
-def load_plan(path: str) -> Plan:
-    """A plan file, read and parsed (errors name the file)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise PolyshardError(f"--plan {path!r} cannot be read: {exc.strerror}") from exc
-    return Plan.from_json(text)
-
-
-def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
-    """Every flag checked before any process starts; returns the mesh shape."""
-    from polyshard.mesh import check_mesh, parse_mesh
-
-    if cfg.model.startswith("hf:"):
-        from polyshard.models.hf import config_dict
-
-        config_dict(cfg.model[3:])  # names a family, a shipped config or a config.json, or says what does
-    elif cfg.model not in models.CONFIGS:
-        raise PolyshardError(f"--model {cfg.model!r} is unknown; `polyshard models` lists: {', '.join(models.CONFIGS)}"
-                             " and hf:<family or config.json>")
-    if cfg.plan and (cfg.mesh or cfg.auto):
-        raise PolyshardError("--plan fixes the mesh: leave out --mesh and --auto")
-    if cfg.auto and cfg.mesh:
-        raise PolyshardError("--auto chooses the mesh: leave out --mesh")
-    if cfg.plan:
-        plan = load_plan(cfg.plan)
-        shape = dict(plan.mesh) or {"dp": world_size}
-    else:
-        shape = parse_mesh(cfg.mesh) if cfg.mesh else {"dp": world_size}
-        unknown = [name for name in shape if name not in TRAIN_AXES]
-        if unknown:
-            roles = "; ".join(f"{name}: {role}" for name, role in TRAIN_AXES.items())
-            raise PolyshardError(f"--mesh axis {unknown[0]!r} has no role in `polyshard train`; its axes are {roles}")
-    check_mesh(shape, world_size)
-    if cfg.sequence_parallel and cfg.plan:
-        raise PolyshardError("--plan fixes every layout: leave out --sequence-parallel (or plan with --config sp=1)")
-    if cfg.sequence_parallel and not cfg.auto and shape.get("tp", 1) < 2:
-        raise PolyshardError("--sequence-parallel splits the sequence over tp: the mesh needs a tp axis of 2 or more")
-    data = 1 if cfg.auto else shape.get("dp", 1)  # --auto: the search picks a split that divides the batch
-    for flag, value in (("--steps", cfg.steps), ("--batch-size", cfg.batch_size), ("--accum", cfg.accum),
-                        ("--log-every", cfg.log_every)):
-        if value < 1:
-            raise PolyshardError(f"{flag} must be at least 1, got {value}")
-    if cfg.batch_size % (data * cfg.accum):
-        raise PolyshardError(
-            f"--batch-size {cfg.batch_size} must split into dp={data} shards x --accum {cfg.accum} micro-batches; "
-            f"use a multiple of {data * cfg.accum}"
-        )
-    if cfg.copies != "auto" and not (cfg.copies.isdigit() and int(cfg.copies) >= 1):
-        raise PolyshardError(f"--copies must be a positive integer or 'auto', got {cfg.copies!r}")
-    micro = cfg.batch_size // data // cfg.accum
-    if cfg.copies != "auto" and int(cfg.copies) > micro:
-        raise PolyshardError(
-            f"--copies {cfg.copies} needs at least as many rows per micro-batch, which has {micro} "
-            f"(--batch-size {cfg.batch_size} / dp={data} / --accum {cfg.accum})"
-        )
-    if not cfg.lr > 0:
-        raise PolyshardError(f"--lr must be positive, got {cfg.lr}")
-    if cfg.memory_limit:
-        parse_bytes(cfg.memory_limit)
-        if cfg.plan:
-            raise PolyshardError("--plan is already planned for a memory limit: leave out --memory-limit")
-    Plan(op_axes=(), **dict(cfg.settings))  # each setting checked by the plan's own rules
-    if cfg.strategies and not Path(cfg.strategies).is_file():
-        raise PolyshardError(f"--strategies file {cfg.strategies!r} does not exist")
-    return shape
-
-
-def apply_strategies(model: torch.nn.Module, path: str) -> list[str]:
-    """Pin strategies from YAML: ``module-name-or-glob: {in_strategy: [[1, 1], [2, 1]], out_strategy: ...}``."""
-    import yaml
-
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(raw, dict):
-        raise PolyshardError(f"{path}: expected a mapping of module names to strategies")
-    names = dict(model.named_modules())
-    pinned = []
-    for pattern, spec in raw.items():
-        if not isinstance(spec, dict) or "in_strategy" not in spec or set(spec) - {"in_strategy", "out_strategy"}:
-            raise PolyshardError(f"{path}: entry {pattern!r} needs in_strategy (and optionally out_strategy), got {spec!r}")
-        hits = [n for n in names if n and fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
-            raise PolyshardError(f"{path}: {pattern!r} matches no module; names look like {next(iter(n for n in names if n))!r}")
-        for name in hits:
-            ps.shard(names[name], in_strategy=_tuples(spec["in_strategy"]), out_strategy=_tuples(spec.get("out_strategy")))
-            pinned.append(name)
-    return pinned
-
-
-def _tuples(value):
-    if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
-    return value
 
 
 def train(cfg: TrainConfig) -> list[dict]:
@@ -175,19 +39,19 @@ def train(cfg: TrainConfig) -> list[dict]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     shape = check_config(cfg, world)
     plan = load_plan(cfg.plan) if cfg.plan else None
-    model_name = plan.model if plan is not None and plan.model else cfg.model
+    name = model_name(cfg, plan)
     if cfg.auto or cfg.memory_limit:  # --auto: every mesh; --memory-limit alone: the mesh given
-        meta = models.build(model_name, device="meta")
+        meta = models.build(name, device="meta")
         limit = parse_bytes(cfg.memory_limit) if cfg.memory_limit else None
         plan, _ = search(meta, meta.example_inputs(1), Cluster.from_env(), cfg.batch_size // cfg.accum, limit,
                          meshes=None if cfg.auto else [tuple(shape.items())],
                          fixed=Fixed(sp=1) if cfg.sequence_parallel else Fixed())
-        plan.model, shape = model_name, dict(plan.mesh)
+        plan.model, shape = name, dict(plan.mesh)
     if plan is not None and cfg.settings:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
     mesh = ps.init(shape)
     lead = dist.get_rank() == 0
-    model = models.build(model_name, seed=cfg.seed)
+    model = models.build(name, seed=cfg.seed)
     pinned = apply_strategies(model, cfg.strategies) if cfg.strategies else []
     # without a pipeline, a plan's micro-batches are gradient accumulation, on top of --accum
     accum = cfg.accum * (plan.micro_batches if plan is not None and mesh.pp == 1 else 1)

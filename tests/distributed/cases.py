@@ -140,7 +140,7 @@ def two_matmul_parity(steps: int = 5) -> dict:
 
 def redistribution_bytes(mesh: str, src_spec, dst_spec, src_partial=(), dst_partial=(), shape=(8, 12)) -> dict:
     """Bytes the planner predicts per axis vs the bytes the issued collectives send; value parity."""
-    m = ps.init(mesh)
+    m = ps.init(mesh, op_axes=("a", "b"))  # two operator axes of our own naming
     axes = m.op_axes
     src = Layout(axes, tuple(tuple(d) for d in src_spec), tuple(src_partial))
     dst = Layout(axes, tuple(tuple(d) for d in dst_spec), tuple(dst_partial))

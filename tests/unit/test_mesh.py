@@ -18,12 +18,13 @@ def test_parse_mesh_good():
 @pytest.mark.parametrize(
     "text, fragment",
     [
-        ("dp=0", "'dp=0' is not NAME=SIZE"),
+        ("dp=0", "dp=0: the size must be at least 1"),
         ("dp", "'dp' is not NAME=SIZE"),
         ("dp=2,tp", "'tp' is not NAME=SIZE"),
-        ("dp=-1", "'dp=-1' is not NAME=SIZE"),
-        ("dp=two", "'dp=two' is not NAME=SIZE"),
-        ("dp=2.5", "'dp=2.5' is not NAME=SIZE"),
+        ("dp=-1", "dp=-1: the size must be at least 1"),
+        ("dp=two", "'dp=two': the size must be a whole number"),
+        ("dp=2.5", "'dp=2.5': the size must be a whole number"),
+        ("dp=2,,tp=2", "empty entry between commas"),
         ("=2", "'=2' is not NAME=SIZE"),
         ("2x=2", "'2x=2' is not NAME=SIZE"),
         ("dp=2,dp=2", "'dp' appears twice"),

@@ -137,6 +137,11 @@ def spec_layout(spec: Sequence, op_axes: Axes, shape: Sequence[int], op: str) ->
     """A named spec like ``("dp", None)`` over the op axes, checked against ``shape``."""
     if len(spec) != len(shape):
         raise PolyshardError(f"`{op}`: spec {tuple(spec)} has {len(spec)} entries for a tensor of shape {tuple(shape)}")
+    names = {n for n, _ in op_axes}
+    unknown = [a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in names]
+    if unknown:
+        raise PolyshardError(f"`{op}`: spec {tuple(spec)} names axis {unknown[0]!r}, which is not an operator axis of "
+                             f"the mesh ({', '.join(sorted(names)) or 'none'})")
     layout = Layout.from_spec(op_axes, spec)
     layout.check_divides(shape, f"`{op}`")
     return layout

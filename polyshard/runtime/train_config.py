@@ -1,0 +1,319 @@
+"""What `polyshard train` is asked to do, checked whole before any process starts.
+
+Flags are checked against each other and the world (``check_config``, also in every rank); then,
+in the launching process only, against the model itself on the meta device (``check_against_model``):
+strategies pinned and propagated, a plan file met with the graph it is to run, pipeline cuts counted.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+import polyshard as ps
+from polyshard import models
+from polyshard.cluster import parse_bytes
+from polyshard.errors import PolyshardError
+from polyshard.mesh import PIPELINE_AXIS, check_mesh, check_roles, parse_mesh
+from polyshard.planner.plan import Plan
+
+DEFAULT_MODEL = "gpt-small"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """model: a name from polyshard.models ("": the plan's, else gpt-small); mesh: e.g. "dp=2,tp=2";
+    steps: optimizer steps; batch_size: global rows per step; accum: micro-steps per step; lr: learning
+    rate; seed: init and data; strategies: YAML of per-module pins; metrics: JSON-lines path;
+    log_every: steps per line; copies: interleaved slices per micro-batch ("auto": the cost model chooses);
+    plan: a plan file to run (mesh and layouts from it); auto: search a plan for the processes at hand;
+    memory_limit: bytes per device (e.g. "2GiB"): the planner fits the run under it, choosing
+    layouts, recompute and offload; settings: plan fields set from flags (recompute, offload, ...),
+    which win over the plan's; offload_dir: where disk offload keeps its files (an empty folder;
+    default: a temporary one, removed after the run); timeline: a PNG path where a pipelined run
+    draws its last step's schedule, measured beside predicted; sequence_parallel: row-parallel
+    products reduce-scatter along the sequence, so norms, dropout and residual adds run on a slice of it."""
+
+    model: str = ""
+    mesh: str = ""
+    steps: int = 50
+    batch_size: int = 8
+    accum: int = 1
+    lr: float = 3e-3
+    seed: int = 0
+    strategies: str = ""
+    metrics: str = "runs/metrics.jsonl"
+    log_every: int = 10
+    copies: str = "1"
+    plan: str = ""
+    auto: bool = False
+    memory_limit: str = ""
+    settings: tuple[tuple[str, object], ...] = ()
+    offload_dir: str = ""
+    timeline: str = ""
+    sequence_parallel: bool = False
+
+
+def model_name(cfg: TrainConfig, plan: Plan | None) -> str:
+    """The model to train: the flag's, else the plan's, else the default."""
+    return cfg.model or (plan.model if plan is not None else "") or DEFAULT_MODEL
+
+
+def load_plan(path: str, what: str = "--plan") -> Plan:
+    """A plan file, read and parsed (errors name the file)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PolyshardError(f"{what} {path!r} cannot be read: {exc.strerror}") from exc
+    try:
+        return Plan.from_json(text)
+    except PolyshardError as exc:
+        raise PolyshardError(f"{what} {path!r}: {exc}") from exc
+
+
+def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
+    """Every flag checked against the others and the world; returns the mesh shape."""
+    plan = load_plan(cfg.plan) if cfg.plan else None
+    _check_model_name(cfg, plan)
+    shape = _check_mesh(cfg, plan, world_size)
+    _check_numbers(cfg)
+    settings = {**_plan_settings(plan), **dict(cfg.settings)}
+    Plan(op_axes=(), **settings)  # each setting checked by the plan's own rules
+    data = 1 if cfg.auto else math.prod(s for n, s in shape.items() if n in (plan.data_axes if plan else ("dp",)))
+    if cfg.batch_size % (data * cfg.accum):
+        raise PolyshardError(
+            f"--batch-size {cfg.batch_size} must split into dp={data} shards x --accum {cfg.accum} micro-batches; "
+            f"use a multiple of {data * cfg.accum}"
+        )
+    rows = cfg.batch_size // data // cfg.accum
+    if cfg.copies != "auto" and int(cfg.copies) > rows:
+        raise PolyshardError(f"--copies {cfg.copies} needs at least as many rows per micro-batch, which has {rows} "
+                             f"(--batch-size {cfg.batch_size} / dp={data} / --accum {cfg.accum})")
+    _check_pipeline_flags(cfg, shape, settings, rows)
+    _check_memory_flags(cfg, data, settings)
+    _check_paths(cfg)
+    return shape
+
+
+def _check_model_name(cfg: TrainConfig, plan: Plan | None) -> None:
+    name = model_name(cfg, plan)
+    if name.startswith("hf:"):
+        from polyshard.models.hf import config_dict
+
+        config_dict(name[3:])  # names a family, a shipped config or a config.json, or says what does
+    elif name.startswith("gpt:"):
+        models.config(name)  # a shape: its own errors say which entry is wrong
+    elif name not in models.CONFIGS:
+        raise PolyshardError(f"--model {name!r} is unknown; use a name `polyshard models` lists "
+                             f"({', '.join(models.CONFIGS)}), a shape such as "
+                             "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=256, or hf:<family or config.json>")
+    if plan is not None and cfg.model and plan.model and cfg.model != plan.model:
+        raise PolyshardError(f"--plan {cfg.plan!r} was made for {plan.model}, not --model {cfg.model}; leave out "
+                             f"--model or plan {cfg.model} with `polyshard plan`")
+
+
+def _check_mesh(cfg: TrainConfig, plan: Plan | None, world_size: int) -> dict[str, int]:
+    if cfg.plan and (cfg.mesh or cfg.auto):
+        raise PolyshardError("--plan fixes the mesh: leave out --mesh and --auto")
+    if cfg.auto and cfg.mesh:
+        raise PolyshardError("--auto chooses the mesh: leave out --mesh")
+    if plan is not None:
+        shape = dict(plan.mesh) or {"dp": world_size}
+        check_roles(shape, plan.data_axes or ("dp",), where=f"--plan {cfg.plan!r}: mesh")
+        missing = [a for a in plan.data_axes if a not in shape]
+        if missing:
+            raise PolyshardError(f"--plan {cfg.plan!r}: data axes {missing} are not in its mesh {shape}")
+    else:
+        shape = parse_mesh(cfg.mesh) if cfg.mesh else {"dp": world_size}
+        check_roles(shape, ("dp",), where="--mesh")
+    check_mesh(shape, world_size)
+    if cfg.sequence_parallel and cfg.plan:
+        raise PolyshardError("--plan fixes every layout: leave out --sequence-parallel (or plan with --config sp=1)")
+    if cfg.sequence_parallel and not cfg.auto and shape.get("tp", 1) < 2:
+        raise PolyshardError("--sequence-parallel splits the sequence over tp: the mesh needs a tp axis of 2 or more")
+    return shape
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+    for flag, value in (("--steps", cfg.steps), ("--batch-size", cfg.batch_size), ("--accum", cfg.accum),
+                        ("--log-every", cfg.log_every)):
+        if value < 1:
+            raise PolyshardError(f"{flag} must be at least 1, got {value}")
+    if cfg.seed < 0:
+        raise PolyshardError(f"--seed must be 0 or more, got {cfg.seed}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise PolyshardError(f"--lr must be positive and finite, got {cfg.lr}")
+    if cfg.copies != "auto" and not (cfg.copies.isdigit() and int(cfg.copies) >= 1):
+        raise PolyshardError(f"--copies must be a positive integer or 'auto', got {cfg.copies!r}")
+    if cfg.memory_limit:
+        if not parse_bytes(cfg.memory_limit) > 0:
+            raise PolyshardError(f"--memory-limit {cfg.memory_limit!r} must be positive, e.g. 2GiB")
+        if cfg.plan:
+            raise PolyshardError("--plan is already planned for a memory limit: leave out --memory-limit")
+
+
+def _check_pipeline_flags(cfg: TrainConfig, shape: dict[str, int], settings: dict, rows: int) -> None:
+    """Pipeline flags need a pipeline: without one they would be ignored (or, from a plan, accumulate)."""
+    given = dict(cfg.settings)
+    pp = shape.get(PIPELINE_AXIS, 1)
+    if pp < 2 and not cfg.auto:
+        flags = [f for f, on in (("--micro-batches", "micro_batches" in given and not cfg.plan),
+                                 ("--schedule", "schedule" in given), ("--virtual-stages", "virtual_stages" in given),
+                                 ("--timeline", bool(cfg.timeline))) if on]
+        if flags:
+            raise PolyshardError(f"{flags[0]} applies to a pipeline, and the mesh has no pp axis of 2 or more; add "
+                                 "one (e.g. --mesh dp=1,pp=2)" + ", or use --accum" * (flags[0] == "--micro-batches"))
+    if pp > 1 and cfg.copies != "1":
+        raise PolyshardError(f"--copies {cfg.copies} interleaves a batch's slices to hide collectives, which a "
+                             "pipeline's micro-batches already do; leave out --copies with a pp axis")
+    if pp > 1 and rows % settings.get("micro_batches", 1):
+        raise PolyshardError(f"--micro-batches {settings['micro_batches']} does not divide the {rows} rows each "
+                             "pipeline gets per step; use a divisor of it")
+    schedule, virtual = settings.get("schedule", "1f1b"), settings.get("virtual_stages", 1)
+    if pp > 1 and schedule == "interleaved" and virtual < 2:
+        raise PolyshardError("--schedule interleaved runs 2 or more stages per rank: set --virtual-stages 2 or more")
+    if pp > 1 and schedule != "interleaved" and virtual > 1:
+        raise PolyshardError(f"--virtual-stages {virtual} applies to --schedule interleaved, not {schedule}")
+
+
+def _check_memory_flags(cfg: TrainConfig, data: int, settings: dict) -> None:
+    zero, offload, precision = settings.get("zero", 0), settings.get("offload", "none"), settings.get("precision")
+    if zero and data < 2 and not cfg.auto:
+        raise PolyshardError(f"--zero {zero} shards over the data-parallel ranks, and the mesh has no dp axis of 2 "
+                             "or more; add one or leave out --zero")
+    if offload != "none" and (zero or precision not in (None, "fp32")):
+        other = f"--zero {zero}" if zero else f"--precision {precision}"
+        raise PolyshardError(f"--offload {offload} keeps the whole fp32 optimizer state off the device, and {other} "
+                             f"changes that state; leave out one of --offload {offload} and {other}")
+    if cfg.offload_dir:
+        folder = Path(cfg.offload_dir)
+        if offload != "disk":
+            raise PolyshardError("--offload-dir is where --offload disk keeps its files; add --offload disk or leave "
+                                 "out --offload-dir")
+        if folder.exists() and not folder.is_dir():
+            raise PolyshardError(f"--offload-dir {cfg.offload_dir!r} is a file; name an empty folder")
+        if folder.is_dir() and any(folder.iterdir()):
+            raise PolyshardError(f"--offload-dir {cfg.offload_dir!r} is not empty; name an empty (or new) folder")
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    for flag, path in (("--metrics", cfg.metrics), ("--timeline", cfg.timeline)):
+        if not path:
+            continue
+        p = Path(path)
+        if p.is_dir():
+            raise PolyshardError(f"{flag} {path!r} is a folder; name a file in it")
+        parent = next((a for a in p.parents if a.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise PolyshardError(f"{flag} {path!r}: {str(parent)!r} is a file, not a folder")
+    if cfg.strategies and not Path(cfg.strategies).is_file():
+        raise PolyshardError(f"--strategies file {cfg.strategies!r} does not exist")
+
+
+def _plan_settings(plan: Plan | None) -> dict:
+    if plan is None:
+        return {}
+    return {k: getattr(plan, k) for k in ("zero", "offload", "precision", "schedule", "micro_batches",
+                                          "virtual_stages")}
+
+
+def check_against_model(cfg: TrainConfig, shape: dict[str, int]) -> None:
+    """On the meta device, before launch: pins fit the model, a plan fits its graph, stages fit its blocks."""
+    from polyshard.compiler.check import check_plan
+    from polyshard.graph.capture import capture
+    from polyshard.planner.propagate import propagate
+    from polyshard.planner.stages import block_paths
+
+    plan = load_plan(cfg.plan) if cfg.plan else None
+    model = models.build(model_name(cfg, plan), device="meta")
+    if cfg.strategies:
+        apply_strategies(model, cfg.strategies)
+    data_axes = plan.data_axes if plan is not None else ("dp",)
+    rows = cfg.batch_size // math.prod(s for n, s in shape.items() if n in data_axes) // cfg.accum
+    gm = capture(model, model.example_inputs(max(rows, 1)))
+    if plan is not None:
+        try:
+            check_plan(plan, gm, tuple(shape.items()))
+        except PolyshardError as exc:
+            raise PolyshardError(f"--plan {cfg.plan!r}: {exc}") from exc
+    elif not cfg.auto:
+        op_axes = tuple((n, s) for n, s in shape.items() if n not in data_axes and n != PIPELINE_AXIS and s > 1)
+        propagate(gm, op_axes, lambda msg: None, cfg.sequence_parallel)
+    pp, virtual = shape.get(PIPELINE_AXIS, 1), dict(cfg.settings).get("virtual_stages", 1)
+    blocks = len(block_paths(gm))
+    if pp > 1 and not cfg.plan and pp * virtual > blocks:
+        raise PolyshardError(f"pp={pp} x {virtual} virtual stages make {pp * virtual} stages, and "
+                             f"{model_name(cfg, plan)} has {blocks} blocks to cut; use fewer stages")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice (plain YAML keeps the last one in silence)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        twice = next((k for k in keys if keys.count(k) > 1), None)
+        if twice is not None:
+            raise PolyshardError(f"{self.name}: {twice!r} is given twice (line {node.start_mark.line + 1}); "
+                                 "keep one")
+        return super().construct_mapping(node, deep)
+
+
+def read_strategies(path: str) -> dict:
+    """A strategies file: module names or globs -> {in_strategy: ..., out_strategy: ...}."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PolyshardError(f"--strategies {path!r} cannot be read: {exc.strerror}") from exc
+    loader = _UniqueKeyLoader(text)
+    loader.name = path
+    try:
+        raw = loader.get_single_data()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise PolyshardError(f"{path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    finally:
+        loader.dispose()
+    if raw is None:
+        raise PolyshardError(f"{path} holds no strategies; write NAME_OR_GLOB: {{in_strategy: [[1, 1], [2, 1]]}}")
+    if not isinstance(raw, dict):
+        raise PolyshardError(f"{path}: expected a mapping of module names to strategies, got a {type(raw).__name__}")
+    for pattern, spec in raw.items():
+        if not isinstance(spec, dict) or "in_strategy" not in spec or set(spec) - {"in_strategy", "out_strategy"}:
+            raise PolyshardError(f"{path}: entry {pattern!r} needs in_strategy (and optionally out_strategy), "
+                                 f"got {spec!r}")
+    return raw
+
+
+def apply_strategies(model: torch.nn.Module, path: str) -> list[str]:
+    """Pin strategies from YAML: ``module-name-or-glob: {in_strategy: [[1, 1], [2, 1]], out_strategy: ...}``;
+    each module is pinned by one entry."""
+    names = dict(model.named_modules())
+    by: dict[str, str] = {}
+    for pattern, spec in read_strategies(path).items():
+        hits = [n for n in names if n and fnmatch.fnmatchcase(n, str(pattern))]
+        if not hits:
+            leaves = [n for n, m in names.items() if n and not any(m.children())]
+            raise PolyshardError(f"{path}: {pattern!r} matches no module; names look like "
+                                 f"{', '.join(leaves[:3])}")
+        for name in hits:
+            if name in by:
+                raise PolyshardError(f"{path}: module {name} is pinned by both {by[name]!r} and {pattern!r}; "
+                                     "make the patterns disjoint")
+            by[name] = str(pattern)
+            try:
+                ps.shard(names[name], _tuples(spec["in_strategy"]), _tuples(spec.get("out_strategy")))
+            except PolyshardError as exc:
+                raise PolyshardError(f"{path}: module {name}: {exc}") from exc
+    return list(by)
+
+
+def _tuples(value):
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value

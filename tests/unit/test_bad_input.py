@@ -1,0 +1,415 @@
+"""Bad input, as a new user types it: one clear error, exit code 2, before any process starts, nothing left behind.
+
+Each CLI case runs ``polyshard`` in this process with the launcher replaced by a failure (so an
+input accepted in silence fails the case), in an empty working folder that must stay empty. A case
+passes when the exit code is 2, stderr holds one error line and no traceback, the line names every
+``needle`` of the case (the input, the value, and what to do), and the check took under 5 s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import polyshard as ps
+from polyshard import models
+from polyshard.cli import main as cli
+from polyshard.cluster import Cluster
+from polyshard.errors import PolyshardError
+from polyshard.graph.capture import capture
+from polyshard.planner.plan import Plan
+from polyshard.planner.propagate import propagate
+
+BEFORE_LAUNCH_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """Input files, good and broken, in a folder apart from the working one."""
+    d = tmp_path_factory.mktemp("inputs")
+    model = models.build("gpt-tiny", device="meta")
+    plan = propagate(capture(model, model.example_inputs(8)), (("tp", 2),), lambda msg: None)
+    plan.mesh, plan.data_axes, plan.model = (("dp", 1), ("tp", 2)), ("dp",), "gpt-tiny"
+    (d / "tp2.json").write_text(plan.to_json())
+    good = json.loads((d / "tp2.json").read_text())
+    out: dict[str, str] = {"plan": str(d / "tp2.json")}
+
+    def plan(name: str, edit) -> None:
+        raw = json.loads(json.dumps(good))
+        edit(raw)
+        (d / f"{name}.json").write_text(json.dumps(raw))
+        out[name] = str(d / f"{name}.json")
+
+    split = next(k for k, n in good["nodes"].items() if any(l["dims"] != [[]] * len(l["dims"])
+                                                            for l in n["params"].values()))
+    out["split_node"] = split
+    plan("magic", lambda r: r["nodes"][split].update(impl="magic"))
+    plan("local_split", lambda r: r["nodes"][split].update(impl="local"))
+    plan("no_param", lambda r: r["params"].pop("blocks.0.attn.q.weight"))
+    plan("extra_param", lambda r: r["params"].update({"blocks.9.w": r["params"]["wte.weight"]}))
+    plan("renamed_node", lambda r: r["nodes"].update({"renamed": r["nodes"].pop(split)}))
+    plan("no_node", lambda r: r["nodes"].pop(split))
+    plan("foreign_axis", lambda r: r["params"]["blocks.0.attn.q.weight"].update(
+        axes=[["mp", 2]], dims=[["mp"], []]))
+    plan("disagree", lambda r: _flip_param(r, split))
+    plan("axis_size", lambda r: r["params"]["blocks.0.attn.q.weight"].update(axes=[["tp", 4]]))
+    plan("bad_schedule", lambda r: r.update(schedule="zigzag"))
+    plan("zero_micro", lambda r: r.update(micro_batches=0))
+    plan("zero_string", lambda r: r.update(zero="2"))
+    plan("mesh_foo", lambda r: r.update(mesh=[["foo", 1], ["tp", 2]]))
+    plan("data_axis_missing", lambda r: r.update(data_axes=["data"]))
+    plan("op_axes_off_mesh", lambda r: r.update(op_axes=[["tp", 4]]))
+    plan("bad_divisor", lambda r: next(n for n in r["nodes"].values() if n["shape_divisors"]).update(
+        shape_divisors={"9": 2}))
+    (d / "list.json").write_text("[1, 2]")
+    out["list"] = str(d / "list.json")
+    (d / "empty.json").write_text("{}")
+    out["empty"] = str(d / "empty.json")
+    (d / "notjson.json").write_text("op_axes: tp")
+    out["notjson"] = str(d / "notjson.json")
+
+    def text(name: str, body: str) -> None:
+        (d / name).write_text(body)
+        out[name] = str(d / name)
+
+    text("broken.yaml", "blocks.*.mlp.fc: {in_strategy: [[1, 1], [2, 1]]\n")
+    text("list.yaml", "- blocks.0.mlp.fc\n")
+    text("no_in.yaml", "blocks.0.mlp.fc: {out_strategy: [[1, 1]]}\n")
+    text("extra_key.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1], [2, 1]], in_stategy: [[1, 1]]}\n")
+    text("nomatch.yaml", "decoder.*.fc: {in_strategy: [[1, 1], [2, 1]]}\n")
+    text("dupkey.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1], [2, 1]]}\n"
+                        "blocks.0.mlp.fc: {in_strategy: [[1, 1], [1, 2]]}\n")
+    text("overlap.yaml", "blocks.*.mlp.fc: {in_strategy: [[1, 1], [2, 1]]}\n"
+                         "blocks.0.*: {in_strategy: [[1, 1], [1, 2]]}\n")
+    text("bool.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, true], [2, 1]]}\n")
+    text("zero.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1], [0, 1]]}\n")
+    text("negative.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1], [-2, 1]]}\n")
+    text("axis.yaml", "blocks.0.mlp.fc: {in_strategy: [[null, null, null], [mp, null]]}\n")
+    text("indivisible.yaml", "blocks.0.attn.q: {in_strategy: [[1, 1, 1], [3, 1]]}\n")
+    text("too_many.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1, 1], [4, 1]]}\n")
+    text("inputs.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1]]}\n")
+    text("rank.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1, 1, 1], [2, 1]]}\n")
+    text("string.yaml", "blocks.0.mlp.fc: {in_strategy: '2,1'}\n")
+    text("empty.yaml", "")
+    Cluster.preset("2xA100-80G").to_yaml(d / "cluster.yaml")
+    cluster = yaml.safe_load((d / "cluster.yaml").read_text())
+
+    def cluster_file(name: str, **edit) -> None:
+        raw = json.loads(json.dumps(cluster))
+        for key, value in edit.items():
+            *path, last = key.split("__")
+            node = raw
+            for p in path:
+                node = node[p]
+            if value is None:
+                node.pop(last)
+            else:
+                node[last] = value
+        text(name, yaml.safe_dump(raw))
+
+    cluster_file("negative_bw.yaml", inter_node__bandwidth_bytes_per_s=-1e9)
+    cluster_file("zero_flops.yaml", flops_per_s__bfloat16=0)
+    cluster_file("zero_memory.yaml", memory_bytes=0)
+    cluster_file("no_devices.yaml", devices_per_node=0)
+    cluster_file("unknown_key.yaml", flops=1e12)
+    cluster_file("missing_key.yaml", memory_bytes=None)
+    cluster_file("string_value.yaml", memory_bytes="lots")
+    cluster_file("efficiency.yaml", matmul_efficiency=1.5)
+    cluster_file("latency.yaml", intra_node__latency_s=-1e-6)
+    text("cluster_broken.yaml", "num_nodes: [1\n")
+    text("script.py", "print('hi')\n")
+    text("a_file", "")
+    return out
+
+
+def _flip_param(raw: dict, split: str) -> None:
+    """The split node's weight laid out one way in the node and another in the parameter table."""
+    module = split.replace("_", ".")
+    name = next(k for k in raw["params"] if k.rsplit(".", 1)[0].replace("_", ".") == module and k.endswith("weight"))
+    layout = raw["params"][name]
+    layout["dims"] = [layout["dims"][1], layout["dims"][0]]
+
+
+TRAIN = ["train", "--nproc", "2", "--model", "gpt-tiny", "--steps", "1"]
+PLAN = ["plan", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2"]
+BIG_PLAN = ["plan", "--model", "gpt-125m", "--cluster", "8xA100-80G"]
+
+# (id, argv, needles): {name} stands for the file of that name above.
+CLI_CASES = [
+    # meshes
+    ("mesh-unknown-axis", TRAIN + ["--mesh", "foo=2"], ["foo", "dp", "tp", "pp"]),
+    ("mesh-two-unknown-axes", TRAIN[:2] + ["4"] + TRAIN[3:] + ["--mesh", "data=2,model=2"], ["data", "dp"]),
+    ("mesh-empty-entry", TRAIN + ["--mesh", "dp=2,,tp=2"], ["dp=2,,tp=2", "empty"]),
+    ("mesh-zero-size", TRAIN + ["--mesh", "dp=2,tp=0"], ["tp=0", "at least 1"]),
+    ("mesh-negative-size", TRAIN + ["--mesh", "dp=-1"], ["dp=-1", "at least 1"]),
+    ("mesh-fraction", TRAIN + ["--mesh", "dp=2.5"], ["dp=2.5", "whole number"]),
+    ("mesh-no-size", TRAIN + ["--mesh", "dp"], ["'dp'", "NAME=SIZE"]),
+    ("mesh-twice", TRAIN + ["--mesh", "dp=1,dp=2"], ["dp", "twice"]),
+    ("mesh-too-big", TRAIN + ["--mesh", "dp=4"], ["4 devices", "2 processes"]),
+    ("mesh-too-small", TRAIN + ["--mesh", "tp=1"], ["1 devices", "2 processes"]),
+    ("mesh-only-commas", TRAIN + ["--mesh", ",,"], ["names no axes"]),
+    # counts and numbers
+    ("nproc-zero", ["train", "--nproc", "0"], ["--nproc", "at least 1"]),
+    ("nproc-negative", ["train", "--nproc", "-3"], ["--nproc", "-3"]),
+    ("nproc-word", ["train", "--nproc", "two"], ["--nproc", "two"]),
+    ("steps-zero", TRAIN + ["--steps", "0"], ["--steps", "at least 1"]),
+    ("batch-zero", TRAIN + ["--batch-size", "0"], ["--batch-size", "at least 1"]),
+    ("batch-indivisible", TRAIN + ["--batch-size", "3"], ["--batch-size 3", "multiple of 2"]),
+    ("accum-zero", TRAIN + ["--accum", "0"], ["--accum", "at least 1"]),
+    ("accum-indivisible", TRAIN + ["--batch-size", "8", "--accum", "3"], ["--accum 3", "multiple of 6"]),
+    ("lr-zero", TRAIN + ["--lr", "0"], ["--lr", "positive"]),
+    ("lr-negative", TRAIN + ["--lr=-1e-3"], ["--lr", "positive"]),
+    ("lr-nan", TRAIN + ["--lr", "nan"], ["--lr", "nan"]),
+    ("lr-inf", TRAIN + ["--lr", "inf"], ["--lr", "inf"]),
+    ("log-every-zero", TRAIN + ["--log-every", "0"], ["--log-every", "at least 1"]),
+    ("seed-negative", TRAIN + ["--seed", "-1"], ["--seed", "-1"]),
+    ("copies-zero", TRAIN + ["--copies", "0"], ["--copies", "'0'"]),
+    ("copies-word", TRAIN + ["--copies", "many"], ["--copies", "many"]),
+    ("copies-too-many", TRAIN + ["--copies", "16"], ["--copies 16", "rows"]),
+    # models
+    ("model-unknown", TRAIN + ["--model", "gpt-huge"], ["gpt-huge", "polyshard models"]),
+    ("model-hf-family", TRAIN + ["--model", "hf:nope"], ["nope", "llama"]),
+    ("model-hf-missing-file", TRAIN + ["--model", "hf:/no/such/config.json"], ["/no/such/config.json"]),
+    ("hf-strategies-no-match", TRAIN[:3] + ["--model", "hf:llama", "--strategies", "{nomatch.yaml}"],
+     ["decoder.*.fc", "model."]),
+    ("hf-pp-more-than-layers", TRAIN[:2] + ["4"] + ["--model", "hf:gpt2", "--mesh", "pp=4"], ["pp=4", "hf:gpt2"]),
+    ("model-shape-in-train", TRAIN + ["--model", "gpt:layers=0,hidden=32,heads=4,seq=16,vocab=64"], ["layers"]),
+    ("plan-model-zero-layers", PLAN[:2] + ["gpt:layers=0,hidden=32,heads=4,seq=16,vocab=64"] + PLAN[3:],
+     ["layers=0", "POSITIVE"]),
+    ("plan-model-heads", PLAN[:2] + ["gpt:layers=2,hidden=30,heads=4,seq=16,vocab=64"] + PLAN[3:],
+     ["hidden 30", "heads 4"]),
+    ("plan-model-unknown-key", PLAN[:2] + ["gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,depth=3"] + PLAN[3:],
+     ["depth=3"]),
+    ("plan-model-missing-key", PLAN[:2] + ["gpt:layers=2,hidden=32"] + PLAN[3:], ["heads"]),
+    ("plan-model-dropout", PLAN[:2] + ["gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=1.5"] + PLAN[3:],
+     ["dropout", "1.5"]),
+    # flags that need a pipeline, or each other
+    ("micro-batches-without-pp", TRAIN + ["--micro-batches", "2"], ["--micro-batches", "pp"]),
+    ("schedule-without-pp", TRAIN + ["--schedule", "gpipe"], ["--schedule", "pp"]),
+    ("virtual-stages-without-pp", TRAIN + ["--virtual-stages", "2"], ["--virtual-stages", "pp"]),
+    ("timeline-without-pp", TRAIN + ["--timeline", "t.png"], ["--timeline", "pp"]),
+    ("micro-batches-zero", TRAIN + ["--mesh", "pp=2", "--micro-batches", "0"], ["micro_batches", "0"]),
+    ("micro-batches-indivisible", TRAIN + ["--mesh", "pp=2", "--micro-batches", "3"], ["--micro-batches 3", "8"]),
+    ("interleaved-one-stage", TRAIN + ["--mesh", "pp=2", "--schedule", "interleaved", "--virtual-stages", "1"],
+     ["--virtual-stages", "2"]),
+    ("pp-more-than-layers", TRAIN[:2] + ["4"] + TRAIN[3:] + ["--mesh", "pp=4"], ["pp=4", "2 blocks"]),
+    ("virtual-more-than-layers", TRAIN + ["--mesh", "pp=2", "--schedule", "interleaved", "--virtual-stages", "2"],
+     ["4 stages", "2 blocks"]),
+    ("sequence-parallel-without-tp", TRAIN + ["--sequence-parallel"], ["--sequence-parallel", "tp"]),
+    ("sequence-parallel-with-plan", TRAIN[:1] + ["--nproc", "2", "--plan", "{plan}", "--sequence-parallel"],
+     ["--plan", "--sequence-parallel"]),
+    ("plan-with-mesh", TRAIN + ["--plan", "{plan}", "--mesh", "tp=2"], ["--plan", "--mesh"]),
+    ("auto-with-mesh", TRAIN + ["--auto", "--mesh", "dp=2"], ["--auto", "--mesh"]),
+    ("plan-with-memory-limit", TRAIN + ["--plan", "{plan}", "--memory-limit", "1GiB"], ["--memory-limit"]),
+    ("memory-limit-word", TRAIN + ["--memory-limit", "lots"], ["lots", "GiB"]),
+    ("memory-limit-negative", TRAIN + ["--memory-limit=-1GiB"], ["-1GiB"]),
+    ("memory-limit-zero", TRAIN + ["--memory-limit", "0"], ["'0'", "positive"]),
+    ("zero-level", TRAIN + ["--zero", "5"], ["--zero", "5"]),
+    ("zero-without-dp", TRAIN + ["--mesh", "tp=2", "--zero", "1"], ["--zero", "dp"]),
+    ("precision-unknown", TRAIN + ["--precision", "fp64"], ["--precision", "fp64"]),
+    ("schedule-unknown", TRAIN + ["--mesh", "pp=2", "--schedule", "zigzag"], ["--schedule", "zigzag"]),
+    ("optimizer-unknown", TRAIN + ["--optimizer", "adam"], ["--optimizer", "adam"]),
+    ("recompute-unknown", TRAIN + ["--recompute", "all"], ["--recompute", "all"]),
+    ("offload-unknown", TRAIN + ["--offload", "cloud"], ["--offload", "cloud"]),
+    ("offload-disk-zero", TRAIN + ["--offload", "disk", "--zero", "1"], ["--offload disk", "--zero 1"]),
+    ("offload-dir-without-disk", TRAIN + ["--offload-dir", "off"], ["--offload-dir", "--offload disk"]),
+    ("offload-dir-is-file", TRAIN + ["--offload", "disk", "--offload-dir", "{a_file}"], ["--offload-dir", "file"]),
+    ("offload-dir-not-empty", TRAIN + ["--offload", "disk", "--offload-dir", "{inputs}"], ["--offload-dir", "empty"]),
+    ("metrics-in-a-file", TRAIN + ["--metrics", "{a_file}/m.jsonl"], ["--metrics", "not a folder"]),
+    ("metrics-is-folder", TRAIN + ["--metrics", "{inputs}"], ["--metrics", "folder"]),
+    ("timeline-in-a-file", TRAIN + ["--mesh", "pp=2", "--timeline", "{a_file}/t.png"], ["--timeline", "not a folder"]),
+    # strategies YAML
+    ("strategies-missing", TRAIN + ["--strategies", "nope.yaml"], ["--strategies", "nope.yaml", "does not exist"]),
+    ("strategies-broken", TRAIN + ["--strategies", "{broken.yaml}"], ["broken.yaml", "line"]),
+    ("strategies-list", TRAIN + ["--strategies", "{list.yaml}"], ["list.yaml", "mapping"]),
+    ("strategies-empty", TRAIN + ["--strategies", "{empty.yaml}"], ["empty.yaml", "no strategies"]),
+    ("strategies-no-in", TRAIN + ["--strategies", "{no_in.yaml}"], ["no_in.yaml", "in_strategy"]),
+    ("strategies-misspelt-key", TRAIN + ["--strategies", "{extra_key.yaml}"], ["in_stategy"]),
+    ("strategies-no-match", TRAIN + ["--strategies", "{nomatch.yaml}"], ["decoder.*.fc", "matches no module"]),
+    ("strategies-duplicate", TRAIN + ["--strategies", "{dupkey.yaml}"], ["dupkey.yaml", "blocks.0.mlp.fc", "twice"]),
+    ("strategies-overlap", TRAIN + ["--strategies", "{overlap.yaml}"], ["blocks.0.mlp.fc", "blocks.*.mlp.fc",
+                                                                       "blocks.0.*"]),
+    ("strategies-bool", TRAIN + ["--mesh", "tp=2", "--strategies", "{bool.yaml}"], ["True", "slice count"]),
+    ("strategies-zero", TRAIN + ["--mesh", "tp=2", "--strategies", "{zero.yaml}"], ["0", "slice count"]),
+    ("strategies-negative", TRAIN + ["--mesh", "tp=2", "--strategies", "{negative.yaml}"], ["-2", "slice count"]),
+    ("strategies-string", TRAIN + ["--mesh", "tp=2", "--strategies", "{string.yaml}"], ["in_strategy", "'2,1'"]),
+    ("strategies-axis", TRAIN + ["--mesh", "tp=2", "--strategies", "{axis.yaml}"], ["blocks.0.mlp.fc", "mp"]),
+    ("strategies-indivisible", TRAIN + ["--mesh", "tp=2", "--strategies", "{indivisible.yaml}"],
+     ["blocks.0.attn.q", "3"]),
+    ("strategies-too-many-slices", TRAIN + ["--mesh", "tp=2", "--strategies", "{too_many.yaml}"],
+     ["blocks.0.mlp.fc", "4"]),
+    ("strategies-inputs", TRAIN + ["--mesh", "tp=2", "--strategies", "{inputs.yaml}"], ["blocks.0.mlp.fc", "2"]),
+    ("strategies-rank", TRAIN + ["--mesh", "tp=2", "--strategies", "{rank.yaml}"], ["blocks.0.mlp.fc", "dims"]),
+    # hand-edited plans
+    ("plan-missing", TRAIN[:3] + ["--plan", "nope.json"], ["nope.json"]),
+    ("plan-not-json", TRAIN[:3] + ["--plan", "{notjson}"], ["notjson.json", "JSON"]),
+    ("plan-list", TRAIN[:3] + ["--plan", "{list}"], ["list.json", "object"]),
+    ("plan-empty", TRAIN[:3] + ["--plan", "{empty}"], ["empty.json", "op_axes"]),
+    ("plan-impl", TRAIN[:3] + ["--plan", "{magic}"], ["magic", "{split_node}", "local"]),
+    ("plan-local-split", TRAIN[:3] + ["--plan", "{local_split}"], ["{split_node}", "local", "split"]),
+    ("plan-dropped-param", TRAIN[:3] + ["--plan", "{no_param}"], ["blocks.0.attn.q.weight", "no layout"]),
+    ("plan-extra-param", TRAIN[:3] + ["--plan", "{extra_param}"], ["blocks.9.w", "gpt-tiny"]),
+    ("plan-renamed-node", TRAIN[:3] + ["--plan", "{renamed_node}"], ["renamed"]),
+    ("plan-dropped-node", TRAIN[:3] + ["--plan", "{no_node}"], ["{split_node}", "no entry"]),
+    ("plan-foreign-axis", TRAIN[:3] + ["--plan", "{foreign_axis}"], ["mp", "blocks.0.attn.q.weight"]),
+    ("plan-layouts-disagree", TRAIN[:3] + ["--plan", "{disagree}"], ["{split_node}", "weight"]),
+    ("plan-axis-size", TRAIN[:3] + ["--plan", "{axis_size}"], ["tp", "blocks.0.attn.q.weight"]),
+    ("plan-schedule", TRAIN[:3] + ["--plan", "{bad_schedule}"], ["schedule", "zigzag"]),
+    ("plan-micro-batches", TRAIN[:3] + ["--plan", "{zero_micro}"], ["micro_batches", "0"]),
+    ("plan-zero-string", TRAIN[:3] + ["--plan", "{zero_string}"], ["zero", "'2'"]),
+    ("plan-mesh-axis", TRAIN[:3] + ["--plan", "{mesh_foo}"], ["foo"]),
+    ("plan-data-axis", TRAIN[:3] + ["--plan", "{data_axis_missing}"], ["data", "mesh"]),
+    ("plan-op-axes", TRAIN[:3] + ["--plan", "{op_axes_off_mesh}"], ["tp", "4"]),
+    ("plan-shape-divisor", TRAIN[:3] + ["--plan", "{bad_divisor}"], ["shape_divisors", "9"]),
+    ("plan-world", ["train", "--nproc", "4", "--plan", "{plan}"], ["2 devices", "4 processes"]),
+    ("plan-other-model", TRAIN[:3] + ["--plan", "{plan}", "--model", "gpt-small"], ["gpt-small", "gpt-tiny"]),
+    # clusters, plan and cost flags
+    ("cluster-missing", PLAN[:3] + ["--cluster", "nope.yaml"], ["nope.yaml"]),
+    ("cluster-preset", PLAN[:3] + ["--cluster", "8xA999"], ["A999", "A100"]),
+    ("cluster-no-devices", PLAN[:3] + ["--cluster", "0x8xA100-80G"], ["0x8xA100-80G", "at 1"]),
+    ("cluster-gloo-zero", PLAN[:3] + ["--cluster", "cpu-gloo:0"], ["cpu-gloo:0"]),
+    ("cluster-broken", PLAN[:3] + ["--cluster", "{cluster_broken.yaml}"], ["cluster_broken.yaml"]),
+    ("cluster-negative-bandwidth", PLAN[:3] + ["--cluster", "{negative_bw.yaml}"], ["bandwidth", "-1"]),
+    ("cluster-zero-flops", PLAN[:3] + ["--cluster", "{zero_flops.yaml}"], ["bfloat16", "positive"]),
+    ("cluster-zero-memory", PLAN[:3] + ["--cluster", "{zero_memory.yaml}"], ["memory_bytes", "positive"]),
+    ("cluster-zero-devices", PLAN[:3] + ["--cluster", "{no_devices.yaml}"], ["devices_per_node"]),
+    ("cluster-unknown-key", PLAN[:3] + ["--cluster", "{unknown_key.yaml}"], ["flops"]),
+    ("cluster-missing-key", PLAN[:3] + ["--cluster", "{missing_key.yaml}"], ["memory_bytes"]),
+    ("cluster-string-value", PLAN[:3] + ["--cluster", "{string_value.yaml}"], ["lots"]),
+    ("cluster-efficiency", PLAN[:3] + ["--cluster", "{efficiency.yaml}"], ["matmul_efficiency", "1.5"]),
+    ("cluster-latency", PLAN[:3] + ["--cluster", "{latency.yaml}"], ["latency_s", "-1e-06"]),
+    ("plan-config-indivisible", BIG_PLAN + ["--config", "tp=3"], ["tp=3", "8"]),
+    ("plan-config-key", BIG_PLAN + ["--config", "tensor=2"], ["tensor"]),
+    ("plan-config-value", BIG_PLAN + ["--config", "tp=x"], ["tp", "'x'"]),
+    ("plan-config-schedule", BIG_PLAN + ["--config", "schedule=zigzag"], ["zigzag"]),
+    ("plan-global-batch", BIG_PLAN + ["--global-batch", "-4"], ["--global-batch", "-4"]),
+    ("plan-seq-len", BIG_PLAN + ["--seq-len", "0"], ["sequence length", "0"]),
+    ("plan-memory-tiny", BIG_PLAN + ["--memory-limit", "1MiB"], ["1 MiB", "--memory-reserve"]),
+    ("plan-reserve", BIG_PLAN + ["--memory-limit", "10GiB", "--memory-reserve", "20GiB"],
+     ["--memory-reserve", "--memory-limit"]),
+    ("plan-out-folder", BIG_PLAN + ["--out", "no/such/dir/p.json"], ["--out", "no/such/dir"]),
+    ("plan-pin-missing", BIG_PLAN + ["--pin", "nope.yaml"], ["--pin", "nope.yaml"]),
+    ("cost-without-config", ["cost", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2"], ["--config"]),
+    ("cost-zero-without-dp", ["cost", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--config", "tp=2,zero=1"],
+     ["dp > 1"]),
+    ("explain-missing", ["explain", "nope.json"], ["nope.json"]),
+    ("explain-timeline-flat", ["explain", "{plan}", "--timeline", "t.png"], ["--timeline", "pp"]),
+    ("run-zero", ["run", "-n", "0", "{script.py}"], ["-n", "at least 1"]),
+    ("run-missing-script", ["run", "-n", "2", "nope.py"], ["nope.py", "does not exist"]),
+    ("calibrate-bad-out", ["calibrate", "--out", "{a_file}/c.yaml"], ["--out"]),
+    ("calibrate-out-folder", ["calibrate", "--out", "{inputs}"], ["--out", "folder"]),
+    ("calibrate-one-process", ["calibrate", "--nproc", "1"], ["--nproc", "at least 2"]),
+    ("calibrate-repeats", ["calibrate", "--repeats", "0"], ["--repeats", "at least 1"]),
+    ("calibrate-max-bytes", ["calibrate", "--max-bytes", "lots"], ["lots"]),
+    ("copies-with-pp", TRAIN + ["--mesh", "pp=2", "--copies", "2"], ["--copies 2", "pp"]),
+    ("explain-layouts", ["explain", "{plan}", "--layouts", "-1"], ["--layouts", "-1"]),
+    ("explain-cluster", ["explain", "{plan}", "--timeline", "t.png", "--cluster", "8xA999"], ["pp"]),
+    ("plan-pin-broken", BIG_PLAN + ["--pin", "{broken.yaml}"], ["broken.yaml", "line 2"]),
+    ("plan-pin-overlap", PLAN + ["--pin", "{overlap.yaml}"], ["blocks.0.mlp.fc", "both"]),
+    ("run-folder", ["run", "-n", "2", "{inputs}"], ["folder"]),
+]
+
+
+def _fill(arg: str, files: dict[str, str]) -> str:
+    if arg.startswith("{") and arg.endswith("}") or "{" in arg:
+        for key, path in {**files, "inputs": str(Path(files["plan"]).parent)}.items():
+            arg = arg.replace("{" + key + "}", path)
+    return arg
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("argv,needles", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_cli_refuses_before_launch(argv, needles, files, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_launch", lambda *a: pytest.fail(f"launched {a}: the input was accepted"))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    before = _listing(Path(files["plan"]).parent)
+    start = time.perf_counter()
+    try:
+        code = cli.main([_fill(a, files) for a in argv])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    seconds = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    line = err[err.index("error:"):]
+    for needle in needles:
+        assert _fill(needle, files) in line, f"{needle!r} not named in: {line}"
+    assert _listing(tmp_path) == [], "a refused run left files behind"
+    assert _listing(Path(files["plan"]).parent) == before
+    assert seconds < BEFORE_LAUNCH_S, f"refused after {seconds:.1f} s"
+
+
+def test_debug_shows_the_traceback(files, capsys):
+    code = cli.main(["--debug", "plan", "--model", "gpt-huge", "--cluster", "cpu-gloo:2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" in err and "gpt-huge" in err
+
+
+def test_cli_case_count_meets_the_battery_size():
+    assert len(CLI_CASES) + len(API_CASES) >= 80
+
+
+# The Python API: (id, call, needles); each raises PolyshardError before any process group work.
+API_CASES = [
+    ("init-negative", lambda: ps.init({"dp": -1, "tp": -2}), ["dp", "-1", "at least 1"]),
+    ("init-float", lambda: ps.init({"dp": 2.0}), ["dp", "2.0", "whole number"]),
+    ("init-string-size", lambda: ps.init(mesh={"dp": "2"}), ["dp", "'2'", "whole number"]),
+    ("init-bool-size", lambda: ps.init({"dp": True}), ["dp", "True"]),
+    ("init-unknown-axis", lambda: ps.init({"foo": 1}), ["foo", "data_axes", "op_axes"]),
+    ("init-empty-entry", lambda: ps.init("dp=1,,"), ["empty"]),
+    ("init-pp-as-data", lambda: ps.init({"pp": 1}, data_axes=("pp",)), ["pp", "pipeline"]),
+    ("init-data-axis-missing", lambda: ps.init({"tp": 1}, data_axes=("data",)), ["data", "tp"]),
+    ("init-threads", lambda: ps.init(threads_per_rank=0), ["threads_per_rank", "0"]),
+    ("shard-string", lambda: ps.shard(__import__("torch").nn.Linear(2, 2), "2,1"), ["in_strategy", "'2,1'"]),
+    ("shard-bool", lambda: ps.shard(__import__("torch").nn.Linear(2, 2), ((1, True), (1, 1))), ["True"]),
+    ("shard-zero", lambda: ps.shard(__import__("torch").nn.Linear(2, 2), ((1, 0), (1, 1))), ["0"]),
+    ("shard-object", lambda: ps.shard(3, ((1, 1),)), ["int"]),
+    ("parallelize-plan-local-split", lambda: _parallelize_edited("local"), ["local", "split", "dtensor"]),
+    ("parallelize-plan-no-param", lambda: _parallelize_edited("no_param"), ["wte.weight", "no layout"]),
+    ("parallelize-plan-op-axes", lambda: _parallelize_edited("op_axes"), ["tp=4", "tp=2"]),
+    ("parallelize-recompute", lambda: ps.parallelize(_tiny(), recompute="most", mesh=_TP2), ["recompute", "most"]),
+    ("parallelize-copies", lambda: ps.parallelize(_tiny(), copies=0, mesh=_TP2), ["copies", "0"]),
+    ("parallelize-no-inputs", lambda: ps.parallelize(__import__("torch").nn.Linear(2, 2), mesh=_TP2),
+     ["Linear", "example_inputs"]),
+    ("interleave-copies", lambda: ps.micro_batch_interleaved(_tiny(), 0), ["copies", "0"]),
+    ("plan-json", lambda: Plan.from_json("{}"), ["op_axes"]),
+    ("plan-schedule", lambda: Plan(op_axes=(), schedule="zigzag"), ["schedule", "zigzag"]),
+]
+
+
+_TP2 = ps.Mesh((("tp", 2),), ("dp",), "cpu", 0)  # a mesh object, no process group: the checks come first
+
+
+def _tiny():
+    return models.build("gpt-tiny", device="meta")
+
+
+def _parallelize_edited(edit: str):
+    """parallelize with the rules' own plan for gpt-tiny over tp=2, edited by hand."""
+    model = _tiny()
+    plan = propagate(capture(model, model.example_inputs(2)), _TP2.axes, lambda msg: None)
+    if edit == "local":
+        next(n for n in plan.nodes.values() if any(not l.is_replicated for l in n.params.values())).impl = "local"
+    elif edit == "no_param":
+        del plan.params["wte.weight"]
+    else:
+        plan.op_axes = (("tp", 4),)
+    return ps.parallelize(model, example_inputs=model.example_inputs(2), plan=plan, mesh=_TP2)
+
+
+@pytest.mark.parametrize("call,needles", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES])
+def test_api_refuses(call, needles):
+    with pytest.raises(PolyshardError) as exc:
+        call()
+    for needle in needles:
+        assert needle in str(exc.value), f"{needle!r} not named in: {exc.value}"
