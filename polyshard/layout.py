@@ -95,8 +95,18 @@ class Layout:
 
     def num_shards(self, dim: int) -> int:
         """How many pieces dim ``dim`` is cut into."""
+        return self.shards[dim]
+
+    @functools.cached_property
+    def shards(self) -> tuple[int, ...]:
+        """Pieces per dim, computed once: the cost model asks for them millions of times."""
         sizes = self.axis_sizes
-        return math.prod(sizes[a] for a in self.dims[dim])
+        return tuple(math.prod(sizes[a] for a in d) for d in self.dims)
+
+    @functools.cached_property
+    def pieces(self) -> int:
+        """Pieces the whole tensor is cut into (partial sums aside)."""
+        return math.prod(self.shards)
 
     def dim_of(self, axis: str) -> int | None:
         """The tensor dim split by ``axis``, or None."""

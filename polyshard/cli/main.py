@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                                     "limit.")
     _planning_flags(pl)
     pl.add_argument("--config", default="", help="settings the plan must keep, the rest searched: e.g. "
-                    "'tp=8,pp=16' (keys: dp tp pp mbs m schedule v zero recompute precision offload)")
+                    "'tp=8,pp=16' (keys: dp tp pp sp mbs m schedule v zero recompute recompute_comm precision offload cuts)")
     pl.add_argument("--out", default="", help="write the plan here as JSON")
     pl.set_defaults(handler=_plan)
 
@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                                     "breakdown as `polyshard plan`; --json for scripts.")
     _planning_flags(co)
     co.add_argument("--config", required=True, help="e.g. 'dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,"
-                    "recompute=full,precision=bf16'")
+                    "recompute=full,precision=bf16'; cuts=even places equal block counts on the stages, as Megatron-LM does")
     co.add_argument("--out", default="", help="write the priced plan here as JSON")
     co.add_argument("--compare", action="store_true", help="also search with nothing fixed and show the pick beside "
                     "this configuration, term by term")

@@ -21,7 +21,9 @@ class Fixed:
     pp=1); schedule: pipeline schedule; v: virtual stages per rank (interleaved); zero: optimizer
     parallel level; recompute: none / selective / full; recompute_comm: keep the results of
     collectives in recomputed regions or issue them again (recompute); precision: fp32 / bf16 /
-    fp16; offload: where the optimizer state lives."""
+    fp16; offload: where the optimizer state lives; cuts: where pipeline stages begin, "balanced"
+    (the search's, by time and memory) or "even" (block counts as equal as they can be, the larger
+    stages first: Megatron-LM's layers per stage, DeepSpeed's uniform partition)."""
 
     dp: int | None = None
     tp: int | None = None
@@ -36,6 +38,7 @@ class Fixed:
     recompute_comm: str | None = None
     precision: str | None = None
     offload: str | None = None
+    cuts: str | None = None
 
     @staticmethod
     def parse(text: str) -> Fixed:
@@ -88,8 +91,9 @@ class Fixed:
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) is not None)
 
 
+CUTS = ("balanced", "even")
 _CHOICES = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "recompute_comm": RECOMPUTE_COMMS,
-            "precision": PRECISIONS, "offload": OFFLOADS}
+            "precision": PRECISIONS, "offload": OFFLOADS, "cuts": CUTS}
 
 
 def _positive(key: str, value: str) -> int:

@@ -12,7 +12,6 @@ optimum bounds the true optimum from below: the gap reported is how far the plan
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import re
 import weakref
@@ -75,8 +74,8 @@ def candidates(gm: fx.GraphModule, op_axes: Axes,
         twin = twins.get(node.name)
         if twin is not None and all(_same(values[a.name], values[b.name]) for a, b in zip(inputs, twin.all_input_nodes)):
             rename = {b.name: a.name for a, b in zip(inputs, twin.all_input_nodes)}
-            out[node.name] = [dataclasses.replace(d, inputs={rename[k]: v for k, v in d.inputs.items()})
-                              for d in out[twin.name]]
+            out[node.name] = [NodePlan(d.impl, {rename[k]: v for k, v in d.inputs.items()}, d.output, d.params,
+                                       d.shape_divisors) for d in out[twin.name]]
             values[node.name] = values[twin.name]
             copied[node.name] = twin.name
             continue
@@ -177,7 +176,7 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
         if rep[n.name] == n.name:
             for i in range(len(options[n.name])):
                 var_of[(n.name, i)] = len(var_of)
-    cost, mem = (np.zeros(len(var_of)), np.zeros(len(var_of))), (np.zeros(len(var_of)), np.zeros(len(var_of)))
+    cost, mem = ([0.0] * len(var_of), [0.0] * len(var_of)), ([0.0] * len(var_of), [0.0] * len(var_of))
     seen_params: set[int] = set()
     dtype, itemsize = DTYPES[precision]
     per_node: dict[str, tuple[list, list]] = {}  # a twin costs what its twin does
@@ -210,6 +209,7 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
             found = edges.get(key, (0, 0))
             edges[key] = (found[0] + costs[..., 0], found[1] + costs[..., 1])
     conflicts = list(_shared_param_conflicts(nodes, options, rep, modules))
+    cost, mem = tuple(map(np.array, cost)), tuple(map(np.array, mem))
     return Terms(options, rep, var_of, cost, mem, edges, conflicts)
 
 
@@ -373,9 +373,15 @@ def _shared_param_conflicts(nodes, options, rep, modules):
 
 
 def _fill_params(gm: fx.GraphModule, plan: Plan, modules, op_axes: Axes) -> None:
-    names = {id(p): n for n, p in reversed(list(gm.named_parameters()))}
+    params = _PARAMS.get(gm)
+    if params is None:
+        params = _PARAMS[gm] = list(gm.named_parameters())
+    names = {id(p): n for n, p in reversed(params)}
     for node in gm.graph.nodes:
         for pname, layout in plan.nodes[node.name].params.items():
             plan.params.setdefault(names[id(getattr(modules[node.target], pname))], layout)
-    for name, p in gm.named_parameters():
+    for name, p in params:
         plan.params.setdefault(name, Layout.replicated(op_axes, p.ndim))
+
+
+_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: its parameters, named once

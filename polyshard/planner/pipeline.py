@@ -26,7 +26,7 @@ from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
 from polyshard.planner.plan import DTYPES, Plan
 from polyshard.planner.schedules import schedule_actions, simulate
-from polyshard.planner.stages import min_max_partition
+from polyshard.planner.stages import even_partition, min_max_partition
 
 BUCKET_BYTES = 25 * 2**20  # the gradient bucket a stage holds without optimizer parallel (as estimate_memory)
 # Schedules of more micro-batches than this many per stage are simulated at this many, and the rest
@@ -322,19 +322,26 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
             fitting[held[k]] = np.where(base + acts * held[k] <= s.limit / v, time, np.inf)
         return fitting[held[k]][i, j]
 
-    # The time-balanced cuts ignore memory and the optimizer level: where they fit they are the answer,
-    # and the levels and schedules that share them need no program of their own.
-    free = ("cuts", id(units), chunks, rows, send.tobytes())
-    if free not in s.memo:
-        s.memo[free] = min_max_partition(lambda k, i, j: time[i, j], n, chunks)[1]
-    edges = [0, *s.memo[free], n]
-    if len(edges) == chunks + 1 and all(base[i, j] + acts[i, j] * held[k] <= s.limit / v
-                                        for k, (i, j) in enumerate(zip(edges, edges[1:]))):
-        cuts = list(s.memo[free])
-    else:
-        slowest, cuts = min_max_partition(load, n, chunks)
-        if not np.isfinite(slowest):
+    def fits(cuts: list[int]) -> bool:
+        edges = [0, *cuts, n]
+        return len(edges) == chunks + 1 and all(base[i, j] + acts[i, j] * held[k] <= s.limit / v
+                                                for k, (i, j) in enumerate(zip(edges, edges[1:])))
+
+    if s.fixed.cuts == "even":
+        cuts = even_partition(n, chunks)
+        if not fits(cuts):
             return None
+    else:
+        # The time-balanced cuts ignore memory and the optimizer level: where they fit they are the answer,
+        # and the levels and schedules that share them need no program of their own.
+        free = ("cuts", id(units), chunks, rows, send.tobytes())
+        if free not in s.memo:
+            s.memo[free] = min_max_partition(lambda k, i, j: time[i, j], n, chunks)[1]
+        cuts = list(s.memo[free])
+        if not fits(cuts):
+            slowest, cuts = min_max_partition(load, n, chunks)
+            if not np.isfinite(slowest):
+                return None
     edges = [0, *cuts, n]
     share = units.forward_share
     forward, backward, stages = [], [], []

@@ -47,6 +47,16 @@ def assign_chunks(gm: fx.GraphModule, boundaries: Sequence[str]) -> dict[str, in
             if n.op not in ("placeholder", "get_attr", "output")}
 
 
+def even_partition(units: int, parts: int) -> list[int]:
+    """Starts of parts 2.. when ``units`` are dealt out as evenly as counts allow, the larger parts first
+    (Megatron-LM's layers per stage; DeepSpeed's uniform partition); [] when a part would be empty."""
+    if not 1 <= parts <= units:
+        return []
+    size, extra = divmod(units, parts)
+    starts = [k * size + min(k, extra) for k in range(1, parts)]
+    return starts
+
+
 def min_max_partition(load: Load, units: int, parts: int) -> tuple[float, list[int]]:
     """(largest part's load, starts of parts 2..) of the contiguous split of ``units`` units into
     ``parts`` non-empty parts that minimises the largest part's load; (inf, []) when none is allowed.
@@ -61,7 +71,7 @@ def min_max_partition(load: Load, units: int, parts: int) -> tuple[float, list[i
     best[0] = 0.0
     picks = []
     for k in range(parts):
-        start, end = np.broadcast_arrays(k + offsets[:, None], k + 1 + offsets[None, :])
+        start, end = k + offsets[:, None], k + 1 + offsets[None, :]  # broadcast to every (start, end)
         cost = np.where(start < end, np.maximum(best[start], load(k, start, end)), np.inf)
         pick = cost.argmin(axis=0)
         best = np.full(units + 1, np.inf)

@@ -286,6 +286,7 @@ CLI_CASES = [
     ("plan-config-key", BIG_PLAN + ["--config", "tensor=2"], ["tensor"]),
     ("plan-config-value", BIG_PLAN + ["--config", "tp=x"], ["tp", "'x'"]),
     ("plan-config-schedule", BIG_PLAN + ["--config", "schedule=zigzag"], ["zigzag"]),
+    ("plan-config-cuts", BIG_PLAN + ["--config", "cuts=random"], ["cuts", "even"]),
     ("plan-global-batch", BIG_PLAN + ["--global-batch", "-4"], ["--global-batch", "-4"]),
     ("plan-seq-len", BIG_PLAN + ["--seq-len", "0"], ["sequence length", "0"]),
     ("plan-memory-tiny", BIG_PLAN + ["--memory-limit", "1MiB"], ["1 MiB", "--memory-reserve"]),

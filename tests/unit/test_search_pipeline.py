@@ -1,5 +1,6 @@
 """The search's pipeline choice: stage cuts, schedule timing, and plans that only fit pipelined."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -13,7 +14,7 @@ from polyshard.planner.plan import Plan
 from polyshard.planner.report import render
 from polyshard.planner.config import Fixed
 from polyshard.planner.search import mesh_candidates, search
-from polyshard.planner.stages import min_max_partition, sum_load
+from polyshard.planner.stages import even_partition, min_max_partition, sum_load
 from polyshard.runtime.pipeline import pipeline_split
 
 MiB = 2**20
@@ -168,3 +169,22 @@ def test_pipeline_plan_round_trips_and_renders_its_stages():
     assert f"pipeline: 2 stages, schedule {plan.schedule}, {m} micro-batches" in text
     assert f"(p-1)/(m+p-1) = 1/{m + 1}" in text
     assert f"wte..blocks.{cut - 1}" in text and f"blocks.{cut}..lm_head" in text
+
+
+def test_even_partition_deals_blocks_out_larger_stages_first():
+    assert even_partition(8, 4) == [2, 4, 6]
+    assert even_partition(70, 12) == [6, 12, 18, 24, 30, 36, 42, 48, 54, 60, 65]  # BLOOM: ten of 6, two of 5
+    assert even_partition(2, 3) == []
+
+
+def test_even_cuts_cost_what_the_schedule_of_those_stages_costs():
+    # a heavy last unit (a language-model head): even cuts give each of 3 stages two units, so stage
+    # times are 2, 2 and 5 s per micro-batch (a third forward). GPipe, 4 micro-batches, by hand: the
+    # last stage starts at 2/3 + 2/3, runs 4 forwards (5/3 each) and 4 backwards (10/3 each), and the
+    # last backward then crosses the two stages before it (4/3 each): 4/3 + 20/3 + 40/3 + 8/3 = 24 s
+    units = _units([1, 1, 1, 1, 1, 4], [0] * 6, [1] * 6)
+    state = [state_memory([(10,)], 0, 1, "fp32", "none")] * 6
+    even = cost_pipeline(units, dataclasses.replace(_setup(3, 4), fixed=Fixed(cuts="even")), state, 4, "gpipe", 1)
+    free = cost_pipeline(units, _setup(3, 4), state, 4, "gpipe", 1)
+    assert [s.first for s in even.stages] == ["u0", "u2", "u4"] and even.span_s == pytest.approx(24.0)
+    assert free.stages[-1].first == "u5" and free.span_s < even.span_s  # the head on a stage of its own

@@ -40,7 +40,7 @@ def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> f
     out = computed_layout(node, plan.nodes[node.name], modules)
     if shape is None or not isinstance(out, Layout):
         return 0.0
-    local = math.prod(shape) / math.prod(out.num_shards(d) for d in range(out.ndim))
+    local = math.prod(shape) / out.pieces
     if node.op == "call_module":
         module, order = modules[node.target], linear_dims(modules[node.target])
         if order is not None:
@@ -91,13 +91,13 @@ def forward_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], item
     if node.op == "call_module":
         for name, p in modules[node.target].named_parameters(recurse=False):
             layout = entry.params.get(name)
-            shards = math.prod(layout.num_shards(d) for d in range(layout.ndim)) if layout is not None else 1
+            shards = layout.pieces if layout is not None else 1
             total += p.numel() / shards * itemsize
     computed = computed_layout(node, entry, modules)
     for value, layout in [(node, computed)] + [(i, entry.inputs.get(i.name)) for i in node.all_input_nodes]:
         shape = shape_of(value)
         if isinstance(layout, Layout) and shape is not None:
-            total += math.prod(shape) / math.prod(layout.num_shards(d) for d in range(layout.ndim)) * itemsize
+            total += math.prod(shape) / layout.pieces * itemsize
     return total
 
 

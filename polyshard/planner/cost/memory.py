@@ -46,7 +46,7 @@ class MemoryEstimate:
 
 
 def local_numel(shape, layout: Layout) -> float:
-    return math.prod(shape) / math.prod(layout.num_shards(d) for d in range(layout.ndim))
+    return math.prod(shape) / layout.pieces
 
 
 def keeps_activation(node: fx.Node, rc: Recomputed) -> bool:
