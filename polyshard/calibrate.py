@@ -32,6 +32,10 @@ MIN_BYTES = 4 * 2**10
 _BATCH_BYTES = 256 * 2**10
 # Large enough to run at full rate, small enough to take well under a second per product.
 _MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
+# Causal attention timed per (sequence, head dim) of one head's slice: from tiny test models to real heads.
+_ATTENTION_SIZES = {"cpu": ((16, 8), (64, 32), (256, 64), (1024, 64)),
+                    "cuda": ((256, 64), (1024, 64), (4096, 128))}
+_ATTENTION_CALL_FLOPS = {"cpu": 2e7, "cuda": 2e10}  # forward FLOPs per timed call (heads batched to reach it)
 
 
 class Sweep(NamedTuple):
@@ -63,6 +67,23 @@ def measure_matmul(dtype: torch.dtype, size: int, repeats: int) -> float:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     return 2 * size**3 / statistics.median(_times(lambda: torch.matmul(a, b), repeats, device))
+
+
+def measure_attention_share(dtype: torch.dtype, seq: int, head_dim: int, peak: float, repeats: int) -> float:
+    """Share of ``peak`` causal scaled_dot_product_attention reaches, forward and backward, on heads of
+    ``seq`` x ``head_dim`` (as many batched as make one call's work timeable), counted as the cost model
+    counts it: 4 x seq^2 x head_dim forward FLOPs per head, three times that for training."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    head_flops = 4 * seq * seq * head_dim
+    heads = max(1, round(_ATTENTION_CALL_FLOPS[device.type] / head_flops))
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device).to(dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(1, heads, seq, head_dim, device=device).to(dtype)
+
+    def step():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    seconds = statistics.median(_times(step, repeats, device, dist.barrier))
+    return min(1.0, 3 * head_flops * heads / seconds / peak)
 
 
 def measure_op_overheads(repeats: int, ops: int = 100) -> tuple[float, float]:
@@ -201,6 +222,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         raise PolyshardError(f"calibration needs at least two message sizes of {4 * world} bytes or more; "
                              f"got {len(sizes)}")
     flops, notes = _flops(base.device_type, repeats)
+    attention = _attention_shares(base.device_type, flops, repeats, notes)
     op_overhead, split_overhead = measure_op_overheads(repeats)
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
@@ -225,6 +247,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         intra_node=link,
         inter_node=fits.get("all_reduce, all nodes", link),
         flops_per_s=flops,
+        attention_shares=attention,
         op_overhead_s=op_overhead,
         split_op_overhead_s=split_overhead,
         memory_bandwidth_bytes_per_s=memory_bw,
@@ -250,6 +273,23 @@ def _flops(device_type: str, repeats: int) -> tuple[dict[str, float], list[str]]
             continue
         flops[name] = _all_reduce([rate], dist.ReduceOp.MIN, None)[0]
     return flops, notes
+
+
+def _attention_shares(device_type: str, flops: dict[str, float], repeats: int,
+                      notes: list[str]) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Attention's share of each dtype's matmul rate by head size, of the slowest rank."""
+    out = {}
+    for name, peak in flops.items():
+        try:
+            shares = [measure_attention_share(getattr(torch, name), seq, dim, peak, repeats)
+                      for seq, dim in _ATTENTION_SIZES[device_type]]
+        except RuntimeError as e:
+            notes.append(f"attention in {name}: not timed ({str(e).splitlines()[0]})")
+            continue
+        shares = _all_reduce(shares, dist.ReduceOp.MIN, None)
+        out[name] = tuple((4.0 * seq * seq * dim, share) for (seq, dim), share in zip(_ATTENTION_SIZES[device_type],
+                                                                                       shares))
+    return out
 
 
 def _sweep(kind: str, sizes: list[int], group: dist.ProcessGroup | None, repeats: int) -> Sweep:
@@ -282,6 +322,9 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
             notes: list[str]) -> str:
     lines = [f"{'matmul':<24} {'FLOP/s':>12}"]
     lines += [f"{name:<24} {_si(rate, 'FLOP/s'):>12}" for name, rate in cluster.flops_per_s.items()]
+    lines += ["", "attention (causal, forward + backward): share of the matmul rate by one head's forward FLOPs"]
+    lines += [f"{name:<24} " + ", ".join(f"{_si(f, 'FLOP')}: {sh:.3f}" for f, sh in points)
+              for name, points in cluster.attention_shares.items()]
     lines += ["", "fixed cost per op (forward + backward)",
               f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}",
               f"{'split (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -130,6 +131,24 @@ class Cluster:
     matmul_efficiency: float = 1.0
     # Share of flops_per_s fused attention (scaled_dot_product_attention) reaches in training.
     attention_efficiency: float = 1.0
+    # Measured shares of fused attention by size, per dtype name: ((forward FLOPs of one head's slice,
+    # share of flops_per_s forward and backward reach), ...), ascending; where a dtype has them they
+    # replace attention_efficiency (small heads run far below peak on CPUs). Left out of the hash.
+    attention_shares: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict, hash=False)
+
+    def attention_share(self, dtype: str, head_flops: float) -> float:
+        """The share of peak attention reaches on slices of ``head_flops`` forward FLOPs: interpolated
+        on log FLOPs between measured sizes, the nearest outside them; attention_efficiency unmeasured."""
+        points = self.attention_shares.get(dtype)
+        if not points:
+            return self.attention_efficiency
+        x = math.log(max(head_flops, 1.0))
+        xs = [math.log(f) for f, _ in points]
+        if x <= xs[0] or x >= xs[-1]:
+            return points[0][1] if x <= xs[0] else points[-1][1]
+        i = next(k for k in range(1, len(xs)) if x <= xs[k])
+        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return points[i - 1][1] + t * (points[i][1] - points[i - 1][1])
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.devices_per_node < 1:
@@ -157,6 +176,11 @@ class Cluster:
         for key in _RATE_KEYS[1:]:
             if not 0 < getattr(self, key) <= 1:
                 raise PolyshardError(f"cluster {key} is a share of peak, in (0, 1]; got {getattr(self, key)!r}")
+        for dtype, points in self.attention_shares.items():
+            flops = [f for f, _ in points]
+            if not points or flops != sorted(set(flops)) or not all(f > 0 and 0 < sh <= 1 for f, sh in points):
+                raise PolyshardError(f"cluster attention_shares.{dtype} must be (FLOPs, share) pairs, FLOPs "
+                                     f"positive and ascending, shares in (0, 1]; got {points!r}")
 
     @property
     def num_devices(self) -> int:
@@ -208,7 +232,7 @@ class Cluster:
             like = _DEVICES["cpu" if data.get("device_type") == "cpu" else "A100-80G"]
             data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload_bandwidths)),
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
-                    **data}
+                    "attention_shares": {}, **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         links = {
             key: _check_keys(data[key], {f.name for f in fields(Link)}, f"{path}: {key}")
@@ -225,6 +249,8 @@ class Cluster:
                 inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
                 flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
                 **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS},
+                attention_shares={str(k): tuple((float(f), float(sh)) for f, sh in v)
+                                  for k, v in dict(data["attention_shares"] or {}).items()},
             )
         except PolyshardError:
             raise

@@ -26,6 +26,10 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert 1e-7 < cluster.op_overhead_s < 1e-2 and 0 < cluster.split_op_overhead_s < 1e-1
     assert cluster.host_bandwidth_bytes_per_s > 1e7 and cluster.disk_bandwidth_bytes_per_s > 1e6
     assert cluster.memory_bandwidth_bytes_per_s > 1e8 and "memory (read + write)" in run.stdout
+    # causal attention timed at four head sizes per dtype, each a share of that dtype's matmul rate
+    assert "attention (causal, forward + backward)" in run.stdout
+    for points in (cluster.attention_shares["float32"], cluster.attention_shares["bfloat16"]):
+        assert len(points) == 4 and all(0 < share <= 1 for _, share in points)
     planned = subprocess.run([sys.executable, "-m", "polyshard.cli.main", "plan", "--model", "gpt-tiny",
                               "--cluster", str(out)], capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr[-3000:]

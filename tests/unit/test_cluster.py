@@ -119,3 +119,13 @@ def test_yaml_written_before_overheads_takes_its_device_types(tmp_path):
         del data[key]
     path.write_text(yaml.safe_dump(data))
     assert Cluster.from_yaml(path) == c
+
+
+def test_attention_share_interpolates_on_log_flops_and_holds_the_ends():
+    c = dataclasses.replace(Cluster.preset("cpu-gloo:2"), attention_efficiency=0.5,
+                attention_shares={"bfloat16": ((1e4, 0.01), (1e6, 0.21))})
+    assert c.attention_share("bfloat16", 1e5) == pytest.approx(0.11)  # halfway in log FLOPs
+    assert c.attention_share("bfloat16", 10.0) == 0.01 and c.attention_share("bfloat16", 1e9) == 0.21
+    assert c.attention_share("float32", 1e5) == 0.5  # unmeasured dtype: the single efficiency
+    with pytest.raises(PolyshardError, match="ascending"):
+        dataclasses.replace(c, attention_shares={"bfloat16": ((1e6, 0.2), (1e4, 0.1))})

@@ -7,7 +7,7 @@ other op at the slower of its FLOPs at peak and the bytes it reads and writes ov
 bandwidth (the roofline model: LayerNorm, GELU or a residual add are bound by memory, not FLOPs).
 Training costs 3x forward (backward does two products per forward one, and reads and writes about
 twice the bytes); an op that recompute runs again in backward costs one forward more. Fused
-attention runs at its own share of peak (``Cluster.attention_efficiency``), and the optimizer step
+attention runs at its own share of peak (``Cluster.attention_share``, by head size), and the optimizer step
 is memory-bound.
 """
 
@@ -66,7 +66,8 @@ def forward_seconds(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], cl
     flops = forward_flops(node, plan, modules)
     peak = cluster.flops_per_s[dtype]
     if op_key(node) is F.scaled_dot_product_attention:
-        peak *= cluster.attention_efficiency
+        q, k = (shape_of(n) for n in node.args[:2])
+        peak *= cluster.attention_share(dtype, 4 * q[-2] * k[-2] * q[-1])  # by one head's slice
     elif _is_product(node, modules):
         peak *= cluster.matmul_efficiency
     bandwidth = cluster.memory_bandwidth_bytes_per_s
