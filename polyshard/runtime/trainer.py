@@ -70,6 +70,10 @@ def train(cfg: TrainConfig) -> list[dict]:
     if lead:
         if cfg.auto or cfg.memory_limit:
             print(render(pm.plan, layouts=0))
+            planned = Path(cfg.metrics).parent / "plan.json"
+            planned.parent.mkdir(parents=True, exist_ok=True)
+            planned.write_text(pm.plan.to_json())
+            print(f"plan: {planned} (train it again with --plan {planned})")
         print(f"mesh: {mesh}  ({world} processes, {torch.get_num_threads()} thread each)")
         if pm.plan.copies > 1 or copies == "auto":
             print(f"multi-copy: each micro-batch runs as {pm.plan.copies} interleaved copies")
@@ -195,4 +199,6 @@ def peak_rss_bytes() -> int:
 def _open_metrics(path: str):
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
+    if p.exists():
+        print(f"metrics: replacing {path}, an earlier run's")
     return p.open("w")

@@ -110,6 +110,12 @@ def test_a_memory_limit_makes_the_planner_fit_the_run(tmp_path):
     assert "memory limit 900 KiB" in out.stdout and "memory per device" in out.stdout
     used = float(out.stdout.split("memory per device")[1].split(" = ")[1].split(" KiB")[0])
     assert used <= 900
+    # the plan it made is written beside the metrics, and trains again as it is
+    assert f"plan: {tmp_path / 'plan.json'}" in out.stdout
+    again = polyshard("train", "--nproc", "2", "--plan", str(tmp_path / "plan.json"), "--steps", "1",
+                      "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"metrics: replacing {tmp_path / 'm.jsonl'}, an earlier run's" in again.stdout
 
 
 def test_run_launches_a_user_script(tmp_path):
