@@ -23,10 +23,11 @@ LR = 1e-3
 
 
 def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int = 8, zero: int | None = None,
-              layers: int | None = None, precision: str = "fp32", **options) -> dict:
+              layers: int | None = None, precision: str = "fp32", optimizer: str | None = None, **options) -> dict:
     """Worst loss and parameter errors after ``steps`` optimizer steps; ``zero``: optimizer parallel level (by
     :func:`setup_zero`); ``layers``: decoder layers instead of the tiny config's; ``precision``: "bf16" or
     "fp16" computes in half precision over fp32 masters, against an fp32 reference (the others: float64);
+    ``optimizer``: "adamw" or "sgd" (default: AdamW in float64, SGD with momentum in half precision);
     ``options`` go to parallelize."""
     ps.init(mesh)
     torch.manual_seed(0)
@@ -41,10 +42,12 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     pm = ps.parallelize(par, example_inputs={k: v[:rows] for k, v in batches[0].items()}, **options)
     # half precision: SGD with momentum, which passes rounding through unamplified (AdamW would turn noise
     # on the key bias's gradient, zero in exact arithmetic, into full-size updates)
-    name, kwargs = ("adamw", {"lr": LR}) if precision == "fp32" else ("sgd", {"lr": 0.1, "momentum": 0.9})
-    ref_opt = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name](ref.parameters(), **kwargs)
+    name = optimizer or ("adamw" if precision == "fp32" else "sgd")
+    kwargs = {"lr": LR} if name == "adamw" else {"lr": 0.1, "momentum": 0.9}
+    optimizer_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name]
+    ref_opt = optimizer_class(ref.parameters(), **kwargs)
     opt = setup_zero(pm, zero, name, precision, threshold_bytes=256, **kwargs) if zero is not None else \
-        torch.optim.AdamW(pm.parameters(), lr=LR)
+        optimizer_class(pm.parameters(), **kwargs)
     group = opt.group if zero is not None else pm.mesh.data_group()
     loss_err = 0.0
     for b in batches:
@@ -65,7 +68,10 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
         loss_err = max(loss_err, rel_err(total, ref_loss.detach()))
     with opt.gathered() if zero is not None else contextlib.nullcontext():
         full = pm.full_state_dict()
-    errors = [(rel_err(full[k].to(p.dtype), p.detach()), k) for k, p in ref.named_parameters() if k in full]
+    # OPT's key bias: softmax ignores it, so its gradient is rounding noise that AdamW turns into steps of
+    # ~1e-15; it is compared on the scale of one step (LR), the others on their own
+    errors = [(rel_err(full[k].to(p.dtype), p.detach(), floor=LR), k) for k, p in ref.named_parameters()
+              if k in full]
     result = {"loss_err": loss_err, "param_err": max(errors)[0], "worst": max(errors),
               "missing": sorted(set(dict(ref.named_parameters())) - set(full)),
               "layouts": {k: str(v) for k, v in pm.plan.params.items()},
