@@ -48,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train a GPT from polyshard.models on the pydoc corpus every Python install has.")
     t.add_argument("--nproc", type=int, default=None, help="processes to launch through torchrun (default: 1, or "
                    "the current torchrun world)")
+    t.add_argument("--nnodes", type=int, default=1, help="machines the run spans (default 1): start the same "
+                   "command on each, with its own --node-rank; --nproc is per machine")
+    t.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1 (default 0)")
+    t.add_argument("--rdzv", default="", help="HOST:PORT where the machines meet: node 0's address and a free port "
+                   "(needed with --nnodes 2 or more)")
     t.add_argument("--mesh", default="", help="named mesh, e.g. dp=2,tp=2 (default: dp=NPROC); 'dp' splits batches, "
                    "other axes split operators")
     t.add_argument("--model", default="", help="model name (see `polyshard models`; default: the --plan's, else "
@@ -150,14 +155,18 @@ def _train(args) -> int:
                       memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir,
                       timeline=args.timeline, sequence_parallel=args.sequence_parallel)
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1)
     if args.nproc is not None and args.nproc < 1:
         raise PolyshardError(f"--nproc must be at least 1, got {args.nproc}")
+    rendezvous = _check_nodes(args.nnodes, args.node_rank, args.rdzv)
+    world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1) * args.nnodes
     shape = check_config(cfg, world)
     if not in_torchrun:
         check_against_model(cfg, shape)
-        rest = _without_flag(sys.argv[1:] if args.nproc is not None else [], "--nproc")
-        return _launch(world, ["-m", "polyshard.cli.main"] + (rest or ["train"]))
+        rest = sys.argv[1:] if args.nproc is not None or args.nnodes > 1 else []
+        for flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv"):  # the launcher's, not the ranks'
+            rest = _without_flag(rest, flag)
+        return _launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + (rest or ["train"]),
+                       nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous)
     from polyshard.runtime.trainer import train
 
     train(cfg)
@@ -351,14 +360,34 @@ def _models(args) -> int:
     return 0
 
 
-def _launch(nproc: int, command: list[str]) -> int:
-    """torchrun on this machine: ``nproc`` ranks, one thread each, a free port. A bad input the ranks
-    find is said once, with exit code 2, instead of once per rank under torchrun's own report."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", *command]
+def _check_nodes(nnodes: int, node_rank: int, rdzv: str) -> tuple[str, int] | None:
+    """The (host, port) machines meet at, None for one machine; refuses counts and addresses that cannot work."""
+    if nnodes < 1:
+        raise PolyshardError(f"--nnodes must be at least 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise PolyshardError(f"--node-rank {node_rank} is not one of the {nnodes} machines' indices 0 .. {nnodes - 1}")
+    if not rdzv:
+        if nnodes > 1:
+            raise PolyshardError(f"--nnodes {nnodes} needs --rdzv HOST:PORT, node 0's address and a free port, the "
+                                 "same on every machine")
+        return None
+    host, _, port = rdzv.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PolyshardError(f"--rdzv {rdzv!r} is not HOST:PORT (e.g. 10.0.0.1:29500)")
+    return host, int(port)
+
+
+def _launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
+            rendezvous: tuple[str, int] | None = None) -> int:
+    """torchrun: ``nproc`` ranks on this machine, one thread each, machine ``nodes[1]`` of ``nodes[0]`` meeting
+    the others at ``rendezvous`` (default: this machine alone, on a free port). A bad input the ranks find is
+    said once, with exit code 2, instead of once per rank under torchrun's own report."""
+    if rendezvous is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            rendezvous = ("127.0.0.1", s.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes[0]}",
+           f"--node-rank={nodes[1]}", f"--master-addr={rendezvous[0]}", f"--master-port={rendezvous[1]}", *command]
     with tempfile.TemporaryDirectory(prefix="polyshard-errors-") as errors:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors})
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)

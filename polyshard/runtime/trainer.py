@@ -74,7 +74,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             planned.parent.mkdir(parents=True, exist_ok=True)
             planned.write_text(pm.plan.to_json())
             print(f"plan: {planned} (train it again with --plan {planned})")
-        print(f"mesh: {mesh}  ({world} processes, {torch.get_num_threads()} thread each)")
+        nodes = f" on {mesh.cluster.num_nodes} machines" if mesh.cluster and mesh.cluster.num_nodes > 1 else ""
+        print(f"mesh: {mesh}  ({world} processes{nodes}, {torch.get_num_threads()} thread each)")
         if pm.plan.copies > 1 or copies == "auto":
             print(f"multi-copy: each micro-batch runs as {pm.plan.copies} interleaved copies")
         if pipelined:

@@ -118,6 +118,29 @@ def test_a_memory_limit_makes_the_planner_fit_the_run(tmp_path):
     assert f"metrics: replacing {tmp_path / 'm.jsonl'}, an earlier run's" in again.stdout
 
 
+def test_two_machines_on_localhost_train_as_one_machine_does(tmp_path):
+    # node 1 starts first and waits at node 0's address; node 0's rank 0 writes the metrics
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--model", "gpt-tiny", "--mesh", "dp=2,tp=2", "--steps", "3"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "polyshard.cli.main", "train", "--nproc", "2", "--nnodes", "2",
+                               "--node-rank", str(r), "--rdzv", f"127.0.0.1:{port}", *flags,
+                               "--metrics", str(tmp_path / f"node{r}.jsonl")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (1, 0)]
+    outs = [n.communicate(timeout=600) for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), [o[1][-2000:] for o in outs]
+    assert "(4 processes on 2 machines" in outs[1][0]
+    one = polyshard("train", "--nproc", "4", *flags, "--metrics", str(tmp_path / "one.jsonl"), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = [json.loads(line)["loss"] for line in (tmp_path / "node0.jsonl").read_text().splitlines()]
+    single = [json.loads(line)["loss"] for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    assert len(two) == 3 and two == pytest.approx(single, rel=1e-5)
+    assert not (tmp_path / "node1.jsonl").exists()  # only rank 0 writes metrics
+
+
 def test_run_launches_a_user_script(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(

@@ -152,6 +152,15 @@ CLI_CASES = [
     ("mesh-too-big", TRAIN + ["--mesh", "dp=4"], ["4 devices", "2 processes"]),
     ("mesh-too-small", TRAIN + ["--mesh", "tp=1"], ["1 devices", "2 processes"]),
     ("mesh-only-commas", TRAIN + ["--mesh", ",,"], ["names no axes"]),
+    # machines
+    ("nnodes-zero", TRAIN + ["--nnodes", "0"], ["--nnodes", "at least 1"]),
+    ("node-rank-out-of-range", TRAIN + ["--nnodes", "2", "--node-rank", "2", "--rdzv", "h:29500"],
+     ["--node-rank 2", "0 .. 1"]),
+    ("nnodes-without-rdzv", TRAIN + ["--nnodes", "2"], ["--nnodes 2", "--rdzv"]),
+    ("rdzv-no-port", TRAIN + ["--nnodes", "2", "--rdzv", "node0"], ["'node0'", "HOST:PORT"]),
+    ("rdzv-port-range", TRAIN + ["--nnodes", "2", "--rdzv", "node0:99999"], ["node0:99999", "HOST:PORT"]),
+    ("mesh-not-nodes-x-procs", TRAIN + ["--nnodes", "2", "--rdzv", "node0:29500", "--mesh", "dp=2"],
+     ["2 devices", "4 processes"]),
     # counts and numbers
     ("nproc-zero", ["train", "--nproc", "0"], ["--nproc", "at least 1"]),
     ("nproc-negative", ["train", "--nproc", "-3"], ["--nproc", "-3"]),
