@@ -40,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
 
     sizes = message_sizes(parse_bytes(args.max_bytes))
     if not in_torchrun:
-        from polyshard.cli.main import _launch
+        from polyshard.cli.launch import launch
 
-        return _launch(args.nproc, ["-m", "polyshard.cli.main", "calibrate", "--out", args.out,
+        return launch(args.nproc, ["-m", "polyshard.cli.main", "calibrate", "--out", args.out,
                                     "--max-bytes", args.max_bytes, "--repeats", str(args.repeats)])
     _calibrate_here(args.out, sizes, args.repeats)
     return 0

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
+from polyshard.cli.launch import ERRORS_ENV, check_nodes, launch, without_flag
 from polyshard.errors import PolyshardError
 from polyshard.planner.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
                                    ZERO_LEVELS)
-
-ERRORS_ENV = "POLYSHARD_ERRORS_DIR"  # where ranks launched by `polyshard` leave the bad input they found
 
 # `train` flags that set a plan field of the same name (and win over a plan file's)
 PLAN_FLAGS = ("recompute", "recompute_comm", "offload", "zero", "optimizer", "precision", "schedule", "micro_batches",
@@ -32,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         errors = os.environ.get(ERRORS_ENV)
-        if errors and not args.debug:  # a rank launched by `_launch`, which says it once for all ranks
+        if errors and not args.debug:  # a rank `launch` started: it says it once for all ranks
             Path(errors, f"rank{os.environ.get('RANK', '0')}").write_text(str(exc))
         else:
             print(f"polyshard: error: {exc}", file=sys.stderr)
@@ -157,15 +153,15 @@ def _train(args) -> int:
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.nproc is not None and args.nproc < 1:
         raise PolyshardError(f"--nproc must be at least 1, got {args.nproc}")
-    rendezvous = _check_nodes(args.nnodes, args.node_rank, args.rdzv)
+    rendezvous = check_nodes(args.nnodes, args.node_rank, args.rdzv)
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1) * args.nnodes
     shape = check_config(cfg, world)
     if not in_torchrun:
         check_against_model(cfg, shape)
         rest = sys.argv[1:] if args.nproc is not None or args.nnodes > 1 else []
         for flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv"):  # the launcher's, not the ranks'
-            rest = _without_flag(rest, flag)
-        return _launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + (rest or ["train"]),
+            rest = without_flag(rest, flag)
+        return launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + (rest or ["train"]),
                        nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous)
     from polyshard.runtime.trainer import train
 
@@ -342,7 +338,7 @@ def _run(args) -> int:
         raise PolyshardError(f"-n must be at least 1, got {args.nproc}")
     if not os.path.isfile(args.script):
         raise PolyshardError(f"script {args.script!r} does not exist" + " (it is a folder)" * os.path.isdir(args.script))
-    return _launch(args.nproc, [args.script] + args.script_args)
+    return launch(args.nproc, [args.script] + args.script_args)
 
 
 def _models(args) -> int:
@@ -358,63 +354,6 @@ def _models(args) -> int:
     print(f"transformers models (the [hf] extra): hf:FAMILY, tiny ({', '.join(hf.TINY)}); real sizes, for planning: "
           f"{', '.join('hf:' + n for n in hf.shipped())}; or hf:CONFIG.json, hf:DIR (config.json + safetensors)")
     return 0
-
-
-def _check_nodes(nnodes: int, node_rank: int, rdzv: str) -> tuple[str, int] | None:
-    """The (host, port) machines meet at, None for one machine; refuses counts and addresses that cannot work."""
-    if nnodes < 1:
-        raise PolyshardError(f"--nnodes must be at least 1, got {nnodes}")
-    if not 0 <= node_rank < nnodes:
-        raise PolyshardError(f"--node-rank {node_rank} is not one of the {nnodes} machines' indices 0 .. {nnodes - 1}")
-    if not rdzv:
-        if nnodes > 1:
-            raise PolyshardError(f"--nnodes {nnodes} needs --rdzv HOST:PORT, node 0's address and a free port, the "
-                                 "same on every machine")
-        return None
-    host, _, port = rdzv.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise PolyshardError(f"--rdzv {rdzv!r} is not HOST:PORT (e.g. 10.0.0.1:29500)")
-    return host, int(port)
-
-
-def _launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
-            rendezvous: tuple[str, int] | None = None) -> int:
-    """torchrun: ``nproc`` ranks on this machine, one thread each, machine ``nodes[1]`` of ``nodes[0]`` meeting
-    the others at ``rendezvous`` (default: this machine alone, on a free port). A bad input the ranks find is
-    said once, with exit code 2, instead of once per rank under torchrun's own report."""
-    if rendezvous is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            rendezvous = ("127.0.0.1", s.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes[0]}",
-           f"--node-rank={nodes[1]}", f"--master-addr={rendezvous[0]}", f"--master-port={rendezvous[1]}", *command]
-    with tempfile.TemporaryDirectory(prefix="polyshard-errors-") as errors:
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors})
-        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
-        last = b"\n"
-        while chunk := os.read(proc.stderr.fileno(), 1 << 16):
-            if not os.listdir(errors):  # after a rank's error, the rest is the other ranks stopping
-                sys.stderr.buffer.write(chunk)
-                sys.stderr.flush()
-                last = chunk[-1:]
-        code = proc.wait()
-        said = sorted({p.read_text() for p in Path(errors).iterdir()})
-    for message in said:
-        print(("" if last == b"\n" else "\n") + f"polyshard: error: {message}", file=sys.stderr)
-        last = b"\n"
-    return 2 if said else code
-
-
-def _without_flag(argv: list[str], flag: str) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == flag:
-            skip = True
-        elif not a.startswith(flag + "="):
-            out.append(a)
-    return out
 
 
 if __name__ == "__main__":

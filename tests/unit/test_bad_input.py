@@ -338,7 +338,11 @@ def _listing(folder: Path) -> list[str]:
 @pytest.mark.parametrize("argv,needles", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
 def test_cli_refuses_before_launch(argv, needles, files, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "_launch", lambda *a: pytest.fail(f"launched {a}: the input was accepted"))
+    def launched(*args, **kwargs):
+        pytest.fail(f"launched {args}: the input was accepted")
+
+    monkeypatch.setattr(cli, "launch", launched)
+    monkeypatch.setattr("polyshard.cli.launch.launch", launched)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     before = _listing(Path(files["plan"]).parent)
