@@ -64,3 +64,27 @@ def tp_plan_pins(plan: dict[str, str], calls: dict[str, int], axes: tuple[str, .
         out = (None,) * (ndim + (weight == "rows")) if gather else None
         pins[path] = Pin((tuple(x), w), out, None, f"{path} ({style})")
     return pins
+
+
+# the weight dim each transformers style splits (Linear weights are (out, in); Embedding's (rows, dim))
+_STYLE_WEIGHT_DIM = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1, "embedding_rowwise": 0}
+
+
+def tp_plan_agreement(model, params: dict) -> dict | None:
+    """Where a plan's weight layouts follow the model's own tensor-parallel plan (its ``_tp_plan``): a module
+    follows when its weight is split along its style's dim and nowhere else. None without a tp plan or a split."""
+    plan = getattr(model, "_tp_plan", None)
+    if not plan or not any(layout.axes for layout in params.values()):
+        return None
+    followed, departures = 0, []
+    for path, _ in model.named_modules():
+        style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(path, pattern)), None)
+        layout = params.get(f"{path}.weight")
+        if style not in _STYLE_WEIGHT_DIM or layout is None:
+            continue
+        split = [bool(d) for d in layout.dims]
+        if split == [i == _STYLE_WEIGHT_DIM[style] for i in range(len(split))]:
+            followed += 1
+        else:
+            departures.append([path, style, layout.describe() or "R"])
+    return {"followed": followed, "modules": followed + len(departures), "departures": departures}

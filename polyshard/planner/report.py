@@ -76,6 +76,8 @@ def render(plan: Plan, layouts: int = 40) -> str:
                                       plain["memory"], rep["limit_bytes"]))
         if "pipeline" in chosen:
             lines.extend(_stage_table(chosen, rep["limit_bytes"]))
+        if rep.get("tp_plan"):
+            lines.extend(_tp_plan_lines(rep["tp_plan"]))
     lines.append(f"mesh: {' x '.join(f'{n}={s}' for n, s in plan.mesh) or 'one device'}; parameter layouts:")
     summary = plan.summary().splitlines()
     lines.extend(summary[:layouts])
@@ -99,6 +101,17 @@ def _stage_table(chosen: dict, limit: float) -> list[str]:
         mark = " " if s["memory"]["total"] <= limit else "x"
         lines.append(f"{mark} {k:>5} {s['rank']:>4}  {layers:<32} {_ms(s['forward_s'])} {_ms(s['backward_s'])} "
                      f"{format_bytes(s['memory']['total']):>11}")
+    return lines
+
+
+def _tp_plan_lines(agreement: dict, shown: int = 5) -> list[str]:
+    """How far the plan follows the model's own tensor-parallel plan, and where it departs."""
+    departures = agreement["departures"]
+    lines = [f"the model's tensor-parallel plan (_tp_plan): followed by {agreement['followed']} of "
+             f"{agreement['modules']} modules" + ("; departs at:" if departures else "")]
+    lines += [f"  {path} ({style}): {layout}" for path, style, layout in departures[:shown]]
+    if len(departures) > shown:
+        lines.append(f"  ... {len(departures) - shown} more")
     return lines
 
 

@@ -44,6 +44,7 @@ from polyshard.planner.intra_op import IntraOpResult, Terms, program_terms, solv
 from polyshard.planner.pipeline import (BUCKET_BYTES, PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
                                         leanest_pipeline, level3_traffic, state_memory, unit_costs)
 from polyshard.planner.config import Fixed
+from polyshard.pin import tp_plan_agreement
 from polyshard.planner.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
 from polyshard.planner.stages import assign_chunks, block_paths
 from polyshard.transitions import wire_bytes
@@ -231,8 +232,10 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         )
     best = min(fitting, key=lambda c: c.step_s)
     ranked = sorted(candidates, key=lambda c: c.step_s)
+    report = search_report(ranked, best, limit, reserve, data_axes, cluster)
+    agreement = tp_plan_agreement(model, plans[best.key].params)
     plan = dataclasses.replace(plans[best.key], global_batch=global_batch,
-                               report=search_report(ranked, best, limit, reserve, data_axes, cluster))
+                               report=report | ({"tp_plan": agreement} if agreement else {}))
     return plan, ranked
 
 

@@ -129,3 +129,32 @@ def test_a_directory_with_safetensors_loads_its_weights(tmp_path):
     loaded = hf.build(str(tmp_path))
     for name, p in saved.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], p), name
+
+
+# Megatron's layout, as transformers' Llama plan spells it: q/k/v, gate and up split by output rows, o and down by
+# input columns, the embedding by vocabulary rows (written out here, not read from polyshard.pin)
+LLAMA_SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1,
+                   "embed_tokens": 0, "lm_head": 0}
+
+
+@pytest.mark.parametrize("size,cluster,followed", [("real", "8xA100-80G", 16), ("tiny", "cpu-gloo:4", 0)])
+def test_the_report_says_where_the_plan_follows_the_models_tp_plan(size, cluster, followed):
+    from polyshard.cluster import Cluster
+    from polyshard.planner.config import Fixed
+    from polyshard.planner.report import render
+    from polyshard.planner.search import search
+
+    dims = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=16,
+                vocab_size=32000) if size == "real" else {}
+    model = hf.build("llama", device="meta", **dims)
+    plan, _ = search(model, hf.batch(model, 1, 512 if dims else 8), Cluster.load(cluster), 64,
+                     fixed=Fixed(tp=8 if dims else 4))
+    agreement = plan.report["tp_plan"]
+    assert (agreement["followed"], agreement["modules"]) == (followed, 16)  # 2 layers x 7, embedding, head
+    for name, layout in plan.params.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module.split(".")[-1] in LLAMA_SPLIT_DIM:
+            split = [bool(d) for d in layout.dims]
+            follows = split == [i == LLAMA_SPLIT_DIM[module.split(".")[-1]] for i in range(len(split))]
+            assert follows == (module not in {d[0] for d in agreement["departures"]}), (name, layout)
+    assert f"followed by {followed} of 16 modules" in render(plan, layouts=0)
