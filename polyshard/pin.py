@@ -66,10 +66,6 @@ def tp_plan_pins(plan: dict[str, str], calls: dict[str, int], axes: tuple[str, .
     return pins
 
 
-# the weight dim each transformers style splits (Linear weights are (out, in); Embedding's (rows, dim))
-_STYLE_WEIGHT_DIM = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1, "embedding_rowwise": 0}
-
-
 def tp_plan_agreement(model, params: dict) -> dict | None:
     """Where a plan's weight layouts follow the model's own tensor-parallel plan (its ``_tp_plan``): a module
     follows when its weight is split along its style's dim and nowhere else. None without a tp plan or a split."""
@@ -80,10 +76,11 @@ def tp_plan_agreement(model, params: dict) -> dict | None:
     for path, _ in model.named_modules():
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(path, pattern)), None)
         layout = params.get(f"{path}.weight")
-        if style not in _STYLE_WEIGHT_DIM or layout is None:
+        if style not in _TP_STYLES or layout is None:
             continue
+        dim = {"out": 0, "in": 1, "rows": 0}[_TP_STYLES[style][0]]  # Linear weights are (out, in)
         split = [bool(d) for d in layout.dims]
-        if split == [i == _STYLE_WEIGHT_DIM[style] for i in range(len(split))]:
+        if split == [i == dim for i in range(len(split))]:
             followed += 1
         else:
             departures.append([path, style, layout.describe() or "R"])

@@ -155,9 +155,9 @@ def _train(args) -> int:
         raise PolyshardError(f"--nproc must be at least 1, got {args.nproc}")
     rendezvous = check_nodes(args.nnodes, args.node_rank, args.rdzv)
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1) * args.nnodes
-    shape = check_config(cfg, world)
+    shape, plan = check_config(cfg, world)
     if not in_torchrun:
-        check_against_model(cfg, shape)
+        check_against_model(cfg, shape, plan)
         rest = sys.argv[1:] if args.nproc is not None or args.nnodes > 1 else []
         for flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv"):  # the launcher's, not the ranks'
             rest = without_flag(rest, flag)

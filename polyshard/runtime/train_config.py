@@ -76,8 +76,8 @@ def load_plan(path: str, what: str = "--plan") -> Plan:
         raise PolyshardError(f"{what} {path!r}: {exc}") from exc
 
 
-def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
-    """Every flag checked against the others and the world; returns the mesh shape."""
+def check_config(cfg: TrainConfig, world_size: int) -> tuple[dict[str, int], Plan | None]:
+    """Every flag checked against the others and the world; returns the mesh shape and the --plan file's plan."""
     plan = load_plan(cfg.plan) if cfg.plan else None
     _check_model_name(cfg, plan)
     shape = _check_mesh(cfg, plan, world_size)
@@ -97,7 +97,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> dict[str, int]:
     _check_pipeline_flags(cfg, shape, settings, rows)
     _check_memory_flags(cfg, data, settings)
     _check_paths(cfg)
-    return shape
+    return shape, plan
 
 
 def _check_model_name(cfg: TrainConfig, plan: Plan | None) -> None:
@@ -222,14 +222,14 @@ def _plan_settings(plan: Plan | None) -> dict:
                                           "virtual_stages")}
 
 
-def check_against_model(cfg: TrainConfig, shape: dict[str, int]) -> None:
-    """On the meta device, before launch: pins fit the model, a plan fits its graph, stages fit its blocks."""
+def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | None) -> None:
+    """On the meta device, before launch: pins fit the model, ``plan`` (the --plan file's) fits its graph,
+    stages fit its blocks."""
     from polyshard.compiler.check import check_plan
     from polyshard.graph.capture import capture
     from polyshard.planner.propagate import propagate
     from polyshard.planner.stages import block_paths
 
-    plan = load_plan(cfg.plan) if cfg.plan else None
     model = models.build(model_name(cfg, plan), device="meta")
     if cfg.strategies:
         apply_strategies(model, cfg.strategies)

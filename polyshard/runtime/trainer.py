@@ -28,7 +28,7 @@ from polyshard.optim import OPTIMIZER_CLASSES, build_optimizer
 from polyshard.runtime.offload import OffloadedOptimizer
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.timeline import draw_timeline
-from polyshard.runtime.train_config import TrainConfig, apply_strategies, check_config, load_plan, model_name
+from polyshard.runtime.train_config import TrainConfig, apply_strategies, check_config, model_name
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
 
@@ -37,8 +37,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     from tqdm import tqdm
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    shape = check_config(cfg, world)
-    plan = load_plan(cfg.plan) if cfg.plan else None
+    shape, plan = check_config(cfg, world)
     name = model_name(cfg, plan)
     if cfg.auto or cfg.memory_limit:  # --auto: every mesh; --memory-limit alone: the mesh given
         meta = models.build(name, device="meta")
