@@ -10,6 +10,7 @@ from polyshard.runtime.fusion import comm_fusion
 from polyshard.runtime.parallel import ParallelModule, micro_batch_interleaved, parallelize
 from polyshard.runtime.pipeline import PipelineModule, pipeline_stage
 from polyshard.runtime.recompute import recompute
+from polyshard.runtime.training_state import load, save
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
-__all__ = ["comm", "comm_fusion", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "micro_batch_interleaved", "parallelize", "pipeline_stage", "PipelineModule", "recompute", "setup_zero", "shard", "ZeroOptimizer"]
+__all__ = ["comm", "comm_fusion", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "load", "micro_batch_interleaved", "parallelize", "pipeline_stage", "PipelineModule", "recompute", "save", "setup_zero", "shard", "ZeroOptimizer"]

@@ -44,6 +44,14 @@ class TokenBatches:
         self._generator = torch.Generator().manual_seed(seed)
         self._offsets = torch.arange(seq_len + 1)
 
+    def position(self) -> torch.Tensor:
+        """Where the sampling stands (its generator's state), to save and resume from."""
+        return self._generator.get_state()
+
+    def seek(self, position: torch.Tensor) -> None:
+        """Continue from a saved :meth:`position`."""
+        self._generator.set_state(position)
+
     def __iter__(self) -> TokenBatches:
         return self
 
