@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from polyshard.errors import PolyshardError
+from polyshard.runtime.checkpoint import confined
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -98,6 +99,8 @@ class DiskStore:
         manifest = manifest or {"version": 0, "step": 0, "files": {}}
         self.version, self.step = manifest["version"], manifest["step"]
         self.files = {int(i): record for i, record in manifest["files"].items()}
+        for record in self.files.values():
+            confined(self.path, record["file"])  # it is read, and replaced files are deleted
         self._remove_strays()
         for record in self.files.values():
             file = self.path / record["file"]

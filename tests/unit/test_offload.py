@@ -309,3 +309,18 @@ def test_disk_mode_lowers_resident_memory(tmp_path):
     state_bytes = 2 * 4 * sum(math.prod(p.shape) for p in MLPClassifier(2048, 2048, 16).parameters())
     plain, disk = measure("plain", tmp_path), measure("disk", tmp_path)
     assert plain["rss_bytes"] - disk["rss_bytes"] >= state_bytes / 2, (plain, disk, state_bytes)
+
+
+def test_a_manifest_naming_a_file_outside_the_store_is_refused_and_nothing_is_deleted(tmp_path):
+    from polyshard.runtime.disk_store import MANIFEST, DiskStore
+
+    store = DiskStore(tmp_path / "state")
+    store.commit(1, [(0, {"master": torch.ones(3), "state": {}})])
+    outside = tmp_path / "x.pt"
+    outside.write_bytes(b"not the store's")
+    manifest = json.loads((tmp_path / "state" / MANIFEST).read_text())
+    manifest["files"]["0"]["file"] = "../x.pt"
+    (tmp_path / "state" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(PolyshardError, match="not a plain name inside it"):
+        DiskStore(tmp_path / "state", resume=True)
+    assert outside.read_bytes() == b"not the store's"
