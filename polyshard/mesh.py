@@ -8,6 +8,7 @@ talk only point to point, rank to rank along ``pp``.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import re
@@ -206,7 +207,7 @@ def current_mesh() -> Mesh:
 
 def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = DEFAULT_DATA_AXES,
          threads_per_rank: int | None = 1, cluster: Cluster | str | None = None,
-         op_axes: tuple[str, ...] = ()) -> Mesh:
+         op_axes: tuple[str, ...] = (), timeout: float | None = None) -> Mesh:
     """Start the process group (from torchrun's environment, or a world of one) and set the mesh.
 
     ``mesh=None`` gives a 1-D mesh of all ranks named ``world`` (an op axis); an axis named ``pp``
@@ -215,6 +216,7 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
     On CPU each rank uses ``threads_per_rank`` threads (1 by default: ranks share the cores).
     ``cluster`` (a preset such as ``8xA100-80G``, a YAML path, or a Cluster) defaults to torchrun's
     environment; operator axes that span nodes get a warning, since they talk the most.
+    ``timeout``: seconds a collective waits for its peers before failing (None: torch's default).
     """
     global _current
     import torch
@@ -249,7 +251,7 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout) if timeout else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if device_type == "cuda":

@@ -3,15 +3,20 @@ ranks find said once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from polyshard.errors import PolyshardError
 
+STOP_GRACE_S = 5.0  # after a rank's error, how long the others may take to stop before they are killed
 ERRORS_ENV = "POLYSHARD_ERRORS_DIR"  # where ranks launched by `polyshard` leave the bad input they found
 
 
@@ -33,31 +38,75 @@ def check_nodes(nnodes: int, node_rank: int, rdzv: str) -> tuple[str, int] | Non
 
 
 def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
-            rendezvous: tuple[str, int] | None = None) -> int:
+            rendezvous: tuple[str, int] | None = None, max_restarts: int = 0) -> int:
     """torchrun: ``nproc`` ranks on this machine, one thread each, machine ``nodes[1]`` of ``nodes[0]`` meeting
     the others at ``rendezvous`` (default: this machine alone, on a free port). A bad input the ranks find is
-    said once, with exit code 2, instead of once per rank under torchrun's own report."""
+    said once, with exit code 2, instead of once per rank under torchrun's own report; a rank that dies
+    otherwise restarts the job up to ``max_restarts`` times."""
     if rendezvous is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             rendezvous = ("127.0.0.1", s.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes[0]}",
-           f"--node-rank={nodes[1]}", f"--master-addr={rendezvous[0]}", f"--master-port={rendezvous[1]}", *command]
+    host, port = rendezvous
+    if nodes[0] == 1 or max_restarts:  # c10d rendezvous: each restart meets afresh (a static one reuses stale keys)
+        meet = ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=polyshard",
+                f"--rdzv-conf=is_host={int(nodes[1] == 0)}"]
+    else:  # static: machine r holds ranks r*nproc .., so node 0 holds rank 0
+        meet = [f"--node-rank={nodes[1]}", f"--master-addr={host}", f"--master-port={port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes[0]}", *meet,
+           f"--max-restarts={max_restarts}", *command]
     with tempfile.TemporaryDirectory(prefix="polyshard-errors-") as errors:
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors})
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors},
+                   # the ranks' own store, new for each restart: the agent's shared one keeps the last attempt's
+                   # addresses, which a restarted rank can read before its peer replaces them
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
-        last = b"\n"
-        while chunk := os.read(proc.stderr.fileno(), 1 << 16):
-            if not os.listdir(errors):  # after a rank's error, the rest is the other ranks stopping
-                sys.stderr.buffer.write(chunk)
-                sys.stderr.flush()
-                last = chunk[-1:]
+        last = _relay(proc, errors, stop_after_error=not max_restarts)
         code = proc.wait()
         said = sorted({p.read_text() for p in Path(errors).iterdir()})
     for message in said:
         print(("" if last == b"\n" else "\n") + f"polyshard: error: {message}", file=sys.stderr)
         last = b"\n"
-    return 2 if said else code
+    return 2 if said and code else code  # a restart that then finished overrides what a rank said
+
+
+def _relay(proc: subprocess.Popen, errors: str, stop_after_error: bool) -> bytes:
+    """Copy torchrun's stderr through until a rank says an error; then, if ``stop_after_error``, give the
+    job STOP_GRACE_S seconds to end and kill what is left (a hung or stopped rank). Returns the last byte."""
+    last, stop_at = b"\n", None
+    while True:
+        if select.select([proc.stderr], [], [], 0.5)[0]:
+            chunk = os.read(proc.stderr.fileno(), 1 << 16)
+            if not chunk:
+                return last
+            if not os.listdir(errors):  # after a rank's error, the rest is the other ranks stopping
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+                last = chunk[-1:]
+        if stop_after_error and stop_at is None and os.listdir(errors):
+            stop_at = time.monotonic() + STOP_GRACE_S
+        if stop_at is not None and time.monotonic() > stop_at:
+            for pid in _descendants(proc.pid) + [proc.pid]:  # torchrun starts each rank in a session of its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            stop_at = float("inf")
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process under ``root`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (name) state ppid ...": the name may hold spaces and parentheses
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def without_flag(argv: list[str], flag: str) -> list[str]:

@@ -22,6 +22,7 @@ PLAN_FLAGS = ("recompute", "recompute_comm", "offload", "zero", "optimizer", "pr
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the launched ranks are given
     try:
         return args.handler(args)
     except PolyshardError as exc:
@@ -93,6 +94,19 @@ def _parser() -> argparse.ArgumentParser:
                    "run on a slice of it and hold a slice of their activations (Megatron's sequence parallel)")
     t.add_argument("--offload-dir", default="", help="empty folder for disk offload's files (default: a temporary "
                    "one, removed after the run)")
+    t.add_argument("--save-dir", default="", help="save checkpoints here (torch.distributed.checkpoint; any later "
+                   "plan or device count can load them), every --save-every steps and at the end")
+    t.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (with --save-dir; default 0: "
+                   "only at the end)")
+    t.add_argument("--keep", type=int, default=0, help="leave only the newest K checkpoints (default 0: all)")
+    t.add_argument("--async-save", action="store_true", help="write checkpoints in the background while training "
+                   "goes on (the state is copied first)")
+    t.add_argument("--resume", default="", help="continue from a checkpoint: 'auto' (the newest in --save-dir) or "
+                   "its directory; the plan and device count may differ from the run that saved it")
+    t.add_argument("--max-restarts", type=int, default=0, help="when a process dies, restart the job up to N times; "
+                   "with --save-dir it resumes from the newest checkpoint by itself")
+    t.add_argument("--collective-timeout", type=float, default=0.0, help="seconds a collective waits for a silent "
+                   "process before the run fails, naming it (default: torch's, 30 minutes)")
     t.set_defaults(handler=_train)
 
     pl = sub.add_parser("plan", help="choose how to split a model over a cluster (prints it, can write it)",
@@ -135,6 +149,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     r.set_defaults(handler=_run)
 
+    e = sub.add_parser("export", help="write a checkpoint's weights as a transformers model directory",
+                       description="Write model.safetensors and config.json that transformers loads (polyshard's GPT "
+                                   "in GPT-2's layout) and `polyshard train --model hf:DIR` starts from.")
+    e.add_argument("checkpoint", help="a checkpoint directory, or a --save-dir (its newest checkpoint)")
+    e.add_argument("--to", choices=("hf",), default="hf", help="the format (hf: transformers)")
+    e.add_argument("--out", required=True, help="directory to write into")
+    e.set_defaults(handler=_export)
+
     m = sub.add_parser("models", help="list the models polyshard ships", description="List the named model configs.")
     m.set_defaults(handler=_models)
     add_calibrate(sub)
@@ -149,20 +171,24 @@ def _train(args) -> int:
                       lr=args.lr, seed=args.seed, strategies=args.strategies, metrics=args.metrics,
                       log_every=args.log_every, copies=args.copies, plan=args.plan, auto=args.auto,
                       memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir,
-                      timeline=args.timeline, sequence_parallel=args.sequence_parallel)
+                      timeline=args.timeline, sequence_parallel=args.sequence_parallel, save_dir=args.save_dir,
+                      save_every=args.save_every, keep=args.keep, async_save=args.async_save, resume=args.resume,
+                      collective_timeout=args.collective_timeout)
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.nproc is not None and args.nproc < 1:
         raise PolyshardError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        raise PolyshardError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     rendezvous = check_nodes(args.nnodes, args.node_rank, args.rdzv)
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1) * args.nnodes
     shape, plan = check_config(cfg, world)
     if not in_torchrun:
         check_against_model(cfg, shape, plan)
-        rest = sys.argv[1:] if args.nproc is not None or args.nnodes > 1 else []
-        for flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv"):  # the launcher's, not the ranks'
+        rest = args.argv
+        for flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv", "--max-restarts"):  # the launcher's
             rest = without_flag(rest, flag)
-        return launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + (rest or ["train"]),
-                       nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous)
+        return launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + rest,
+                       nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous, max_restarts=args.max_restarts)
     from polyshard.runtime.trainer import train
 
     train(cfg)
@@ -331,6 +357,15 @@ def _plan_cluster(plan) -> str:
     """The preset the plan was made for, from its report ('' when unknown)."""
     c = (plan.report or {}).get("cluster")
     return f"{c['num_nodes']}x{c['devices_per_node']}x{c['device_name']}" if c and c["device_name"] != "cpu" else ""
+
+
+def _export(args) -> int:
+    from polyshard.runtime.export import export_hf
+
+    out = export_hf(args.checkpoint, args.out)
+    print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'} (load with transformers, or train on with "
+          f"--model hf:{out})")
+    return 0
 
 
 def _run(args) -> int:

@@ -37,7 +37,11 @@ class TrainConfig:
     which win over the plan's; offload_dir: where disk offload keeps its files (an empty folder;
     default: a temporary one, removed after the run); timeline: a PNG path where a pipelined run
     draws its last step's schedule, measured beside predicted; sequence_parallel: row-parallel
-    products reduce-scatter along the sequence, so norms, dropout and residual adds run on a slice of it."""
+    products reduce-scatter along the sequence, so norms, dropout and residual adds run on a slice of it;
+    save_dir: where checkpoints go, one every save_every steps (0: none before) and one at the end, the
+    newest keep of them left (0: all), written in the background with async_save; resume: "auto" (the
+    newest in save_dir) or a checkpoint directory to continue from; collective_timeout: seconds a
+    collective waits for a silent rank before the run fails (0: torch's default)."""
 
     model: str = ""
     mesh: str = ""
@@ -57,6 +61,12 @@ class TrainConfig:
     offload_dir: str = ""
     timeline: str = ""
     sequence_parallel: bool = False
+    save_dir: str = ""
+    save_every: int = 0
+    keep: int = 0
+    async_save: bool = False
+    resume: str = ""
+    collective_timeout: float = 0.0
 
 
 def model_name(cfg: TrainConfig, plan: Plan | None) -> str:
@@ -97,6 +107,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[dict[str, int], Pla
     _check_pipeline_flags(cfg, shape, settings, rows)
     _check_memory_flags(cfg, data, settings)
     _check_paths(cfg)
+    _check_checkpoint_flags(cfg)
     return shape, plan
 
 
@@ -215,6 +226,54 @@ def _check_paths(cfg: TrainConfig) -> None:
         raise PolyshardError(f"--strategies file {cfg.strategies!r} does not exist")
 
 
+def _check_checkpoint_flags(cfg: TrainConfig) -> None:
+    if (cfg.save_every or cfg.keep or cfg.async_save) and not cfg.save_dir:
+        raise PolyshardError("--save-every, --keep and --async-save need --save-dir, where checkpoints go")
+    if cfg.save_every < 0:
+        raise PolyshardError(f"--save-every must be 0 (only at the end) or more steps, got {cfg.save_every}")
+    if cfg.keep < 0:
+        raise PolyshardError(f"--keep must be 0 (keep all) or more, got {cfg.keep}")
+    if cfg.resume == "auto" and not cfg.save_dir:
+        raise PolyshardError("--resume auto continues from the newest checkpoint in --save-dir: give --save-dir")
+    if not (cfg.collective_timeout >= 0 and math.isfinite(cfg.collective_timeout)):
+        raise PolyshardError(f"--collective-timeout must be a number of seconds, 0 or more; "
+                             f"got {cfg.collective_timeout}")
+    if cfg.save_dir and Path(cfg.save_dir).exists() and not Path(cfg.save_dir).is_dir():
+        raise PolyshardError(f"--save-dir {cfg.save_dir!r} is a file; name a folder")
+
+
+def check_resume(cfg: TrainConfig, name: str, params: dict[str, tuple[int, ...]], optimizer: str) -> None:
+    """Before launch: the checkpoint to continue from is whole and of this model and optimizer, and a
+    fresh run does not write over another run's checkpoints."""
+    from polyshard.runtime import checkpoint
+    from polyshard.runtime.training_state import MODEL
+
+    if not cfg.resume:
+        if cfg.save_dir and checkpoint.committed(cfg.save_dir):
+            raise PolyshardError(f"--save-dir {cfg.save_dir!r} holds another run's checkpoints: continue it with "
+                                 "--resume auto, or save into an empty folder")
+        return
+    path = checkpoint.resolve(cfg.resume, cfg.save_dir)
+    if path is None:
+        raise PolyshardError(f"--resume auto: --save-dir {cfg.save_dir!r} holds no complete checkpoint yet")
+    manifest = checkpoint.read_manifest(path)
+    saved = checkpoint.tensor_entries(checkpoint.read_metadata(path))
+    if manifest.get("model") != name:
+        raise PolyshardError(f"checkpoint {path} is of model {manifest.get('model')!r}; this run trains {name!r}")
+    for param, shape in params.items():
+        if MODEL + param not in saved:
+            raise PolyshardError(f"checkpoint {path} has no {param}: it is of another model")
+        if saved[MODEL + param][0] != tuple(shape):
+            raise PolyshardError(f"checkpoint {path}: {param} is {list(saved[MODEL + param][0])} there and "
+                                 f"{list(shape)} in this model (another size or vocabulary)")
+    if manifest.get("optimizer") != optimizer:
+        raise PolyshardError(f"checkpoint {path} holds {manifest.get('optimizer')} state; this run's optimizer is "
+                             f"{optimizer}: resume with --optimizer {manifest.get('optimizer')}")
+    if manifest["step"] >= cfg.steps:
+        raise PolyshardError(f"checkpoint {path} is at step {manifest['step']}, and --steps {cfg.steps} ends there; "
+                             f"raise --steps to train on")
+
+
 def _plan_settings(plan: Plan | None) -> dict:
     if plan is None:
         return {}
@@ -244,6 +303,8 @@ def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | No
     elif not cfg.auto:
         op_axes = tuple((n, s) for n, s in shape.items() if n not in data_axes and n != PIPELINE_AXIS and s > 1)
         propagate(gm, op_axes, lambda msg: None, cfg.sequence_parallel)
+    optimizer = dict(cfg.settings).get("optimizer", plan.optimizer if plan is not None else "adamw")
+    check_resume(cfg, model_name(cfg, plan), {n: tuple(p.shape) for n, p in gm.named_parameters()}, optimizer)
     pp, virtual = shape.get(PIPELINE_AXIS, 1), dict(cfg.settings).get("virtual_stages", 1)
     blocks = len(block_paths(gm))
     if pp > 1 and not cfg.plan and pp * virtual > blocks:

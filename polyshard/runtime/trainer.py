@@ -27,6 +27,8 @@ from polyshard.errors import PolyshardError
 from polyshard.optim import OPTIMIZER_CLASSES, build_optimizer
 from polyshard.runtime.offload import OffloadedOptimizer
 from polyshard.runtime.pipeline import PipelineModule
+from polyshard.runtime.resume import restore_run, resume_path, save_run
+from polyshard.runtime.stall import is_timeout, stalled
 from polyshard.runtime.timeline import draw_timeline
 from polyshard.runtime.train_config import TrainConfig, apply_strategies, check_config, model_name
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
@@ -48,7 +50,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         plan.model, shape = name, dict(plan.mesh)
     if plan is not None and cfg.settings:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
-    mesh = ps.init(shape)
+    mesh = ps.init(shape, timeout=cfg.collective_timeout or None)
     lead = dist.get_rank() == 0
     model = models.build(name, seed=cfg.seed)
     pinned = apply_strategies(model, cfg.strategies) if cfg.strategies else []
@@ -93,16 +95,29 @@ def train(cfg: TrainConfig) -> list[dict]:
     opt = make_optimizer(pm, cfg.lr, cfg.offload_dir or scratch.name)
     batches = TokenBatches(load_corpus(), cfg.batch_size, model.cfg.seq_len, cfg.seed)
     tokens_per_step = cfg.batch_size * model.cfg.seq_len
-    metrics_file = _open_metrics(cfg.metrics) if lead else None
-    bar = tqdm(total=cfg.steps, disable=not lead, unit="step", dynamic_ncols=True)
-    history, start = [], time.perf_counter()
-    for step in range(1, cfg.steps + 1):
+    done, history = 0, []
+    resumed = resume_path(cfg.resume, cfg.save_dir)
+    if resumed is not None:
+        done, history = restore_run(resumed, pm, opt, batches)
+        if lead:
+            print(f"resumed from {resumed} (step {done})")
+    metrics_file = _open_metrics(cfg.metrics, history) if lead else None
+    save_group = dist.new_group(backend="gloo") if cfg.async_save else None
+    pending = None
+    bar = tqdm(total=cfg.steps, initial=done, disable=not lead, unit="step", dynamic_ncols=True)
+    start = time.perf_counter() - (history[-1]["elapsed_s"] if history else 0.0)
+    for step in range(done + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         x, y = pm.local_batch(*next(batches))
-        loss_sum = train_step(pm, opt, x, y, accum, record=pipelined and bool(cfg.timeline) and step == cfg.steps)
-        if mesh.data_group() is not None:
-            dist.all_reduce(loss_sum, group=mesh.data_group())
-            loss_sum /= mesh.num_data_shards
+        try:
+            loss_sum = train_step(pm, opt, x, y, accum, record=pipelined and bool(cfg.timeline) and step == cfg.steps)
+            if mesh.data_group() is not None:
+                dist.all_reduce(loss_sum, group=mesh.data_group())
+                loss_sum /= mesh.num_data_shards
+        except RuntimeError as exc:
+            if cfg.collective_timeout and is_timeout(exc):
+                raise stalled(exc, step, cfg.collective_timeout) from exc
+            raise
         if not math.isfinite(loss_sum.item()):
             raise PolyshardError(f"loss became {loss_sum.item()} at step {step}; lower --lr (now {cfg.lr})")
         step_s = time.perf_counter() - t0
@@ -117,6 +132,16 @@ def train(cfg: TrainConfig) -> list[dict]:
             metrics_file.flush()
         if lead and (step % cfg.log_every == 0 or step == cfg.steps):
             bar.write(f"step {step:>5}  loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tokens/s")
+        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
+            if pending is not None:
+                _committed(pending.wait(), lead, bar)
+            pending = save_run(cfg.save_dir, pm, opt, batches, step, history, model=name, keep=cfg.keep,
+                               async_save=cfg.async_save, group=save_group)
+            if not cfg.async_save:
+                _committed(pending.wait(), lead, bar)
+                pending = None
+    if pending is not None:
+        _committed(pending.wait(), lead, bar)
     bar.close()
     if pipelined and cfg.timeline:
         draw_measured_timeline(pm, cfg.timeline)
@@ -196,9 +221,18 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _open_metrics(path: str):
+def _committed(path: Path, lead: bool, bar) -> None:
+    if lead:
+        bar.write(f"checkpoint: {path}")
+
+
+def _open_metrics(path: str, history: list[dict]):
+    """The metrics file, holding ``history`` (a resumed run's records so far) and open to append."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    if p.exists():
+    if p.exists() and not history:
         print(f"metrics: replacing {path}, an earlier run's")
-    return p.open("w")
+    f = p.open("w")
+    f.writelines(json.dumps(r) + "\n" for r in history)
+    f.flush()
+    return f
