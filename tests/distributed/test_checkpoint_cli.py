@@ -1,0 +1,210 @@
+"""Checkpoints from the command line: a rank killed mid-run restarts the job, which resumes and ends where the
+uninterrupted run ends; a stopped rank fails the run by name; bad checkpoints are refused before launch."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from polyshard.runtime.checkpoint import committed, read_full, step_dir
+from polyshard.runtime.training_state import MODEL
+
+RUN = ["--nproc", "2", "--model", "gpt-tiny", "--mesh", "dp=2", "--batch-size", "64"]
+
+
+def polyshard(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "polyshard.cli.main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+
+
+def losses(metrics: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def start(tmp: Path, name: str, *flags) -> subprocess.Popen:
+    out, err = (tmp / f"{name}.out").open("w"), (tmp / f"{name}.err").open("w")  # files: a full pipe would block
+    return subprocess.Popen([sys.executable, "-m", "polyshard.cli.main", "train", *RUN, *flags,
+                             "--metrics", str(tmp / f"{name}.jsonl")], stdout=out, stderr=err, text=True)
+
+
+def signal_rank_at(proc: subprocess.Popen, metrics: Path, step: int, rank: int, sig: int) -> int:
+    """Send ``sig`` to ``rank``'s process once the metrics reach ``step``; returns the step it reached."""
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < step:
+        assert proc.poll() is None, "the run ended before the signal"
+        time.sleep(0.01)
+    for pid in _descendants(proc.pid):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env and b"polyshard.cli.main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, sig)
+            return len(metrics.read_text().splitlines())
+    raise AssertionError(f"no process of rank {rank}")
+
+
+def _descendants(pid: int) -> list[int]:
+    from polyshard.cli.launch import _descendants
+
+    return _descendants(pid)
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_and_matches_the_uninterrupted_run(tmp_path):
+    whole = polyshard("train", *RUN, "--steps", "20", "--save-dir", str(tmp_path / "whole"), "--save-every", "5",
+                      "--metrics", str(tmp_path / "whole.jsonl"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    proc = start(tmp_path, "killed", "--steps", "20", "--save-dir", str(tmp_path / "killed"), "--save-every", "5",
+                 "--max-restarts", "2")
+    at = signal_rank_at(proc, tmp_path / "killed.jsonl", 12, rank=1, sig=signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, (tmp_path / "killed.err").read_text()[-3000:]
+    assert at < 20 and "resumed from" in (tmp_path / "killed.out").read_text()
+    # the metrics of the whole run, in order, once each, equal to the run that never stopped, bit for bit
+    assert losses(tmp_path / "killed.jsonl") == losses(tmp_path / "whole.jsonl")
+    a, b = read_full(step_dir(tmp_path / "whole", 20), MODEL), read_full(step_dir(tmp_path / "killed", 20), MODEL)
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_an_async_saved_checkpoint_holds_the_state_of_its_step(tmp_path):
+    """Training goes on while a save is written: the checkpoint still holds its own step's state."""
+    out = polyshard("train", *RUN, "--steps", "8", "--save-dir", str(tmp_path / "async"), "--save-every", "2",
+                    "--async-save", "--keep", "2", "--metrics", str(tmp_path / "async.jsonl"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [p.name for p in sorted((tmp_path / "async").iterdir())] == ["step-00000006", "step-00000008"]
+    resumed = polyshard("train", *RUN, "--steps", "8", "--resume", str(step_dir(tmp_path / "async", 6)),
+                        "--metrics", str(tmp_path / "resumed.jsonl"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(tmp_path / "resumed.jsonl") == losses(tmp_path / "async.jsonl")
+
+
+def test_a_stopped_rank_fails_the_run_within_the_timeout_naming_it(tmp_path):
+    proc = start(tmp_path, "stopped", "--steps", "100000", "--collective-timeout", "2")
+    signal_rank_at(proc, tmp_path / "stopped.jsonl", 5, rank=1, sig=signal.SIGSTOP)
+    stopped = time.monotonic()
+    code = proc.wait(timeout=120)
+    err = (tmp_path / "stopped.err").read_text()
+    assert code == 2 and "polyshard: error: rank 1 stopped responding: rank 0 waited 2 s in" in err, err[-3000:]
+    assert time.monotonic() - stopped < 30  # timeout, the others' marks, then the launcher ends what is left
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A gpt-tiny run of 2 steps on one process, checkpointed after each."""
+    root = tmp_path_factory.mktemp("saved")
+    out = polyshard("train", "--model", "gpt-tiny", "--steps", "2", "--save-dir", str(root / "ck"), "--save-every",
+                    "1", "--metrics", str(root / "m.jsonl"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return root / "ck"
+
+
+def _damaged(saved: Path, tmp: Path, damage) -> Path:
+    copy = tmp / "ck"
+    shutil.copytree(saved, copy)
+    damage(step_dir(copy, 2))
+    return copy
+
+
+def _edit_manifest(ck: Path, **changes):
+    manifest = json.loads((ck / "polyshard.json").read_text())
+    (ck / "polyshard.json").write_text(json.dumps({**manifest, **changes}))
+
+
+def _flip_metadata_byte(ck: Path):
+    data = bytearray((ck / ".metadata").read_bytes())
+    data[len(data) // 2] ^= 1
+    (ck / ".metadata").write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "a manifest that is not JSON": (lambda ck: (ck / "polyshard.json").write_text("{"), "is not valid JSON"),
+    "a manifest of another format": (lambda ck: _edit_manifest(ck, format="x"), "is not a polyshard-checkpoint/1"),
+    "a changed metadata file": (_flip_metadata_byte, "does not match its manifest's hash"),
+    "a truncated data file": (lambda ck: (ck / "__0_0.distcp").write_bytes(b"x"), "the checkpoint is damaged"),
+    "a file name outside the checkpoint": (lambda ck: _edit_manifest(ck, files={".metadata": 1, "../m.jsonl": 2}),
+                                           "not a plain name inside it"),
+    "no manifest (a save that never finished)": (lambda ck: (ck / "polyshard.json").unlink(),
+                                                 "not a complete polyshard checkpoint"),
+}
+
+
+def refused(argv: list[str], monkeypatch, capsys) -> str:
+    """The one error line ``polyshard train ARGV`` gives, in this process, failing the test if it launches."""
+    from polyshard.cli import main as cli
+
+    def launched(*args, **kwargs):
+        pytest.fail(f"launched {args}: the input was accepted")
+
+    monkeypatch.setattr(cli, "launch", launched)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    code = cli.main(["train", "--nproc", "2", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_before_launch(saved, tmp_path, case, monkeypatch, capsys):
+    damage, message = DAMAGE[case]
+    ck = _damaged(saved, tmp_path, damage)
+    assert message in refused(["--model", "gpt-tiny", "--steps", "4", "--resume", str(step_dir(ck, 2))],
+                              monkeypatch, capsys)
+
+
+REFUSED = {
+    "no such directory": (["--resume", "/nonexistent/ck"], "no such checkpoint directory"),
+    "an empty save directory": (["--resume", "auto", "--save-dir", "{tmp}/empty"], "holds no complete checkpoint"),
+    "another model": (["--model", "gpt-small", "--resume", "{ck}"],
+                      "is of model 'gpt-tiny'; this run trains 'gpt-small'"),
+    "another optimizer": (["--optimizer", "sgd", "--resume", "{ck}"], "holds adamw state; this run's optimizer is sgd"),
+    "a step at or past --steps": (["--steps", "2", "--resume", "{ck}"], "is at step 2, and --steps 2 ends there"),
+    "a fresh run over saved checkpoints": (["--save-dir", "{saved}"], "holds another run's checkpoints"),
+    "--save-every without --save-dir": (["--save-every", "5"], "need --save-dir"),
+    "--resume auto without --save-dir": (["--resume", "auto"], "give --save-dir"),
+    "--max-restarts below 0": (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+    "--collective-timeout below 0": (["--collective-timeout", "-1"], "--collective-timeout must be a number"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_launch(saved, tmp_path, case, monkeypatch, capsys):
+    flags, message = REFUSED[case]
+    flags = [f.format(tmp=tmp_path, ck=step_dir(saved, 2), saved=saved) for f in flags]
+    model = [] if "--model" in flags else ["--model", "gpt-tiny"]
+    assert message in refused([*model, "--steps", "4", *flags], monkeypatch, capsys)
+
+
+def _logits_of_checkpoint(name: str, ck: Path, ids):
+    """The logits polyshard's model computes with a checkpoint's weights."""
+    from polyshard import models
+
+    model = models.build(name)
+    model.load_state_dict({k[len(MODEL):]: v for k, v in read_full(ck, MODEL).items()}, strict=False)
+    if name.startswith("hf:"):
+        return model.model.eval()(ids).logits
+    got = {}
+    model.lm_head.register_forward_hook(lambda module, args, out: got.setdefault("logits", out))
+    model.eval()(ids, ids)
+    return got["logits"]
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "hf:llama"])
+def test_export_writes_a_model_transformers_loads_with_the_same_logits(saved, tmp_path, model):
+    import torch
+    import transformers
+
+    ck = saved
+    if model != "gpt-tiny":
+        ck = tmp_path / "ck"
+        out = polyshard("train", "--model", model, "--steps", "2", "--save-dir", str(ck), "--metrics",
+                        str(tmp_path / "m.jsonl"))
+        assert out.returncode == 0, out.stderr[-3000:]
+    out = polyshard("export", str(ck), "--to", "hf", "--out", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    newest = committed(ck)[-1]
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, _logits_of_checkpoint(model, newest, ids))
