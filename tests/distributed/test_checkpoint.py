@@ -1,5 +1,6 @@
 """Checkpoints move between plans: saved under one, resumed under another, the steps after equal the
-uninterrupted run's (fp32, 1e-5); under the same plan they are equal bit for bit."""
+uninterrupted run's (float64, 1e-5); under the same plan, bit for bit (here under fp16, and in
+test_checkpoint_cli.py through kills and restarts)."""
 
 import functools
 
@@ -14,7 +15,6 @@ TOL = 1e-5
 BF16_TOL = 1e-2
 
 CASES = {
-    "same plan, bit for bit": ({"mesh": "dp=2,tp=2"}, {"mesh": "dp=2,tp=2"}, 0.0),
     "fp16 over fp32 masters, bit for bit": ({"mesh": "dp=4", "settings": {"precision": "fp16", "zero": 1}},
                                                  {"mesh": "dp=4", "settings": {"precision": "fp16", "zero": 1}}, 0.0),
     "tp pieces into pipeline stages": ({"mesh": "dp=2,tp=2"}, {"mesh": "dp=2,pp=2"}, TOL),

@@ -52,31 +52,49 @@ def _descendants(pid: int) -> list[int]:
     return _descendants(pid)
 
 
-def test_a_killed_rank_restarts_the_job_which_resumes_and_matches_the_uninterrupted_run(tmp_path):
-    whole = polyshard("train", *RUN, "--steps", "20", "--save-dir", str(tmp_path / "whole"), "--save-every", "5",
-                      "--metrics", str(tmp_path / "whole.jsonl"))
-    assert whole.returncode == 0, whole.stderr[-3000:]
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """An uninterrupted run of 20 steps, checkpointed every 5: the reference the interrupted runs must equal,
+    and the checkpoints the refusal cases damage."""
+    root = tmp_path_factory.mktemp("whole")
+    out = polyshard("train", *RUN, "--steps", "20", "--save-dir", str(root / "ck"), "--save-every", "5",
+                    "--metrics", str(root / "m.jsonl"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return root
+
+
+def _matches_the_whole_run(tmp_path: Path, whole: Path) -> None:
+    """The metrics of the whole run, in order, once each, and the final weights equal the uninterrupted run's,
+    bit for bit."""
+    assert losses(tmp_path / "killed.jsonl") == losses(whole / "m.jsonl")
+    a, b = read_full(step_dir(whole / "ck", 20), MODEL), read_full(step_dir(tmp_path / "killed", 20), MODEL)
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_and_matches_the_uninterrupted_run(tmp_path, whole):
     proc = start(tmp_path, "killed", "--steps", "20", "--save-dir", str(tmp_path / "killed"), "--save-every", "5",
                  "--max-restarts", "2")
     at = signal_rank_at(proc, tmp_path / "killed.jsonl", 12, rank=1, sig=signal.SIGKILL)
     assert proc.wait(timeout=300) == 0, (tmp_path / "killed.err").read_text()[-3000:]
     assert at < 20 and "resumed from" in (tmp_path / "killed.out").read_text()
-    # the metrics of the whole run, in order, once each, equal to the run that never stopped, bit for bit
-    assert losses(tmp_path / "killed.jsonl") == losses(tmp_path / "whole.jsonl")
-    a, b = read_full(step_dir(tmp_path / "whole", 20), MODEL), read_full(step_dir(tmp_path / "killed", 20), MODEL)
-    assert all(a[k].equal(b[k]) for k in a)
+    _matches_the_whole_run(tmp_path, whole)
 
 
-def test_an_async_saved_checkpoint_holds_the_state_of_its_step(tmp_path):
-    """Training goes on while a save is written: the checkpoint still holds its own step's state."""
-    out = polyshard("train", *RUN, "--steps", "8", "--save-dir", str(tmp_path / "async"), "--save-every", "2",
-                    "--async-save", "--keep", "2", "--metrics", str(tmp_path / "async.jsonl"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert [p.name for p in sorted((tmp_path / "async").iterdir())] == ["step-00000006", "step-00000008"]
-    resumed = polyshard("train", *RUN, "--steps", "8", "--resume", str(step_dir(tmp_path / "async", 6)),
-                        "--metrics", str(tmp_path / "resumed.jsonl"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert losses(tmp_path / "resumed.jsonl") == losses(tmp_path / "async.jsonl")
+def test_a_rank_killed_while_an_async_save_is_uncommitted_resumes_from_the_one_before(tmp_path, whole):
+    """Training goes on while a save is written, committed when the next one starts: a kill in between leaves
+    a hidden partial directory; the restarted job resumes from the checkpoint before and replaces it."""
+    proc = start(tmp_path, "killed", "--steps", "20", "--save-dir", str(tmp_path / "killed"), "--save-every", "5",
+                 "--async-save", "--keep", "2", "--max-restarts", "1")
+    partial = tmp_path / "killed" / ".step-00000010.partial"  # committed when step 15 saves
+    while not partial.exists():
+        assert proc.poll() is None, "the run ended before its save of step 10"
+        time.sleep(0.001)
+    signal_rank_at(proc, tmp_path / "killed.jsonl", 10, rank=1, sig=signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, (tmp_path / "killed.err").read_text()[-3000:]
+    out = (tmp_path / "killed.out").read_text()
+    assert "resumed from" in out and "(step 5)" in out, out[-2000:]
+    _matches_the_whole_run(tmp_path, whole)
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["step-00000015", "step-00000020"]
 
 
 def test_a_stopped_rank_fails_the_run_within_the_timeout_naming_it(tmp_path):
@@ -89,20 +107,10 @@ def test_a_stopped_rank_fails_the_run_within_the_timeout_naming_it(tmp_path):
     assert time.monotonic() - stopped < 30  # timeout, the others' marks, then the launcher ends what is left
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A gpt-tiny run of 2 steps on one process, checkpointed after each."""
-    root = tmp_path_factory.mktemp("saved")
-    out = polyshard("train", "--model", "gpt-tiny", "--steps", "2", "--save-dir", str(root / "ck"), "--save-every",
-                    "1", "--metrics", str(root / "m.jsonl"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return root / "ck"
-
-
-def _damaged(saved: Path, tmp: Path, damage) -> Path:
+def _damaged(whole: Path, tmp: Path, damage) -> Path:
     copy = tmp / "ck"
-    shutil.copytree(saved, copy)
-    damage(step_dir(copy, 2))
+    shutil.copytree(whole / "ck", copy)
+    damage(step_dir(copy, 20))
     return copy
 
 
@@ -146,10 +154,10 @@ def refused(argv: list[str], monkeypatch, capsys) -> str:
 
 
 @pytest.mark.parametrize("case", DAMAGE)
-def test_a_damaged_checkpoint_is_refused_before_launch(saved, tmp_path, case, monkeypatch, capsys):
+def test_a_damaged_checkpoint_is_refused_before_launch(whole, tmp_path, case, monkeypatch, capsys):
     damage, message = DAMAGE[case]
-    ck = _damaged(saved, tmp_path, damage)
-    assert message in refused(["--model", "gpt-tiny", "--steps", "4", "--resume", str(step_dir(ck, 2))],
+    ck = _damaged(whole, tmp_path, damage)
+    assert message in refused(["--model", "gpt-tiny", "--steps", "40", "--resume", str(step_dir(ck, 20))],
                               monkeypatch, capsys)
 
 
@@ -159,7 +167,7 @@ REFUSED = {
     "another model": (["--model", "gpt-small", "--resume", "{ck}"],
                       "is of model 'gpt-tiny'; this run trains 'gpt-small'"),
     "another optimizer": (["--optimizer", "sgd", "--resume", "{ck}"], "holds adamw state; this run's optimizer is sgd"),
-    "a step at or past --steps": (["--steps", "2", "--resume", "{ck}"], "is at step 2, and --steps 2 ends there"),
+    "a step at or past --steps": (["--steps", "20", "--resume", "{ck}"], "is at step 20, and --steps 20 ends there"),
     "a fresh run over saved checkpoints": (["--save-dir", "{saved}"], "holds another run's checkpoints"),
     "--save-every without --save-dir": (["--save-every", "5"], "need --save-dir"),
     "--resume auto without --save-dir": (["--resume", "auto"], "give --save-dir"),
@@ -169,11 +177,12 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_launch(saved, tmp_path, case, monkeypatch, capsys):
+def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_launch(whole, tmp_path, case, monkeypatch, capsys):
     flags, message = REFUSED[case]
-    flags = [f.format(tmp=tmp_path, ck=step_dir(saved, 2), saved=saved) for f in flags]
+    flags = [f.format(tmp=tmp_path, ck=step_dir(whole / "ck", 20), saved=whole / "ck") for f in flags]
     model = [] if "--model" in flags else ["--model", "gpt-tiny"]
-    assert message in refused([*model, "--steps", "4", *flags], monkeypatch, capsys)
+    steps = [] if "--steps" in flags else ["--steps", "40"]
+    assert message in refused([*model, *steps, *flags], monkeypatch, capsys)
 
 
 def _logits_of_checkpoint(name: str, ck: Path, ids):
@@ -191,11 +200,11 @@ def _logits_of_checkpoint(name: str, ck: Path, ids):
 
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "hf:llama"])
-def test_export_writes_a_model_transformers_loads_with_the_same_logits(saved, tmp_path, model):
+def test_export_writes_a_model_transformers_loads_with_the_same_logits(whole, tmp_path, model):
     import torch
     import transformers
 
-    ck = saved
+    ck = whole / "ck"
     if model != "gpt-tiny":
         ck = tmp_path / "ck"
         out = polyshard("train", "--model", model, "--steps", "2", "--save-dir", str(ck), "--metrics",
