@@ -40,7 +40,7 @@ def save(directory, pm, opt, step: int, *, keep: int = 0, async_save: bool = Fal
 
 def load(path, pm, opt, extra: dict[str, torch.Tensor] | None = None) -> dict:
     """Restore ``pm`` and ``opt`` (whatever their plan) from the checkpoint at ``path``, and fill ``extra``'s
-    tensors where the checkpoint has them; returns its manifest (``step`` among it)."""
+    tensors in place where the checkpoint has them; returns its manifest (``step`` among it)."""
     manifest = checkpoint.read_manifest(path)
     saved = checkpoint.tensor_entries(checkpoint.read_metadata(path))
     mine = global_shapes(pm)
@@ -54,9 +54,6 @@ def load(path, pm, opt, extra: dict[str, torch.Tensor] | None = None) -> dict:
     state |= {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in saved.items() if k.startswith(SCALER)}
     checkpoint.load(path, state)
     load_state_dict(pm, opt, state)
-    for k, v in (extra or {}).items():
-        if k in state:
-            v.copy_(state[k])
     return manifest
 
 
