@@ -167,20 +167,22 @@ def tensor_entries(meta: Metadata) -> dict[str, tuple[tuple[int, ...], torch.dty
             if isinstance(v, TensorStorageMetadata)}
 
 
-def load(path: str | Path, state: dict[str, torch.Tensor]) -> None:
-    """Fill ``state``'s tensors (any layout) from the checkpoint at ``path`` (every rank calls this)."""
-    dcp.load(state, storage_reader=_SafeReader(path))
+def load(path: str | Path, state: dict[str, torch.Tensor], meta: Metadata) -> None:
+    """Fill ``state``'s tensors (any layout) from the checkpoint at ``path`` (every rank calls this), by
+    ``meta``, its metadata as :func:`read_metadata` checked it (DCP does not read it again)."""
+    dcp.load(state, storage_reader=_SafeReader(path, meta))
 
 
 def read_full(path: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """The checkpoint's tensors whose keys start with ``prefix``, whole, in this process alone (no process
     group): for export and inspection."""
     read_manifest(path)
-    state = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in tensor_entries(read_metadata(path)).items()
+    meta = read_metadata(path)
+    state = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in tensor_entries(meta).items()
              if k.startswith(prefix)}
     with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=_SafeReader(path), no_dist=True)
+        dcp.load(state, storage_reader=_SafeReader(path, meta), no_dist=True)
     return state
 
 
@@ -210,8 +212,14 @@ class _SafeUnpickler(pickle.Unpickler):
 
 
 class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader handed the metadata already read and checked, instead of unpickling it itself."""
+
+    def __init__(self, path: str | Path, meta: Metadata):
+        super().__init__(path)
+        self._meta = meta
+
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        meta = read_metadata(self.path)
+        meta = self._meta
         meta.storage_meta = meta.storage_meta or dcp.metadata.StorageMeta()
         meta.storage_meta.load_id = self.load_id
         return meta

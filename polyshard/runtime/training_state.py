@@ -42,7 +42,8 @@ def load(path, pm, opt, extra: dict[str, torch.Tensor] | None = None) -> dict:
     """Restore ``pm`` and ``opt`` (whatever their plan) from the checkpoint at ``path``, and fill ``extra``'s
     tensors in place where the checkpoint has them; returns its manifest (``step`` among it)."""
     manifest = checkpoint.read_manifest(path)
-    saved = checkpoint.tensor_entries(checkpoint.read_metadata(path))
+    meta = checkpoint.read_metadata(path)
+    saved = checkpoint.tensor_entries(meta)
     mine = global_shapes(pm)
     missing = sorted(n for n in mine if MODEL + n not in saved)
     wrong = sorted(n for n in mine if MODEL + n in saved and saved[MODEL + n][0] != mine[n])
@@ -52,7 +53,7 @@ def load(path, pm, opt, extra: dict[str, torch.Tensor] | None = None) -> dict:
                                 f"{wrong[0]} is {list(saved[MODEL + wrong[0]][0])} there, {list(mine[wrong[0]])} here"))
     state = empty_state_dict(pm, saved) | {k: v for k, v in (extra or {}).items() if k in saved}
     state |= {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in saved.items() if k.startswith(SCALER)}
-    checkpoint.load(path, state)
+    checkpoint.load(path, state, meta)
     load_state_dict(pm, opt, state)
     return manifest
 
