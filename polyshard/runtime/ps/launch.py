@@ -1,0 +1,212 @@
+"""Run every role of a parameter-server job on this machine, restart the ones that die, collect the result."""
+
+from __future__ import annotations
+
+import functools
+import json
+import multiprocessing as mp
+import os
+import pickle
+import secrets
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from polyshard.errors import PolyshardError
+from polyshard.runtime.ps.server import read_snapshot, serve
+from polyshard.runtime.ps.spec import MODES, PSSpec, placement_of
+from polyshard.runtime.ps.worker import work
+
+
+@dataclass(frozen=True)
+class PSResult:
+    """params: the trained parameters by name, whole; losses: server 0's loss per update (the mean over the
+    workers in that update); restarts: per role ("server 1", "worker 0"), how often it was restarted;
+    lost: updates redone because a server came back from an older snapshot; stale: async gradients dropped;
+    seconds: server 0's time from its first update to its last (startup left out), for throughput."""
+
+    params: dict[str, torch.Tensor]
+    losses: list[float]
+    restarts: dict[str, int]
+    lost: int
+    stale: int
+    seconds: float
+
+
+def train_ps(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int, int, int], tuple], *, servers: int = 1,
+             workers: int = 2, steps: int = 10, optimizer: Callable | None = None, mode: str = "sync",
+             staleness: int | None = None, seed: int = 0, snapshot_dir: str | None = None, snapshot_every: int = 10,
+             tables: tuple[str, ...] | None = None, max_restarts: int = 3, log_every: int = 10) -> PSResult:
+    """Train ``model_fn()`` with ``servers`` parameter servers and ``workers`` workers, each a process here.
+
+    ``batch_fn(step, worker, workers)`` gives a worker its rows of global batch ``step`` as ``model(...)``'s
+    arguments, and the model returns the loss. ``optimizer(tensors)`` runs on the servers (default SGD, lr
+    0.01). Both functions must be importable (module level), as every role is a fresh process.
+    """
+    optimizer = optimizer or functools.partial(torch.optim.SGD, lr=0.01)
+    spec = PSSpec(model_fn=model_fn, batch_fn=batch_fn, optimizer=optimizer,
+                  servers=(), workers=workers, steps=steps, key=secrets.token_bytes(32), snapshot_dir="", mode=mode,
+                  staleness=staleness, snapshot_every=snapshot_every, seed=seed, tables=tables, log_every=log_every)
+    check(spec, servers, max_restarts)
+    with tempfile.TemporaryDirectory(prefix="polyshard-ps-") as scratch:
+        folder = snapshot_dir or scratch
+        _check_snapshot_dir(folder)
+        spec = replace(spec, servers=tuple(("127.0.0.1", port) for port in _free_ports(servers)), snapshot_dir=folder)
+        return _Supervisor(spec, max_restarts).run()
+
+
+def check(spec: PSSpec, servers: int, max_restarts: int) -> None:
+    """Every argument, and the model against the server count, before any process starts."""
+    if spec.mode not in MODES:
+        raise PolyshardError(f"mode must be one of {', '.join(MODES)}, got {spec.mode!r}")
+    for what, value, least in (("servers", servers, 1), ("workers", spec.workers, 1), ("steps", spec.steps, 1),
+                               ("snapshot_every", spec.snapshot_every, 1), ("max_restarts", max_restarts, 0),
+                               ("log_every", spec.log_every, 1)):
+        if value < least:
+            raise PolyshardError(f"{what} must be at least {least}, got {value}")
+    if spec.staleness is not None and (spec.mode != "async" or spec.staleness < 0):
+        raise PolyshardError(f"staleness {spec.staleness} bounds how old an async gradient may be: it needs the "
+                             "async mode and a bound of 0 or more")
+    try:
+        pickle.dumps(spec)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise PolyshardError(f"the model, batch and optimizer functions must be importable module-level objects, "
+                             f"as every role is a fresh process: {exc}") from exc
+    with torch.device("meta"):
+        placement_of(spec.model_fn(), replace(spec, servers=(("", 0),) * servers))
+
+
+def _check_snapshot_dir(folder: str) -> None:
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise PolyshardError(f"snapshot directory {folder!r} is a file")
+    if any(path.glob("server-*.pt")):
+        raise PolyshardError(f"snapshot directory {folder!r} holds another run's server snapshots; use an empty "
+                             "directory")
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_role(spec: PSSpec, role: str, index: int, log_dir: str = "") -> None:
+    """One role's process: a server or a worker, single-threaded; with ``log_dir``, its output goes to
+    ``ROLE-INDEX.out`` / ``.err`` there (appended across restarts) for the launcher to relay."""
+    if log_dir:
+        for fd, suffix in ((1, "out"), (2, "err")):
+            with open(Path(log_dir, f"{role}-{index}.{suffix}"), "ab") as log:
+                os.dup2(log.fileno(), fd)
+    torch.set_num_threads(1)
+    try:
+        (serve if role == "server" else work)(spec, index)
+    except Exception:  # noqa: BLE001 - say what failed, and exit non-zero so the launcher acts on it
+        traceback.print_exc()
+        sys.exit(1)
+
+
+class _Relay:
+    """Copies what the roles write into their log files onto this process's stdout and stderr."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir, self.read = log_dir, {}
+
+    def pump(self) -> None:
+        for path in sorted(self.log_dir.glob("*-*.*")):
+            with open(path, "rb") as log:
+                log.seek(self.read.get(path, 0))
+                text = log.read()
+            if text:
+                self.read[path] = self.read.get(path, 0) + len(text)
+                stream = sys.stdout if path.suffix == ".out" else sys.stderr
+                stream.write(text.decode(errors="replace"))
+                stream.flush()
+
+
+class _Supervisor:
+    """Starts the roles, restarts each dead one up to ``max_restarts`` times, and collects the servers' result."""
+
+    def __init__(self, spec: PSSpec, max_restarts: int) -> None:
+        self.spec, self.max_restarts = spec, max_restarts
+        self.context = mp.get_context("forkserver")  # one process imports torch once; each role is a fork of it
+        self.context.set_forkserver_preload(["polyshard.runtime.ps.launch"])
+        self.roles = [("server", i) for i in range(len(spec.servers))] + [("worker", i) for i in range(spec.workers)]
+        self.procs: dict[tuple[str, int], mp.Process] = {}
+        self.restarts = {f"{r} {i}": 0 for r, i in self.roles}
+        self.given_up: set[tuple[str, int]] = set()
+        self.logs = Path(spec.snapshot_dir, "logs")
+        self.logs.mkdir(exist_ok=True)
+        self.relay = _Relay(self.logs)
+
+    def run(self) -> PSResult:
+        try:
+            for role in self.roles:
+                self._start(role)
+            while not all(self._finished(("server", i)) for i in range(len(self.spec.servers))):
+                time.sleep(0.1)
+                self.relay.pump()
+                for role, proc in list(self.procs.items()):
+                    if proc.exitcode not in (None, 0) and role not in self.given_up:
+                        self._died(role, proc.exitcode)
+                if all(r in self.given_up for r in self.roles if r[0] == "worker"):
+                    raise PolyshardError("every worker failed and used up its restarts; see their output above")
+        finally:
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+            self.relay.pump()
+        return self._result()
+
+    def _finished(self, role: tuple[str, int]) -> bool:
+        return self.procs[role].exitcode == 0
+
+    def _start(self, role: tuple[str, int]) -> None:
+        proc = self.context.Process(target=run_role, args=(self.spec, *role, str(self.logs)),
+                                    name=f"{role[0]}-{role[1]}")
+        proc.start()
+        self.procs[role] = proc
+        pids = {f"{r}-{i}": p.pid for (r, i), p in self.procs.items()}
+        tmp = Path(self.spec.snapshot_dir, "roles.json.tmp")
+        tmp.write_text(json.dumps(pids))
+        os.replace(tmp, Path(self.spec.snapshot_dir, "roles.json"))  # which process is which role, for operators
+
+    def _died(self, role: tuple[str, int], code: int) -> None:
+        name = f"{role[0]} {role[1]}"
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if self.restarts[name] < self.max_restarts:
+            self.restarts[name] += 1
+            print(f"polyshard ps: {name} {how}; restarting it ({self.restarts[name]} of {self.max_restarts})",
+                  flush=True)
+            self._start(role)
+        elif role[0] == "worker":
+            self.given_up.add(role)
+            print(f"polyshard ps: {name} {how} and has no restarts left; the run goes on without it", flush=True)
+        else:
+            raise PolyshardError(f"{name} {how} and has no restarts left (max_restarts={self.max_restarts}); its "
+                                 f"last snapshot is in {self.spec.snapshot_dir}")
+
+    def _result(self) -> PSResult:
+        with torch.device("meta"):
+            placement = placement_of(self.spec.model_fn(), self.spec)
+        snapshots = [read_snapshot(self.spec.snapshot_dir, i) for i in range(len(self.spec.servers))]
+        params = {name: snapshots[s]["tensors"][name] for name, s in placement.dense}
+        for name, _ in placement.tables:
+            params[name] = torch.cat([snap["tensors"][name] for snap in snapshots])
+        return PSResult(params=params, losses=snapshots[0]["losses"], restarts=self.restarts,
+                        lost=max(s["lost"] for s in snapshots), stale=sum(s["stale"] for s in snapshots),
+                        seconds=snapshots[0]["busy"])
