@@ -26,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Relaunch through torchrun when not under it; under it, calibrate on every rank."""
-    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    from polyshard.cli.launch import under_torchrun
+
+    in_torchrun = under_torchrun()
     if not in_torchrun and args.nproc < 2:
         raise PolyshardError(f"--nproc must be at least 2 to time collectives, got {args.nproc}")
     if args.repeats < 1:

@@ -20,6 +20,12 @@ STOP_GRACE_S = 5.0  # after a rank's error, how long the others may take to stop
 ERRORS_ENV = "POLYSHARD_ERRORS_DIR"  # where ranks launched by `polyshard` leave the bad input they found
 
 
+def under_torchrun() -> bool:
+    """This process is a rank torchrun started (a scheduler such as Kubernetes' PyTorchJob sets RANK and
+    WORLD_SIZE on the launching process too, but never LOCAL_RANK)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
 def check_nodes(nnodes: int, node_rank: int, rdzv: str) -> tuple[str, int] | None:
     """The (host, port) machines meet at, None for one machine; refuses counts and addresses that cannot work."""
     if nnodes < 1:

@@ -9,7 +9,9 @@ import traceback
 from pathlib import Path
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
-from polyshard.cli.launch import ERRORS_ENV, check_nodes, launch, without_flag
+from polyshard.cli.k8s import add_parser as add_k8s
+from polyshard.cli.launch import ERRORS_ENV, check_nodes, launch, under_torchrun, without_flag
+from polyshard.cli.ps import add_parser as add_ps
 from polyshard.errors import PolyshardError
 from polyshard.planner.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
                                    ZERO_LEVELS)
@@ -160,21 +162,30 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the models polyshard ships", description="List the named model configs.")
     m.set_defaults(handler=_models)
     add_calibrate(sub)
+    add_ps(sub)
+    add_k8s(sub)
     return p
 
 
-def _train(args) -> int:
-    from polyshard.runtime.train_config import TrainConfig, check_against_model, check_config
+def train_config(args):
+    """The TrainConfig that parsed ``train`` flags describe."""
+    from polyshard.runtime.train_config import TrainConfig
 
     settings = tuple((name, getattr(args, name)) for name in PLAN_FLAGS if getattr(args, name) is not None)
-    cfg = TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
-                      lr=args.lr, seed=args.seed, strategies=args.strategies, metrics=args.metrics,
-                      log_every=args.log_every, copies=args.copies, plan=args.plan, auto=args.auto,
-                      memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir,
-                      timeline=args.timeline, sequence_parallel=args.sequence_parallel, save_dir=args.save_dir,
-                      save_every=args.save_every, keep=args.keep, async_save=args.async_save, resume=args.resume,
-                      collective_timeout=args.collective_timeout)
-    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
+                       lr=args.lr, seed=args.seed, strategies=args.strategies, metrics=args.metrics,
+                       log_every=args.log_every, copies=args.copies, plan=args.plan, auto=args.auto,
+                       memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir,
+                       timeline=args.timeline, sequence_parallel=args.sequence_parallel, save_dir=args.save_dir,
+                       save_every=args.save_every, keep=args.keep, async_save=args.async_save, resume=args.resume,
+                       collective_timeout=args.collective_timeout)
+
+
+def _train(args) -> int:
+    from polyshard.runtime.train_config import check_against_model, check_config
+
+    cfg = train_config(args)
+    in_torchrun = under_torchrun()
     if args.nproc is not None and args.nproc < 1:
         raise PolyshardError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:

@@ -1,0 +1,142 @@
+"""Parameter-server training against one device, async against sync, and roles killed mid-run."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from polyshard.errors import PolyshardError
+from polyshard.models.recsys import click_batch
+from polyshard.runtime.ps import train_ps
+from tests.distributed import ps_cases as cases
+
+
+def _assert_parity(result, ref_params, ref_losses, rtol):
+    assert result.params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(result.params[name], ref.detach(), rtol=rtol, atol=rtol, msg=name)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
+
+
+def test_sync_sgd_equals_one_device():
+    """Click model, its table split by rows over 2 servers and pulled sparsely by 2 workers; SGD with momentum."""
+    sgd = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+    result = train_ps(cases.click_model, cases.Clicks(), servers=2, workers=2, steps=6, optimizer=sgd)
+    _assert_parity(result, *cases.one_device(cases.click_model, cases.Clicks(), sgd, 6), rtol=1e-5)
+
+
+def test_sync_adam_equals_one_device_on_gpt():
+    """A GPT in float64 (Adam amplifies reassociation): dense tensors spread over 2 servers, wpe split by rows."""
+    adam = functools.partial(torch.optim.Adam, lr=1e-2)
+    result = train_ps(cases.gpt64, cases.gpt_batches, servers=2, workers=2, steps=4, optimizer=adam)
+    _assert_parity(result, *cases.one_device(cases.gpt64, cases.gpt_batches, adam, 4), rtol=1e-5)
+
+
+def _held_out_loss(params) -> float:
+    model = cases.click_model()
+    model.load_state_dict(params)
+    with torch.no_grad():
+        return model(*click_batch(cases.CLICKS, 10_000, 512, seed=0)).item()
+
+
+def test_async_converges_near_sync():
+    """Having seen the same examples (async updates use one worker's half batch, so twice as many), async with
+    a staleness bound of 2 ends within 10% of sync's held-out loss or below it; a bound of 0 drops gradients."""
+    sgd = functools.partial(torch.optim.SGD, lr=0.5)
+    sync = train_ps(cases.click_model, cases.Clicks(batch_size=32), servers=2, workers=2, steps=80, optimizer=sgd)
+    bounded = train_ps(cases.click_model, cases.Clicks(batch_size=32), servers=2, workers=2, steps=160,
+                       optimizer=sgd, mode="async", staleness=2)
+    start = _held_out_loss(dict(cases.click_model().named_parameters()))
+    assert _held_out_loss(sync.params) < 0.5 * start
+    assert _held_out_loss(bounded.params) <= 1.1 * _held_out_loss(sync.params)
+    strict = train_ps(cases.click_model, cases.Clicks(batch_size=32, slow=0.01), servers=2, workers=2, steps=20,
+                      optimizer=sgd, mode="async", staleness=0)
+    assert strict.stale > 0 and len(strict.losses) == 20
+
+
+def test_killed_worker_run_goes_on_and_it_rejoins(tmp_path, capfd):
+    batches = cases.KillOnce(str(tmp_path), victim="worker-1", by=1, step=5)
+    result = train_ps(cases.click_model, batches, servers=2, workers=2, steps=16, snapshot_dir=str(tmp_path),
+                      optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    out = capfd.readouterr().out
+    assert "worker 1 was killed by signal 9; restarting it (1 of 3)" in out
+    assert "server 0: worker 1 left at update 5; going on with 1 of 2 workers" in out
+    assert "server 0: worker 1 joined again" in out
+    assert result.restarts["worker 1"] == 1 and len(result.losses) == 16
+    assert all(torch.isfinite(p).all() for p in result.params.values())
+
+
+def test_killed_server_restarts_from_its_snapshot(tmp_path, capfd):
+    """Server 1 dies at update 7 with its snapshot at 5: it comes back at 5, the 2 updates are reported lost
+    and redone, and both servers finish all their updates."""
+    batches = cases.KillOnce(str(tmp_path), victim="server-1", by=0, step=7)
+    result = train_ps(cases.click_model, batches, servers=2, workers=2, steps=16, snapshot_dir=str(tmp_path),
+                      snapshot_every=5, optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    out = capfd.readouterr().out
+    assert "server 1 was killed by signal 9; restarting it (1 of 3)" in out
+    assert "server 1: restored update 5 from its snapshot" in out
+    assert result.lost == 2 and result.restarts["server 1"] == 1
+    assert "the restart lost 2 more update(s), 2 in all" in out
+    snapshots = [torch.load(tmp_path / f"server-{i}.pt", weights_only=True) for i in range(2)]
+    assert [s["version"] for s in snapshots] == [16, 16]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(servers=65), "has 64 rows, fewer than the 65 servers"),
+    (dict(mode="bulk"), "mode must be one of sync, async"),
+    (dict(staleness=1), "needs the async mode"),
+    (dict(workers=0), "workers must be at least 1"),
+])
+def test_bad_arguments_fail_before_any_process(kwargs, message):
+    with pytest.raises(PolyshardError, match=message):
+        train_ps(cases.click_model, cases.Clicks(), **kwargs)
+
+
+def test_unimportable_functions_are_refused():
+    with pytest.raises(PolyshardError, match="importable module-level"):
+        train_ps(lambda: cases.click_model(), cases.Clicks())
+
+
+def test_snapshot_dir_of_another_run_is_refused(tmp_path):
+    (tmp_path / "server-0.pt").write_bytes(b"")
+    with pytest.raises(PolyshardError, match="holds another run's server snapshots"):
+        train_ps(cases.click_model, cases.Clicks(), snapshot_dir=str(tmp_path))
+
+
+def test_kubernetes_pods_run_what_polyshard_ps_runs_here(tmp_path):
+    """The server and worker commands of `polyshard k8s ... ps`, run as the pods would (their index and the
+    Secret's key in the environment; only the server addresses and snapshot folders made local), end with the
+    parameters `polyshard ps` ends with on this machine."""
+    from polyshard.cli.main import main
+    from polyshard.cli.ps import KEY_ENV
+    from polyshard.runtime.ps.launch import _free_ports
+    from tests.unit.test_k8s import expand, manifests
+
+    flags = ["--servers", "2", "--workers", "2", "--model", "recsys-tiny", "--batch-size", "8", "--steps", "5",
+             "--optimizer", "adam", "--lr", "0.05", "--log-every", "5"]
+    secret, _, server_job, worker_job = manifests(tmp_path, "ps", *flags)
+    addresses = ",".join(f"127.0.0.1:{port}" for port in _free_ports(2))
+    pods = []
+    for job in (server_job, worker_job):
+        command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+        for index in range(job["spec"]["completions"]):
+            argv = expand(command, {"POLYSHARD_INDEX": str(index)})
+            argv[argv.index("--addresses") + 1] = addresses
+            if "--snapshot-dir" in argv:
+                argv[argv.index("--snapshot-dir") + 1] = str(tmp_path / f"pod-{index}")
+            pods.append(subprocess.Popen([sys.executable, "-m", "polyshard.cli.main", *argv[1:]],
+                                         env={**os.environ, KEY_ENV: secret["stringData"]["key"]},
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errors = [pod.communicate(timeout=300)[1] for pod in pods]
+    assert [pod.returncode for pod in pods] == [0] * 4, errors
+    assert main(["ps", *flags, "--out", str(tmp_path / "here.pt")]) == 0
+    here = torch.load(tmp_path / "here.pt", weights_only=True)
+    shards = [torch.load(tmp_path / f"pod-{i}" / f"server-{i}.pt", weights_only=True)["tensors"] for i in range(2)]
+    for name, value in here.items():
+        pieces = [s[name] for s in shards if name in s]
+        torch.testing.assert_close(torch.cat(pieces), value, rtol=1e-6, atol=1e-7, msg=name)
