@@ -43,6 +43,33 @@ def check_nodes(nnodes: int, node_rank: int, rdzv: str) -> tuple[str, int] | Non
     return host, int(port)
 
 
+def reach_rendezvous(rendezvous: tuple[str, int], node_rank: int, timeout: float) -> None:
+    """The rendezvous host resolves, and (on machines other than 0) machine 0 listens there within ``timeout``
+    seconds: otherwise torchrun would retry for many minutes without a word."""
+    host, port = rendezvous
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise PolyshardError(f"--rdzv host {host!r} does not resolve ({exc.strerror}); give machine 0's name or "
+                             "IP address") from None
+    if node_rank == 0:
+        return
+    deadline, said = time.monotonic() + timeout, False
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise PolyshardError(f"machine 0 did not answer at {host}:{port} within --rdzv-timeout {timeout:g} s; "
+                                     "start it with the same --rdzv, or check the address and that the port is "
+                                     "open") from None
+            if not said:
+                print(f"polyshard: waiting for machine 0 at {host}:{port} (up to {timeout:g} s)", file=sys.stderr)
+                said = True
+            time.sleep(0.5)
+
+
 def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
             rendezvous: tuple[str, int] | None = None, max_restarts: int = 0) -> int:
     """torchrun: ``nproc`` ranks on this machine, one thread each, machine ``nodes[1]`` of ``nodes[0]`` meeting

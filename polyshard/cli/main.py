@@ -10,7 +10,8 @@ from pathlib import Path
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.cli.k8s import add_parser as add_k8s
-from polyshard.cli.launch import ERRORS_ENV, check_nodes, launch, under_torchrun, without_flag
+from polyshard.cli.launch import (ERRORS_ENV, check_nodes, launch, reach_rendezvous, under_torchrun,
+                                  without_flag)
 from polyshard.cli.ps import add_parser as add_ps
 from polyshard.errors import PolyshardError
 from polyshard.planner.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
@@ -52,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1 (default 0)")
     t.add_argument("--rdzv", default="", help="HOST:PORT where the machines meet: node 0's address and a free port "
                    "(needed with --nnodes 2 or more)")
+    t.add_argument("--rdzv-timeout", type=float, default=600, help="seconds a machine other than 0 waits for "
+                   "machine 0 at --rdzv before giving up (default 600)")
     t.add_argument("--mesh", default="", help="named mesh, e.g. dp=2,tp=2 (default: dp=NPROC); 'dp' splits batches, "
                    "other axes split operators")
     t.add_argument("--model", default="", help="model name (see `polyshard models`; default: the --plan's, else "
@@ -195,8 +198,10 @@ def _train(args) -> int:
     shape, plan = check_config(cfg, world)
     if not in_torchrun:
         check_against_model(cfg, shape, plan)
+        if rendezvous is not None:
+            reach_rendezvous(rendezvous, args.node_rank, args.rdzv_timeout)
         rest = args.argv
-        for flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv", "--max-restarts"):  # the launcher's
+        for flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv", "--rdzv-timeout", "--max-restarts"):  # launcher's
             rest = without_flag(rest, flag)
         return launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + rest,
                        nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous, max_restarts=args.max_restarts)

@@ -9,6 +9,7 @@ passes when the exit code is 2, stderr holds one error line and no traceback, th
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -47,6 +48,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     split = next(k for k, n in good["nodes"].items() if any(l["dims"] != [[]] * len(l["dims"])
                                                             for l in n["params"].values()))
     out["split_node"] = split
+    with socket.socket() as s:  # a port nobody listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        out["closed_port"] = str(s.getsockname()[1])
     plan("magic", lambda r: r["nodes"][split].update(impl="magic"))
     plan("local_split", lambda r: r["nodes"][split].update(impl="local"))
     plan("no_param", lambda r: r["params"].pop("blocks.0.attn.q.weight"))
@@ -161,6 +165,11 @@ CLI_CASES = [
     ("rdzv-port-range", TRAIN + ["--nnodes", "2", "--rdzv", "node0:99999"], ["node0:99999", "HOST:PORT"]),
     ("mesh-not-nodes-x-procs", TRAIN + ["--nnodes", "2", "--rdzv", "node0:29500", "--mesh", "dp=2"],
      ["2 devices", "4 processes"]),
+    ("rdzv-unresolvable", TRAIN + ["--nnodes", "2", "--node-rank", "1", "--rdzv", "node0.invalid:29500"],
+     ["'node0.invalid' does not resolve"]),
+    ("rdzv-nobody-there", TRAIN + ["--nnodes", "2", "--node-rank", "1", "--rdzv", "127.0.0.1:{closed_port}",
+                                   "--rdzv-timeout", "1"],
+     ["machine 0 did not answer at 127.0.0.1:{closed_port} within --rdzv-timeout 1 s"]),
     # counts and numbers
     ("nproc-zero", ["train", "--nproc", "0"], ["--nproc", "at least 1"]),
     ("nproc-negative", ["train", "--nproc", "-3"], ["--nproc", "-3"]),

@@ -114,6 +114,9 @@ def run_role(spec: PSSpec, role: str, index: int, log_dir: str = "") -> None:
     torch.set_num_threads(1)
     try:
         (serve if role == "server" else work)(spec, index)
+    except PolyshardError as exc:  # a bad input or an unreachable peer: one line, not a traceback
+        print(f"polyshard: error: {role} {index}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except Exception:  # noqa: BLE001 - say what failed, and exit non-zero so the launcher acts on it
         traceback.print_exc()
         sys.exit(1)
