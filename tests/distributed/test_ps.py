@@ -60,14 +60,14 @@ def test_async_converges_near_sync():
 
 
 def test_killed_worker_run_goes_on_and_it_rejoins(tmp_path, capfd):
-    batches = cases.KillOnce(str(tmp_path), victim="worker-1", by=1, step=5)
-    result = train_ps(cases.click_model, batches, servers=2, workers=2, steps=16, snapshot_dir=str(tmp_path),
+    batches = cases.KillOnce(str(tmp_path), victim="worker-1", by=1, step=5, slow=0.05)  # time to restart it
+    result = train_ps(cases.click_model, batches, servers=2, workers=2, steps=24, snapshot_dir=str(tmp_path),
                       optimizer=functools.partial(torch.optim.SGD, lr=0.5))
     out = capfd.readouterr().out
     assert "worker 1 was killed by signal 9; restarting it (1 of 3)" in out
     assert "server 0: worker 1 left at update 5; going on with 1 of 2 workers" in out
     assert "server 0: worker 1 joined again" in out
-    assert result.restarts["worker 1"] == 1 and len(result.losses) == 16
+    assert result.restarts["worker 1"] == 1 and len(result.losses) == 24
     assert all(torch.isfinite(p).all() for p in result.params.values())
 
 
