@@ -9,8 +9,9 @@ from polyshard.runtime import comm
 from polyshard.runtime.fusion import comm_fusion
 from polyshard.runtime.parallel import ParallelModule, micro_batch_interleaved, parallelize
 from polyshard.runtime.pipeline import PipelineModule, pipeline_stage
+from polyshard.runtime.ps import PSResult, train_ps
 from polyshard.runtime.recompute import recompute
 from polyshard.runtime.training_state import load, save
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
-__all__ = ["comm", "comm_fusion", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "load", "micro_batch_interleaved", "parallelize", "pipeline_stage", "PipelineModule", "recompute", "save", "setup_zero", "shard", "ZeroOptimizer"]
+__all__ = ["comm", "comm_fusion", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "load", "micro_batch_interleaved", "parallelize", "pipeline_stage", "PipelineModule", "PSResult", "recompute", "save", "setup_zero", "shard", "train_ps", "ZeroOptimizer"]
