@@ -21,6 +21,7 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from polyshard.errors import PolyshardError
+from polyshard.graph.stamp import find_stack, first_layers, stamp
 
 SIGNATURE_KEY = "polyshard_call_signature"
 # Ops that only assert what export saw; they would pin the capture's device into the program.
@@ -52,28 +53,32 @@ class CallSignature:
         return tree_unflatten(list(outputs) if isinstance(outputs, (tuple, list)) else [outputs], self.out_spec)
 
 
-def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[[nn.Module], bool]) -> fx.GraphModule:
+def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[[nn.Module], bool],
+                 stamped: bool = True) -> fx.GraphModule:
     """``model`` exported in the form of :func:`polyshard.graph.capture.capture`, its call signature in
     ``gm.meta[SIGNATURE_KEY]``. The batch dim stays symbolic where the code allows, so one graph runs any
     batch (each rank's, each micro-batch, a one-row capture for the search); shapes are recorded at the
-    example's batch."""
-    rows, dynamic = _batch_dims(model, args, kwargs)
+    example's batch. A stack of identical layers is exported with two of them and the rest stamped
+    (``stamped=False``: every layer exported)."""
+    stack = find_stack(model) if stamped else None
+    traced = first_layers(model, stack) if stack else model
+    rows, dynamic = _batch_dims(traced, args, kwargs)
     # export fixes a size-1 dim, so one row is traced as two; a tensor passed twice (ids as labels) would
     # be traced as one input, so each is traced as its own copy, as a one-row slice of it will be
     tiled = tree_map(lambda t: (t.repeat(2 if rows == 1 else 1, *[1] * (t.dim() - 1)) if t.dim() else t.clone())
                      if isinstance(t, torch.Tensor) else t, (tuple(args), dict(kwargs)))
     try:
-        ep = torch.export.export(model, *tiled, dynamic_shapes=dynamic, strict=False)
+        ep = torch.export.export(traced, *tiled, dynamic_shapes=dynamic, strict=False)
         if rows == 1 and not _symbolic_batch(ep.graph):  # the code fixed the batch: capture the one row as is
             tiled = (tuple(args), dict(kwargs))
-            ep = torch.export.export(model, *tiled, strict=False)
+            ep = torch.export.export(traced, *tiled, strict=False)
     except Exception as exc:  # export raises many kinds; each means "this code cannot be captured"
         raise PolyshardError(_capture_error(model, exc)) from exc
     graph = ep.graph_module.graph
     graph.owning_module = None  # rebuilt below, over the user's modules
     sig = ep.graph_signature
     attrs: dict[str, Any] = {}
-    _inline_state(graph, sig, model, ep.constants, attrs)
+    _inline_state(graph, sig, traced, ep.constants, attrs)
     signature = _bind_user_inputs(graph, sig, ep.call_spec.in_spec, *tiled, ep.call_spec.out_spec)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTS:
@@ -84,7 +89,9 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
         _clean_stack(node)
     _split_to_slices(graph)
     _drop_same_dtype_casts(graph)
-    _collapse_leaves(graph, model, is_leaf, attrs)
+    _collapse_leaves(graph, traced, is_leaf, attrs)
+    if stack is not None and not stamp(graph, stack, model, attrs):  # the layers' graphs differ after all
+        return export_graph(model, args, kwargs, is_leaf, stamped=False)
     batch = dict.fromkeys(_symbolic_batch(graph), rows)
     grads = _needs_grad(graph, attrs)
     for node in graph.nodes:
