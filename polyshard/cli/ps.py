@@ -33,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "worker's gradient; async: each gradient is applied as it arrives (default sync)")
     p.add_argument("--staleness", type=int, default=None, help="async: drop a gradient whose parameters are more "
                    "than this many updates old (default: keep all)")
+    p.add_argument("--straggler-timeout", type=float, default=60.0, help="sync: seconds an update waits for a "
+                   "silent worker once another's gradient is in, then goes on without it (default 60)")
     p.add_argument("--seed", type=int, default=0, help="init and data (default 0)")
     p.add_argument("--snapshot-dir", default="", help="where servers snapshot their parameters and optimizer state "
                    "(default: a temporary folder); a restarted server resumes from it")
@@ -60,7 +62,7 @@ def job_of(args: argparse.Namespace) -> dict:
                 workers=args.workers, steps=args.steps, optimizer=functools.partial(OPTIMIZERS[args.optimizer],
                                                                                     lr=args.lr),
                 mode=args.mode, staleness=args.staleness, seed=args.seed, snapshot_every=args.snapshot_every,
-                log_every=args.log_every)
+                log_every=args.log_every, straggler_seconds=args.straggler_timeout)
 
 
 def run(args: argparse.Namespace) -> int:

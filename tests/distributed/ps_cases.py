@@ -43,20 +43,26 @@ class Clicks:
 
 @dataclass(frozen=True)
 class KillOnce:
-    """Clicks, except that worker ``by`` at ``step`` SIGKILLs ``victim`` (a name in roles.json), once per run."""
+    """Clicks, except that worker ``by`` at ``step`` sends ``victim`` (a name in roles.json) ``sig``, once per run."""
 
     folder: str
     victim: str
     by: int
     step: int
     slow: float = 0.02
+    sig: int = signal.SIGKILL
 
     def __call__(self, step: int, worker: int, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
         marker = Path(self.folder, "killed")
         if worker == self.by and step == self.step and not marker.exists():
             marker.touch()
-            os.kill(json.loads(Path(self.folder, "roles.json").read_text())[self.victim], signal.SIGKILL)
+            os.kill(pid(self.folder, self.victim), self.sig)
         return Clicks(slow=self.slow)(step, worker, workers)
+
+
+def pid(folder: str, role: str) -> int:
+    """The process that runs ``role`` (e.g. "worker-1") in the run snapshotting into ``folder``."""
+    return json.loads(Path(folder, "roles.json").read_text())[role]
 
 
 def gpt_batches(step: int, worker: int, workers: int) -> tuple[torch.Tensor, torch.Tensor]:

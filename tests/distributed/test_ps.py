@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -69,6 +72,27 @@ def test_killed_worker_run_goes_on_and_it_rejoins(tmp_path, capfd):
     assert "server 0: worker 1 joined again" in out
     assert result.restarts["worker 1"] == 1 and len(result.losses) == 24
     assert all(torch.isfinite(p).all() for p in result.params.values())
+
+
+def test_hung_worker_is_left_out_and_rejoins_when_it_wakes(tmp_path, capfd):
+    """Worker 1 stops itself (SIGSTOP) at update 5: after 1 s the servers go on without it; woken 1.5 s
+    later, it finds its connections closed, reconnects and is waited for again."""
+    batches = cases.KillOnce(str(tmp_path), victim="worker-1", by=1, step=5, slow=0.1, sig=signal.SIGSTOP)
+
+    def wake() -> None:
+        while not (tmp_path / "killed").exists():
+            time.sleep(0.05)
+        time.sleep(1.5)
+        os.kill(cases.pid(str(tmp_path), "worker-1"), signal.SIGCONT)
+
+    waker = threading.Thread(target=wake, daemon=True)
+    waker.start()
+    result = train_ps(cases.click_model, batches, servers=2, workers=2, steps=30, snapshot_dir=str(tmp_path),
+                      straggler_seconds=1.0, optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    out = capfd.readouterr().out
+    assert "server 0: worker 1 sent no gradient for 1 s after the first of update 5; going on without it" in out
+    assert "server 0: worker 1 joined again" in out
+    assert len(result.losses) == 30 and result.restarts["worker 1"] == 0
 
 
 def test_killed_server_restarts_from_its_snapshot(tmp_path, capfd):

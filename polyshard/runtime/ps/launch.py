@@ -44,17 +44,20 @@ class PSResult:
 def train_ps(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int, int, int], tuple], *, servers: int = 1,
              workers: int = 2, steps: int = 10, optimizer: Callable | None = None, mode: str = "sync",
              staleness: int | None = None, seed: int = 0, snapshot_dir: str | None = None, snapshot_every: int = 10,
-             tables: tuple[str, ...] | None = None, max_restarts: int = 3, log_every: int = 10) -> PSResult:
+             tables: tuple[str, ...] | None = None, max_restarts: int = 3, log_every: int = 10,
+             straggler_seconds: float = 60.0) -> PSResult:
     """Train ``model_fn()`` with ``servers`` parameter servers and ``workers`` workers, each a process here.
 
     ``batch_fn(step, worker, workers)`` gives a worker its rows of global batch ``step`` as ``model(...)``'s
     arguments, and the model returns the loss. ``optimizer(tensors)`` runs on the servers (default SGD, lr
-    0.01). Both functions must be importable (module level), as every role is a fresh process.
+    0.01). Both functions must be importable (module level), as every role is a fresh process. In sync
+    mode, a worker silent ``straggler_seconds`` after another's gradient came in is left out of that update.
     """
     optimizer = optimizer or functools.partial(torch.optim.SGD, lr=0.01)
     spec = PSSpec(model_fn=model_fn, batch_fn=batch_fn, optimizer=optimizer,
                   servers=(), workers=workers, steps=steps, key=secrets.token_bytes(32), snapshot_dir="", mode=mode,
-                  staleness=staleness, snapshot_every=snapshot_every, seed=seed, tables=tables, log_every=log_every)
+                  staleness=staleness, snapshot_every=snapshot_every, seed=seed, tables=tables, log_every=log_every,
+                  straggler_seconds=straggler_seconds)
     check(spec, servers, max_restarts)
     with tempfile.TemporaryDirectory(prefix="polyshard-ps-") as scratch:
         folder = snapshot_dir or scratch
@@ -69,7 +72,7 @@ def check(spec: PSSpec, servers: int, max_restarts: int) -> None:
         raise PolyshardError(f"mode must be one of {', '.join(MODES)}, got {spec.mode!r}")
     for what, value, least in (("servers", servers, 1), ("workers", spec.workers, 1), ("steps", spec.steps, 1),
                                ("snapshot_every", spec.snapshot_every, 1), ("max_restarts", max_restarts, 0),
-                               ("log_every", spec.log_every, 1)):
+                               ("log_every", spec.log_every, 1), ("straggler_seconds", spec.straggler_seconds, 0.1)):
         if value < least:
             raise PolyshardError(f"{what} must be at least {least}, got {value}")
     if spec.staleness is not None and (spec.mode != "async" or spec.staleness < 0):

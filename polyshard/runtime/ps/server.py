@@ -47,6 +47,7 @@ class Server:
         self.sparse = _leaves_untouched_rows(self.optimizer)
         self.version, self.losses, self.stale, self.lost = 0, [], 0, 0
         self.first_update_at, self.busy = 0.0, 0.0  # busy: seconds from this process's first update to its last
+        self.first_push_at = 0.0  # when the first gradient of the update being gathered came in
         self.restored_at: int | None = None
         snapshot = read_snapshot(spec.snapshot_dir, index)
         if snapshot is not None:
@@ -125,6 +126,8 @@ class Server:
             return ("ack", self.version)
         if tag != self.version:
             return ("stale", self.version)
+        if not self.pending:
+            self.first_push_at = time.monotonic()
         self.pending[worker] = (from_wire(grads), rows, loss)
         return ("ack", self.version)
 
@@ -143,6 +146,19 @@ class Server:
         """sync: every live worker's gradient is in (and all workers joined once, or the grace ran out)."""
         started = len(self.joined) >= self.spec.workers or time.monotonic() - self.started_at > self.spec.join_grace
         return bool(self.pending) and started and set(self.live) <= set(self.pending)
+
+    def stragglers(self) -> list[Connection]:
+        """sync: live workers still silent ``straggler_seconds`` after the first gradient of this update came
+        in; they are dropped (and rejoin when they next call), so one hung worker does not stop the run."""
+        if not self.pending or time.monotonic() - self.first_push_at < self.spec.straggler_seconds:
+            return []
+        late = [(w, c) for w, c in self.live.items() if w not in self.pending]
+        for worker, conn in late:
+            del self.live[worker]
+            self.waiting = [(c, v) for c, v in self.waiting if c is not conn]
+            self._say(f"worker {worker} sent no gradient for {self.spec.straggler_seconds:g} s after the first of "
+                      f"update {self.version}; going on without it")
+        return [c for _, c in late]
 
     def update(self) -> None:
         self._apply(list(self.pending.values()))
@@ -224,8 +240,12 @@ def serve(spec: PSSpec, index: int) -> None:
             except PEER_LOST:
                 server.left(conn)
                 conns.remove(conn)
-        if spec.mode == "sync" and server.ready():
-            server.update()
+        if spec.mode == "sync":
+            for conn in server.stragglers():
+                conn.close()
+                conns.remove(conn)
+            if server.ready():
+                server.update()
         if os.getppid() != parent:  # the launcher is gone: nobody will restart or collect this run
             break
     server.snapshot()

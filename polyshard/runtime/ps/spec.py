@@ -23,7 +23,8 @@ class PSSpec:
     each server applies; staleness: in async mode, the most updates a gradient's parameters may lag the
     server's (None: any); snapshot_every: updates between each server's snapshots in snapshot_dir;
     join_grace: seconds a server waits for all workers before its first update; retry_seconds: how long a
-    worker keeps reconnecting to a lost server."""
+    worker keeps reconnecting to a lost server; straggler_seconds: in sync mode, how long an update waits
+    for a live worker once another's gradient is in, before it goes on without that worker (a hung one)."""
 
     model_fn: Callable[[], nn.Module]
     batch_fn: Callable[[int, int, int], tuple]
@@ -41,6 +42,7 @@ class PSSpec:
     log_every: int = 10
     join_grace: float = 60.0
     retry_seconds: float = 60.0
+    straggler_seconds: float = 60.0
 
     def build(self) -> nn.Module:
         torch.manual_seed(self.seed)
