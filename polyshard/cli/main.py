@@ -61,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
                    "gpt-small), or "
                    "hf:FAMILY (e.g. hf:llama, a tiny transformers model), hf:CONFIG.json or hf:DIR with config.json "
                    "and safetensors weights")
+    t.add_argument("--data", default="", help="a token file to train on: uint16 (or --data-dtype uint32) ids, as "
+                   "nanoGPT's prepare.py writes; each data-parallel rank reads only its rows' windows (default: the "
+                   "pydoc corpus, byte tokens)")
+    t.add_argument("--data-dtype", choices=["uint16", "uint32"], default="uint16", help="the --data file's id type "
+                   "(default uint16)")
     t.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
     t.add_argument("--batch-size", type=int, default=8, help="global batch rows per step (default 8)")
     t.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps per step (default 1)")
@@ -181,7 +186,7 @@ def train_config(args):
                        memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir,
                        timeline=args.timeline, sequence_parallel=args.sequence_parallel, save_dir=args.save_dir,
                        save_every=args.save_every, keep=args.keep, async_save=args.async_save, resume=args.resume,
-                       collective_timeout=args.collective_timeout)
+                       collective_timeout=args.collective_timeout, data=args.data, data_dtype=args.data_dtype)
 
 
 def _train(args) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from pydoc_data.topics import topics
 
@@ -20,13 +21,16 @@ def load_corpus() -> torch.Tensor:
 
 
 class TokenBatches:
-    """Endless (inputs, targets) batches of random corpus windows, the same on every process for one seed.
+    """Endless (inputs, targets) batches of random windows of ``tokens`` (a 1-D tensor, or a numpy array
+    such as a memmap of a token file), the same windows on every process for one seed.
 
-    Every data-parallel rank draws the same global batch and keeps its own rows.
+    Every data-parallel rank draws the same global batch's window starts and reads only its own ``rows``
+    of it (default: all), so a rank touches only its windows of a file on disk.
     """
 
-    def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int) -> None:
-        if tokens.dim() != 1:
+    def __init__(self, tokens: torch.Tensor | np.ndarray, batch_size: int, seq_len: int, seed: int,
+                 rows: slice = slice(None)) -> None:
+        if tokens.ndim != 1:
             raise PolyshardError(f"tokens have shape {tuple(tokens.shape)}; pass a 1-D tensor")
         if batch_size < 1 or seq_len < 1:
             raise PolyshardError(
@@ -37,7 +41,7 @@ class TokenBatches:
                 f"seq_len={seq_len} needs more than the corpus's {len(tokens)} tokens; "
                 f"use a seq_len below {len(tokens)}"
             )
-        self.tokens = tokens
+        self.tokens, self.rows = tokens, rows
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
@@ -58,6 +62,10 @@ class TokenBatches:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(
             len(self.tokens) - self.seq_len, (self.batch_size, 1), generator=self._generator
-        )
-        windows = self.tokens[starts + self._offsets]
+        )[self.rows]
+        if isinstance(self.tokens, torch.Tensor):
+            windows = self.tokens[starts + self._offsets]
+        else:  # one read per window, of just its tokens
+            windows = torch.from_numpy(np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts[:, 0].tolist()])
+                                       .astype(np.int64))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

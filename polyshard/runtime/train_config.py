@@ -18,6 +18,7 @@ import yaml
 import polyshard as ps
 from polyshard import models
 from polyshard.cluster import parse_bytes
+from polyshard.data.token_file import check_tokens, open_tokens
 from polyshard.errors import PolyshardError
 from polyshard.mesh import PIPELINE_AXIS, check_mesh, check_roles, parse_mesh
 from polyshard.planner.plan import Plan
@@ -41,7 +42,8 @@ class TrainConfig:
     save_dir: where checkpoints go, one every save_every steps (0: none before) and one at the end, the
     newest keep of them left (0: all), written in the background with async_save; resume: "auto" (the
     newest in save_dir) or a checkpoint directory to continue from; collective_timeout: seconds a
-    collective waits for a silent rank before the run fails (0: torch's default)."""
+    collective waits for a silent rank before the run fails (0: torch's default); data: a token file to
+    train on (default: the pydoc corpus), its ids of type data_dtype (uint16 or uint32)."""
 
     model: str = ""
     mesh: str = ""
@@ -67,6 +69,8 @@ class TrainConfig:
     async_save: bool = False
     resume: str = ""
     collective_timeout: float = 0.0
+    data: str = ""
+    data_dtype: str = "uint16"
 
 
 def model_name(cfg: TrainConfig, plan: Plan | None) -> str:
@@ -224,6 +228,8 @@ def _check_paths(cfg: TrainConfig) -> None:
             raise PolyshardError(f"{flag} {path!r}: {str(parent)!r} is a file, not a folder")
     if cfg.strategies and not Path(cfg.strategies).is_file():
         raise PolyshardError(f"--strategies file {cfg.strategies!r} does not exist")
+    if cfg.data:
+        open_tokens(cfg.data, cfg.data_dtype)
 
 
 def _check_checkpoint_flags(cfg: TrainConfig) -> None:
@@ -290,6 +296,8 @@ def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | No
     from polyshard.planner.stages import block_paths
 
     model = models.build(model_name(cfg, plan), device="meta")
+    if cfg.data:
+        check_tokens(open_tokens(cfg.data, cfg.data_dtype), cfg.data, model.cfg.vocab_size, model.cfg.seq_len)
     if cfg.strategies:
         apply_strategies(model, cfg.strategies)
     data_axes = plan.data_axes if plan is not None else ("dp",)

@@ -23,6 +23,7 @@ from polyshard.planner.config import Fixed
 from polyshard.planner.report import render
 from polyshard.planner.search import search
 from polyshard.data.corpus import TokenBatches, load_corpus
+from polyshard.data.token_file import open_tokens, out_of_vocabulary
 from polyshard.errors import PolyshardError
 from polyshard.optim import OPTIMIZER_CLASSES, build_optimizer
 from polyshard.runtime.offload import OffloadedOptimizer
@@ -93,7 +94,10 @@ def train(cfg: TrainConfig) -> list[dict]:
         print("parameter layouts:\n" + pm.plan.summary())
     scratch = tempfile.TemporaryDirectory(prefix="polyshard-offload-") if not cfg.offload_dir else None
     opt = make_optimizer(pm, cfg.lr, cfg.offload_dir or scratch.name)
-    batches = TokenBatches(load_corpus(), cfg.batch_size, model.cfg.seq_len, cfg.seed)
+    share = cfg.batch_size // mesh.num_data_shards  # this rank reads only its rows of each global batch
+    mine = slice(mesh.data_index * share, (mesh.data_index + 1) * share)
+    source = open_tokens(cfg.data, cfg.data_dtype) if cfg.data else load_corpus()
+    batches = TokenBatches(source, cfg.batch_size, model.cfg.seq_len, cfg.seed, rows=mine)
     tokens_per_step = cfg.batch_size * model.cfg.seq_len
     done, history = 0, []
     resumed = resume_path(cfg.resume, cfg.save_dir)
@@ -108,7 +112,10 @@ def train(cfg: TrainConfig) -> list[dict]:
     start = time.perf_counter() - (history[-1]["elapsed_s"] if history else 0.0)
     for step in range(done + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        x, y = pm.local_batch(*next(batches))
+        x, y = next(batches)
+        data_s = time.perf_counter() - t0
+        if cfg.data and int(y.max()) >= model.cfg.vocab_size:
+            raise PolyshardError(out_of_vocabulary(cfg.data, int(y.max()), model.cfg.vocab_size))
         try:
             loss_sum = train_step(pm, opt, x, y, accum, record=pipelined and bool(cfg.timeline) and step == cfg.steps)
             if mesh.data_group() is not None:
@@ -122,7 +129,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             raise PolyshardError(f"loss became {loss_sum.item()} at step {step}; lower --lr (now {cfg.lr})")
         step_s = time.perf_counter() - t0
         record = {"step": step, "loss": round(loss_sum.item(), 6), "tokens_per_s": round(tokens_per_step / step_s, 1),
-                  "step_s": round(step_s, 4), "elapsed_s": round(time.perf_counter() - start, 3),
+                  "step_s": round(step_s, 4), "data_s": round(data_s, 4), "elapsed_s": round(time.perf_counter() - start, 3),
                   "peak_rss_bytes": peak_rss_bytes(), **comm_counts(pm)}
         history.append(record)
         bar.update(1)

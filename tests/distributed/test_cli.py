@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from polyshard.planner.plan import Plan
@@ -122,7 +123,8 @@ def test_a_memory_limit_makes_the_planner_fit_the_run(tmp_path):
 
 def test_two_machines_on_localhost_train_as_one_machine_does(tmp_path):
     """The Master and Worker commands of `polyshard k8s ... train`, with what the Training Operator puts in the
-    pods' environment, run as 2 machines here; node 1 starts first and waits at node 0's address."""
+    pods' environment, run as 2 machines here on a token file (each data-parallel rank reading its rows);
+    node 1 starts first and waits at node 0's address."""
     import socket
 
     from tests.unit.test_k8s import expand, manifests
@@ -130,7 +132,9 @@ def test_two_machines_on_localhost_train_as_one_machine_does(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flags = ["--model", "gpt-tiny", "--mesh", "dp=2,tp=2", "--steps", "3"]
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16).tofile(tokens)
+    flags = ["--model", "gpt-tiny", "--mesh", "dp=2,tp=2", "--steps", "3", "--data", str(tokens)]
     (job,) = manifests(tmp_path, "--nodes", "2", "--procs-per-node", "2", "train", *flags)
     nodes = []
     for rank, replica in ((1, "Worker"), (0, "Master")):

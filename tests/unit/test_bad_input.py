@@ -48,6 +48,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     split = next(k for k, n in good["nodes"].items() if any(l["dims"] != [[]] * len(l["dims"])
                                                             for l in n["params"].values()))
     out["split_node"] = split
+    (d / "odd.bin").write_bytes(b"abc")
+    (d / "big.bin").write_bytes(bytes([0, 0, 44, 1] * 100))  # uint16 ids 0 and 300
+    out["odd_tokens"], out["big_tokens"] = str(d / "odd.bin"), str(d / "big.bin")
     with socket.socket() as s:  # a port nobody listens on once this closes
         s.bind(("127.0.0.1", 0))
         out["closed_port"] = str(s.getsockname()[1])
@@ -170,6 +173,10 @@ CLI_CASES = [
     ("rdzv-nobody-there", TRAIN + ["--nnodes", "2", "--node-rank", "1", "--rdzv", "127.0.0.1:{closed_port}",
                                    "--rdzv-timeout", "1"],
      ["machine 0 did not answer at 127.0.0.1:{closed_port} within --rdzv-timeout 1 s"]),
+    # data
+    ("data-missing", TRAIN + ["--data", "{inputs}/none.bin"], ["--data", "none.bin", "not a file"]),
+    ("data-odd-size", TRAIN + ["--data", "{odd_tokens}"], ["odd.bin", "3 bytes", "--data-dtype"]),
+    ("data-beyond-vocab", TRAIN + ["--data", "{big_tokens}"], ["big.bin", "token id 300", "256 ids"]),
     # counts and numbers
     ("nproc-zero", ["train", "--nproc", "0"], ["--nproc", "at least 1"]),
     ("nproc-negative", ["train", "--nproc", "-3"], ["--nproc", "-3"]),

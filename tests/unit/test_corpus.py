@@ -1,7 +1,9 @@
+import numpy as np
 import pytest
 import torch
 
 from polyshard.data.corpus import VOCAB_SIZE, TokenBatches, load_corpus
+from polyshard.data.token_file import check_tokens, open_tokens
 from polyshard.errors import PolyshardError
 
 
@@ -38,3 +40,50 @@ def test_windows_fit_a_tiny_corpus():
 def test_bad_sizes(batch_size, seq_len):
     with pytest.raises(PolyshardError):
         TokenBatches(torch.arange(5), batch_size, seq_len, seed=0)
+
+
+class _Recording(np.ndarray):
+    """A token array that records the slices read from it."""
+
+    reads: list
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            self.reads.append((index.start, index.stop))
+        return super().__getitem__(index)
+
+
+def test_a_rank_reads_only_its_rows_of_a_token_file(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    tokens = open_tokens(str(path))
+    whole = TokenBatches(tokens, 8, 16, seed=3)
+    x, y = next(whole)
+    recording = np.asarray(tokens).view(_Recording)
+    recording.reads = []
+    mine = TokenBatches(recording, 8, 16, seed=3, rows=slice(4, 6))
+    mx, my = next(mine)
+    assert torch.equal(mx, x[4:6]) and torch.equal(my, y[4:6])
+    assert len(recording.reads) == 2 and all(stop - start == 17 for start, stop in recording.reads)
+    assert torch.equal(next(TokenBatches(load_corpus(), 8, 16, seed=3, rows=slice(4, 6)))[0],
+                       next(TokenBatches(load_corpus(), 8, 16, seed=3))[0][4:6])
+
+
+@pytest.mark.parametrize("content, dtype, message", [
+    (b"", "uint16", "0 bytes"),
+    (b"abc", "uint16", "3 bytes, not a whole number of uint16"),
+    (b"abcdef", "uint32", "6 bytes, not a whole number of uint32"),
+])
+def test_what_cannot_be_a_token_file_is_refused(tmp_path, content, dtype, message):
+    (tmp_path / "t.bin").write_bytes(content)
+    with pytest.raises(PolyshardError, match=message):
+        open_tokens(str(tmp_path / "t.bin"), dtype)
+
+
+def test_token_ids_must_fit_the_vocabulary_and_a_window(tmp_path):
+    np.array([1, 2, 300, 4], dtype=np.uint16).tofile(tmp_path / "t.bin")
+    tokens = open_tokens(str(tmp_path / "t.bin"))
+    with pytest.raises(PolyshardError, match="holds token id 300, but the model's vocabulary has 256"):
+        check_tokens(tokens, "t.bin", vocab_size=256, seq_len=2)
+    with pytest.raises(PolyshardError, match="holds 4 tokens"):
+        check_tokens(tokens, "t.bin", vocab_size=512, seq_len=8)
