@@ -129,8 +129,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             raise PolyshardError(f"loss became {loss_sum.item()} at step {step}; lower --lr (now {cfg.lr})")
         step_s = time.perf_counter() - t0
         record = {"step": step, "loss": round(loss_sum.item(), 6), "tokens_per_s": round(tokens_per_step / step_s, 1),
-                  "step_s": round(step_s, 4), "data_s": round(data_s, 4), "elapsed_s": round(time.perf_counter() - start, 3),
-                  "peak_rss_bytes": peak_rss_bytes(), **comm_counts(pm)}
+                  "step_s": round(step_s, 4), "data_s": round(data_s, 4),
+                  "elapsed_s": round(time.perf_counter() - start, 3), "peak_rss_bytes": peak_rss_bytes(), **comm_counts(pm)}
         history.append(record)
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
