@@ -22,6 +22,7 @@ from polyshard.cluster import Cluster, parse_bytes
 from polyshard.planner.config import Fixed
 from polyshard.planner.report import render
 from polyshard.planner.search import search
+from polyshard.data.ahead import Ahead
 from polyshard.data.corpus import TokenBatches, load_corpus
 from polyshard.data.token_file import open_tokens, out_of_vocabulary
 from polyshard.errors import PolyshardError
@@ -97,7 +98,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     share = cfg.batch_size // mesh.num_data_shards  # this rank reads only its rows of each global batch
     mine = slice(mesh.data_index * share, (mesh.data_index + 1) * share)
     source = open_tokens(cfg.data, cfg.data_dtype) if cfg.data else load_corpus()
-    batches = TokenBatches(source, cfg.batch_size, model.cfg.seq_len, cfg.seed, rows=mine)
+    batches = Ahead(TokenBatches(source, cfg.batch_size, model.cfg.seq_len, cfg.seed, rows=mine))
     tokens_per_step = cfg.batch_size * model.cfg.seq_len
     done, history = 0, []
     resumed = resume_path(cfg.resume, cfg.save_dir)
@@ -149,6 +150,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                 pending = None
     if pending is not None:
         _committed(pending.wait(), lead, bar)
+    batches.close()
     bar.close()
     if pipelined and cfg.timeline:
         draw_measured_timeline(pm, cfg.timeline)

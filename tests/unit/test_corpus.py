@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import torch
 
+from polyshard.data.ahead import Ahead
 from polyshard.data.corpus import VOCAB_SIZE, TokenBatches, load_corpus
 from polyshard.data.token_file import check_tokens, open_tokens
 from polyshard.errors import PolyshardError
@@ -87,3 +88,15 @@ def test_token_ids_must_fit_the_vocabulary_and_a_window(tmp_path):
         check_tokens(tokens, "t.bin", vocab_size=256, seq_len=2)
     with pytest.raises(PolyshardError, match="holds 4 tokens"):
         check_tokens(tokens, "t.bin", vocab_size=512, seq_len=8)
+
+
+def test_batches_drawn_ahead_resume_at_the_batch_not_yet_handed_out():
+    ahead = Ahead(TokenBatches(load_corpus(), 4, 16, seed=5))
+    plain = TokenBatches(load_corpus(), 4, 16, seed=5)
+    for _ in range(3):
+        assert torch.equal(next(ahead)[0], next(plain)[0])
+    saved = ahead.position()  # the fourth batch is already drawn in the background
+    fourth, fifth = next(ahead)[0], next(ahead)[0]
+    ahead.seek(saved)
+    assert torch.equal(next(ahead)[0], fourth) and torch.equal(next(ahead)[0], fifth)
+    ahead.close()
