@@ -135,6 +135,8 @@ class Cluster:
     # share of flops_per_s forward and backward reach), ...), ascending; where a dtype has them they
     # replace attention_efficiency (small heads run far below peak on CPUs). Left out of the hash.
     attention_shares: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict, hash=False)
+    # Whether the network runs all-to-all; without it a split moving between dims is gathered and sliced.
+    all_to_all: bool = True
 
     def attention_share(self, dtype: str, head_flops: float) -> float:
         """The share of peak attention reaches on slices of ``head_flops`` forward FLOPs: interpolated
@@ -232,8 +234,11 @@ class Cluster:
             like = _DEVICES["cpu" if data.get("device_type") == "cpu" else "A100-80G"]
             data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload_bandwidths)),
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
-                    "attention_shares": {}, **data}
+                    "attention_shares": {}, "all_to_all": True, **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
+        if not isinstance(data["all_to_all"], bool):
+            raise PolyshardError(f"cluster file {str(path)!r}: all_to_all must be true or false, got "
+                                 f"{data['all_to_all']!r}")
         links = {
             key: _check_keys(data[key], {f.name for f in fields(Link)}, f"{path}: {key}")
             for key in ("intra_node", "inter_node")
@@ -251,6 +256,7 @@ class Cluster:
                 **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS},
                 attention_shares={str(k): tuple((float(f), float(sh)) for f, sh in v)
                                   for k, v in dict(data["attention_shares"] or {}).items()},
+                all_to_all=data["all_to_all"],
             )
         except PolyshardError:
             raise

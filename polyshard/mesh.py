@@ -8,6 +8,7 @@ talk only point to point, rank to rank along ``pp``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -207,7 +208,7 @@ def current_mesh() -> Mesh:
 
 def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = DEFAULT_DATA_AXES,
          threads_per_rank: int | None = 1, cluster: Cluster | str | None = None,
-         op_axes: tuple[str, ...] = (), timeout: float | None = None) -> Mesh:
+         op_axes: tuple[str, ...] = (), timeout: float | None = None, allow_all_to_all: bool = True) -> Mesh:
     """Start the process group (from torchrun's environment, or a world of one) and set the mesh.
 
     ``mesh=None`` gives a 1-D mesh of all ranks named ``world`` (an op axis); an axis named ``pp``
@@ -217,6 +218,8 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
     ``cluster`` (a preset such as ``8xA100-80G``, a YAML path, or a Cluster) defaults to torchrun's
     environment; operator axes that span nodes get a warning, since they talk the most.
     ``timeout``: seconds a collective waits for its peers before failing (None: torch's default).
+    ``allow_all_to_all=False``: redistributions never use all-to-all (a split moving between dims is
+    gathered and sliced), and plans made on this mesh are costed so.
     """
     global _current
     import torch
@@ -239,6 +242,8 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
     check_mesh(shape, world_size)
     pipe = (PIPELINE_AXIS,) if PIPELINE_AXIS in shape else ()
     cluster = Cluster.load(cluster) if isinstance(cluster, str) else cluster or Cluster.from_env()
+    if not allow_all_to_all:
+        cluster = dataclasses.replace(cluster, all_to_all=False)
     if cluster.num_devices != world_size:
         raise PolyshardError(
             f"cluster of {cluster.num_devices} devices ({cluster.num_nodes} nodes x {cluster.devices_per_node}) "

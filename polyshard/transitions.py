@@ -8,6 +8,8 @@ Pure planning (no process group), shared by the cost model and the compiler. The
     S(d) -> S(e) all-to-all         (n-1)/n x local bytes (gloo has none: gathered, (n-1) x)
     R -> S(d)   slice              0 (each rank keeps its piece)
 
+Where all-to-all is not allowed (a network without it), S(d) -> S(e) is an all-gather and a slice.
+
 Partial sums are reduced first (they shrink what follows), then splits that are in the wrong
 place are gathered innermost first, then the target's new splits are sliced outermost first.
 """
@@ -59,8 +61,9 @@ class Step:
         return wire_bytes(self.collective, local, self.before.axis_sizes[self.axis], backend)
 
 
-def plan_transition(src: Layout, dst: Layout) -> list[Step]:
-    """Steps from ``src`` to ``dst``; both over the same device matrix (see :func:`common_axes`)."""
+def plan_transition(src: Layout, dst: Layout, all_to_all: bool = True) -> list[Step]:
+    """Steps from ``src`` to ``dst``; both over the same device matrix (see :func:`common_axes`).
+    ``all_to_all=False``: a split that moves between dims is gathered and sliced instead."""
     if src.axes != dst.axes or src.ndim != dst.ndim:
         raise PolyshardError(f"cannot plan {src.describe()} -> {dst.describe()}: different axes or ranks")
     missing = [a for a in dst.partial if a not in src.partial]
@@ -91,7 +94,8 @@ def plan_transition(src: Layout, dst: Layout) -> list[Step]:
             dims = [list(x) for x in cur.dims]
             dims[d].remove(axis)
             e = dst.dim_of(axis)
-            if e is not None and e != d and dst.dims[e] == cur.dims[e] + (axis,) and cur.dims[d][-1] == axis:
+            if (all_to_all and e is not None and e != d and dst.dims[e] == cur.dims[e] + (axis,)
+                    and cur.dims[d][-1] == axis):
                 dims[e].append(axis)
                 move("all_to_all", axis, dims, cur.partial)
             else:
@@ -123,15 +127,15 @@ def common_axes(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
 
 @functools.lru_cache(maxsize=65536)
 def _transition_bytes(src: Layout, dst: Layout, global_shape: tuple[int, ...], itemsize: int,
-                      backend: str) -> tuple[tuple[str, float], ...]:
+                      backend: str, all_to_all: bool) -> tuple[tuple[str, float], ...]:
     a, b = common_axes(src, dst)
     out: dict[str, float] = {}
-    for step in plan_transition(a, b):
+    for step in plan_transition(a, b, all_to_all):
         out[step.axis] = out.get(step.axis, 0.0) + step.bytes_sent(global_shape, itemsize, backend)
     return tuple(out.items())
 
 
 def transition_bytes(src: Layout, dst: Layout, global_shape: Sequence[int], itemsize: int,
-                     backend: str = "gloo") -> dict[str, float]:
+                     backend: str = "gloo", all_to_all: bool = True) -> dict[str, float]:
     """Bytes each rank sends per axis to go from ``src`` to ``dst`` (memoised: the search asks often)."""
-    return dict(_transition_bytes(src, dst, tuple(global_shape), itemsize, backend))
+    return dict(_transition_bytes(src, dst, tuple(global_shape), itemsize, backend, all_to_all))

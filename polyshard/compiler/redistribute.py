@@ -39,7 +39,7 @@ def redistribute(x: DTensor, dst: Layout, mesh: Mesh, async_op: bool = False) ->
         return x
     a, b = common_axes(src, dst)
     y = x if a.axes == src.axes else _rewrap(x, a, mesh)
-    for step in plan_transition(a, b):
+    for step in plan_transition(a, b, mesh.cluster is None or mesh.cluster.all_to_all):
         y = y.redistribute(y.device_mesh, step.after.placements(), async_op=async_op)
     return y if b.axes == dst.axes else _rewrap(y, dst, mesh)
 

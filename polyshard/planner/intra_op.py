@@ -318,7 +318,8 @@ def _edge_seconds(u: fx.Node, src, dst, axes, cluster, comm_passes: int, itemsiz
     (the gradient the reverse way), and in recompute when the consumer's collectives run again."""
     if not isinstance(src, Layout) or dst is None or src == dst:
         return 0.0, 0.0
-    transfer, latency = comm_seconds(transition_bytes(src, dst, shape_of(u), itemsize, cluster.backend), axes, cluster)
+    sent = transition_bytes(src, dst, shape_of(u), itemsize, cluster.backend, cluster.all_to_all)
+    transfer, latency = comm_seconds(sent, axes, cluster)
     return comm_passes * transfer, comm_passes * latency
 
 

@@ -140,9 +140,10 @@ def two_matmul_parity(steps: int = 5) -> dict:
     return {"err": err, "forward_collectives": ops, "out": str(z.placements)}
 
 
-def redistribution_bytes(mesh: str, src_spec, dst_spec, src_partial=(), dst_partial=(), shape=(8, 12)) -> dict:
+def redistribution_bytes(mesh: str, src_spec, dst_spec, src_partial=(), dst_partial=(), shape=(8, 12),
+                         all_to_all: bool = True) -> dict:
     """Bytes the planner predicts per axis vs the bytes the issued collectives send; value parity."""
-    m = ps.init(mesh, op_axes=("a", "b"))  # two operator axes of our own naming
+    m = ps.init(mesh, op_axes=("a", "b"), allow_all_to_all=all_to_all)  # two operator axes of our own naming
     axes = m.op_axes
     src = Layout(axes, tuple(tuple(d) for d in src_spec), tuple(src_partial))
     dst = Layout(axes, tuple(tuple(d) for d in dst_spec), tuple(dst_partial))
@@ -158,14 +159,16 @@ def redistribution_bytes(mesh: str, src_spec, dst_spec, src_partial=(), dst_part
         pieces = to_dtensor(local, src, shape, m)
     a, b = common_axes(src, dst)
     predicted: dict[str, float] = {}
-    for step in plan_transition(a, b):
+    steps = plan_transition(a, b, all_to_all)
+    for step in steps:
         predicted[step.axis] = predicted.get(step.axis, 0.0) + step.bytes_sent(shape, full.element_size())
     with CommCounter() as counter:
         out = redistribute(pieces, dst, m)
     measured = counter.bytes_by_group()
     groups = {m.device_mesh(a.axes).get_group(name).group_name: name for name, _ in a.axes}
     measured_by_axis = {groups[g]: v for g, v in measured.items()}
-    return {"predicted": predicted, "measured": measured_by_axis, "err": rel_err(out.full_tensor(), full)}
+    return {"predicted": predicted, "measured": measured_by_axis, "err": rel_err(out.full_tensor(), full),
+            "steps": [s.collective for s in steps]}
 
 
 def _piece(full: torch.Tensor, layout: Layout, mesh) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """Semi-auto operator parallel: pinned matmuls on 2 and 4 ranks equal plain matmuls."""
 
+import functools
+
 import pytest
 
 from tests.distributed import cases
@@ -43,6 +45,16 @@ TRANSITIONS = [
     ([["b"], []], [[], []], [], []),           # all-gather on b
     ([["a"], ["b"]], [["b"], ["a"]], [], []),  # every split moves
 ]
+
+
+def test_a_mesh_without_all_to_all_gathers_and_slices(pools):
+    """b's split moves from dim 0 to dim 1 and a's is gathered: with all-to-all allowed, b moves by one;
+    without, b is gathered and sliced, and the values and the bytes the planner counts still match."""
+    for allowed, steps in ((True, ["all_to_all", "all_gather"]), (False, ["all_gather", "all_gather", "slice"])):
+        case = functools.partial(cases.redistribution_bytes, all_to_all=allowed)
+        for r in pools(4).run(case, "a=2,b=2", [["a", "b"], []], [[], ["b"]], [], []):
+            assert r["err"] < TOL and r["steps"] == steps
+            assert {k: v for k, v in r["predicted"].items() if v} == r["measured"], r
 
 
 @pytest.mark.parametrize("src,dst,src_p,dst_p", TRANSITIONS)

@@ -59,6 +59,12 @@ def test_yaml_round_trip(tmp_path):
     c.to_yaml(path)
     assert Cluster.from_yaml(path) == c
     assert Cluster.load(str(path)) == c
+    without = dataclasses.replace(c, all_to_all=False)  # a network without all-to-all says so in its file
+    without.to_yaml(path)
+    assert Cluster.from_yaml(path) == without
+    path.write_text(path.read_text().replace("all_to_all: false", "all_to_all: maybe"))
+    with pytest.raises(PolyshardError, match="all_to_all must be true or false"):
+        Cluster.from_yaml(path)
 
 
 def test_yaml_missing_and_unknown_keys(tmp_path):

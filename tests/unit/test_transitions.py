@@ -70,6 +70,15 @@ def test_shard_to_other_dim_is_all_to_all():
     assert steps[0].bytes_sent((8, 12), FP32) == 288  # gloo is the default
 
 
+def test_without_all_to_all_a_split_moving_dims_is_gathered_then_sliced():
+    src, dst = Layout(TP4, (("tp",), ())), Layout(TP4, ((), ("tp",)))
+    steps = plan_transition(src, dst, all_to_all=False)
+    assert kinds(steps) == [("all_gather", "tp"), ("slice", "tp")] and steps[-1].after == dst
+    # on a network with all-to-all, forbidding it costs the gather's 3 x 96 bytes instead of 3 x 24
+    assert transition_bytes(src, dst, (8, 12), FP32, "nccl", all_to_all=False) == {"tp": 288}
+    assert transition_bytes(src, dst, (8, 12), FP32, "nccl") == {"tp": 72}
+
+
 def test_replicated_to_shard_is_slice():
     src = Layout.replicated(TP4, 2)
     dst = Layout(TP4, ((), ("tp",)))

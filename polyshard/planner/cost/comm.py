@@ -32,14 +32,14 @@ def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster) -> Link:
 
 
 def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int,
-                    backend: str) -> dict[str, float]:
+                    backend: str, all_to_all: bool = True) -> dict[str, float]:
     """Bytes this rank sends, per axis, for ``node``: its input redistributions and its partial sums."""
     entry = plan.nodes[node.name]
     out: dict[str, float] = {}
     for inp in node.all_input_nodes:
         src, dst = plan.nodes[inp.name].output, entry.inputs.get(inp.name)
         if isinstance(src, Layout) and dst is not None and src != dst:
-            for axis, b in transition_bytes(src, dst, shape_of(inp), itemsize, backend).items():
+            for axis, b in transition_bytes(src, dst, shape_of(inp), itemsize, backend, all_to_all).items():
                 out[axis] = out.get(axis, 0.0) + b
     for axis, b in partial_sum_bytes(node, entry, modules, itemsize, backend).items():
         out[axis] = out.get(axis, 0.0) + b

@@ -45,7 +45,7 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
             continue
         compute_passes, comm_passes = passes(node.name, rc)
         seconds = compute_passes * forward_seconds(node, plan, modules, cluster, dtype, itemsize)
-        sent = node_comm_bytes(node, plan, modules, itemsize, cluster.backend)
+        sent = node_comm_bytes(node, plan, modules, itemsize, cluster.backend, cluster.all_to_all)
         transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
         out.append(OpCost(seconds, comm_passes * transfer, comm_passes * latency,
