@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from polyshard.models.recsys import ClickModel, RecsysConfig, click_batch
 from polyshard.runtime.ps import train_ps
-from polyshard.runtime.ps.launch import _free_ports
+from polyshard.runtime.ps.launch import free_ports
 
 
 def _ddp_rank(rank: int, world: int, port: int, cfg: RecsysConfig, steps: int, batch: int, out) -> None:
@@ -47,7 +47,7 @@ def _ddp_rank(rank: int, world: int, port: int, cfg: RecsysConfig, steps: int, b
 def ddp_seconds_per_step(cfg: RecsysConfig, steps: int, batch: int, world: int) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_ports(1)[0]
+    port = free_ports(1)[0]
     procs = [ctx.Process(target=_ddp_rank, args=(r, world, port, cfg, steps, batch, out)) for r in range(world)]
     for p in procs:
         p.start()

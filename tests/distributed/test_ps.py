@@ -138,13 +138,13 @@ def test_kubernetes_pods_run_what_polyshard_ps_runs_here(tmp_path):
     parameters `polyshard ps` ends with on this machine."""
     from polyshard.cli.main import main
     from polyshard.cli.ps import KEY_ENV
-    from polyshard.runtime.ps.launch import _free_ports
+    from polyshard.runtime.ps.launch import free_ports
     from tests.unit.test_k8s import expand, manifests
 
     flags = ["--servers", "2", "--workers", "2", "--model", "recsys-tiny", "--batch-size", "8", "--steps", "5",
              "--optimizer", "adam", "--lr", "0.05", "--log-every", "5"]
     secret, _, server_job, worker_job = manifests(tmp_path, "ps", *flags)
-    addresses = ",".join(f"127.0.0.1:{port}" for port in _free_ports(2))
+    addresses = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
     pods = []
     for job in (server_job, worker_job):
         command = job["spec"]["template"]["spec"]["containers"][0]["command"]

@@ -62,3 +62,8 @@ def test_lookups_pull_and_push_only_touched_rows_and_match_nn_embedding():
         rows, grads = remote.row_grads(server)
         torch.testing.assert_close(torch.from_numpy(grads), ref.weight.grad[torch.from_numpy(rows) + lo])
         assert set((torch.from_numpy(rows) + lo).tolist()) == {1, 3, 7, 8} & set(range(lo, lo + 5))
+
+
+def test_a_table_not_looked_up_this_step_pushes_nothing():
+    table = nn.Embedding(10, 3)
+    assert RemoteEmbedding("e.weight", table, ((0, 5), (5, 10)), _FakeLinks(table.weight.detach())).row_grads(0) is None

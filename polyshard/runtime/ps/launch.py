@@ -62,7 +62,7 @@ def train_ps(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int, int, in
     with tempfile.TemporaryDirectory(prefix="polyshard-ps-") as scratch:
         folder = snapshot_dir or scratch
         _check_snapshot_dir(folder)
-        spec = replace(spec, servers=tuple(("127.0.0.1", port) for port in _free_ports(servers)), snapshot_dir=folder)
+        spec = replace(spec, servers=tuple(("127.0.0.1", port) for port in free_ports(servers)), snapshot_dir=folder)
         return _Supervisor(spec, max_restarts).run()
 
 
@@ -97,7 +97,8 @@ def _check_snapshot_dir(folder: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """Ports free on this machine now (each bound once, then let go)."""
     socks = [socket.socket() for _ in range(count)]
     for s in socks:
         s.bind(("127.0.0.1", 0))

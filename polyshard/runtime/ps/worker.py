@@ -93,9 +93,11 @@ class RemoteEmbedding(nn.Module):
 
     def row_grads(self, server: int) -> tuple | None:
         """(row ids local to ``server``, their gradients) from this step's lookups, or None if none fell there."""
+        if not self.touched:
+            return None
         lo, hi = self.bounds[server]
         ids = torch.cat([i for i, _ in self.touched])
-        grads = torch.cat([w.grad for _, w in self.touched])
+        grads = torch.cat([w.grad if w.grad is not None else torch.zeros_like(w) for _, w in self.touched])
         mine = (ids >= lo) & (ids < hi)
         return ((ids[mine] - lo).numpy(), grads[mine].numpy()) if mine.any() else None
 
@@ -142,7 +144,8 @@ def work(spec: PSSpec, worker: int) -> None:
             for s in servers:
                 if versions[s] >= spec.steps:
                     continue
-                grads = to_wire({n: p.grad for n, p in params.items() if owner[n] == s})
+                grads = to_wire({n: p.grad if p.grad is not None else torch.zeros_like(p)  # unused this step
+                                 for n, p in params.items() if owner[n] == s})
                 rows = {t.name: r for t in tables if (r := t.row_grads(s)) is not None}
                 status, _ = links.call(s, ("push", versions[s], grads, rows, loss.item()))
                 next_pull[s] = versions[s] + 1 if spec.mode == "sync" and status == "ack" else 0
