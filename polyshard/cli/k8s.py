@@ -10,6 +10,8 @@ workers, and a Secret with the run's key.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import secrets
 from pathlib import Path
 
@@ -19,11 +21,12 @@ from polyshard.errors import PolyshardError
 
 PS_PORT = 29600
 MASTER_PORT = 23456  # the Training Operator's default PyTorchJob port
-PLAN_MOUNT = "/etc/polyshard"
+FILES_MOUNT = "/etc/polyshard"
 SNAPSHOT_MOUNT = "/snapshots"
 INDEX_ENV = "POLYSHARD_INDEX"
 ROLE_FLAGS = ("--role", "--index", "--addresses", "--snapshot-dir")  # the manifest sets these for each pod
 NODE_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv", "--max-restarts")
+CONFIG_FILES = {"--plan": "plan.json", "--strategies": "strategies.yaml"}  # train flags naming files pods need
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -61,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_common(args: argparse.Namespace) -> None:
-    import re
-
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?", args.name):
         raise PolyshardError(f"--name {args.name!r} must be a DNS label: lower-case letters, digits and '-', at most "
                              "42 characters")
@@ -90,22 +91,23 @@ def _train_job(args: argparse.Namespace) -> list[dict]:
     from polyshard.cli.main import train_config
     from polyshard.runtime.train_config import check_config
 
-    flags = list(args.flags)
-    train = _parse("train", flags)
+    train = _parse("train", args.flags)
     world = args.nodes * args.procs_per_node
-    try:
-        check_config(train_config(train), world)
+    try:  # --data names a file inside the pods (on a volume you mount), so it is not looked for here
+        check_config(dataclasses.replace(train_config(train), data=""), world)
     except PolyshardError as exc:  # e.g. a mesh that is not nodes x procs
         raise PolyshardError(f"--nodes {args.nodes} x --procs-per-node {args.procs_per_node}: {exc}") from None
     docs = []
     mounts, volumes = [_shm_mount()], [_shm_volume(args.shm)]
-    if train.plan:
-        plan_text = Path(train.plan).read_text()
-        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{args.name}-plan"},
-                     "data": {"plan.json": plan_text}})
-        flags[flags.index("--plan") + 1] = f"{PLAN_MOUNT}/plan.json"
-        mounts.append({"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True})
-        volumes.append({"name": "plan", "configMap": {"name": f"{args.name}-plan"}})
+    files = {key: Path(getattr(train, flag[2:])).read_text() for flag, key in CONFIG_FILES.items()
+             if getattr(train, flag[2:])}
+    flags = _with_paths(args.flags, {flag: f"{FILES_MOUNT}/{key}" for flag, key in CONFIG_FILES.items()
+                                     if key in files})
+    if files:  # the plan and pins travel with the job, mounted where the command reads them
+        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{args.name}-files"},
+                     "data": files})
+        mounts.append({"name": "files", "mountPath": FILES_MOUNT, "readOnly": True})
+        volumes.append({"name": "files", "configMap": {"name": f"{args.name}-files"}})
     command = ["polyshard", "train", "--nproc", str(args.procs_per_node)]
     if args.nodes > 1:
         command += ["--nnodes", str(args.nodes), "--node-rank", "$(RANK)", "--rdzv", "$(MASTER_ADDR):$(MASTER_PORT)"]
@@ -130,6 +132,19 @@ def _train_job(args: argparse.Namespace) -> list[dict]:
                           "runPolicy": {"backoffLimit": args.max_restarts, "cleanPodPolicy": "None"},
                           "pytorchReplicaSpecs": specs}})
     return docs
+
+
+def _with_paths(flags: list[str], paths: dict[str, str]) -> list[str]:
+    """``flags`` with the value of each flag in ``paths`` replaced (``--flag VALUE`` or ``--flag=VALUE``)."""
+    out = list(flags)
+    for i, flag in enumerate(out):
+        name = flag.split("=")[0]
+        if name in paths:
+            if "=" in flag:
+                out[i] = f"{name}={paths[name]}"
+            else:
+                out[i + 1] = paths[name]
+    return out
 
 
 def _ps_job(args: argparse.Namespace) -> list[dict]:

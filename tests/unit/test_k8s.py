@@ -62,17 +62,23 @@ def test_train_manifest_is_a_valid_pytorchjob_running_the_local_command(tmp_path
     assert (node.nnodes, node.nproc, node.node_rank, node.rdzv) == (2, 2, 1, "clicks-master-0:23456")
 
 
-def test_plan_file_travels_in_a_configmap(tmp_path):
-    plan = tmp_path / "plan.json"
+def test_plan_and_pins_travel_in_a_configmap_and_data_is_the_pods(tmp_path):
+    plan, pins = tmp_path / "plan.json", tmp_path / "pins.yaml"
     assert main(["plan", "--model", "gpt-tiny", "--cluster", "1x2xA100-80G", "--out", str(plan)]) == 0
+    pins.write_text("blocks.0.mlp.fc: {in_strategy: [[1, 1, 1], [2, 1]]}\n")
     config_map, job = manifests(tmp_path, "--procs-per-node", "2", "train", "--plan", str(plan))
     kubernetes_validate.validate(config_map, K8S_VERSION, strict=True)
     _valid_pytorchjob(job)
-    assert config_map["data"]["plan.json"] == plan.read_text()
+    assert config_map["data"] == {"plan.json": plan.read_text()}
     command = _command(job, "Master")
     assert command[command.index("--plan") + 1] == "/etc/polyshard/plan.json"
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    assert {"name": "plan", "configMap": {"name": "polyshard-plan"}} in pod["volumes"]
+    assert {"name": "files", "configMap": {"name": "polyshard-files"}} in pod["volumes"]
+    config_map, job = manifests(tmp_path, "--procs-per-node", "2", "train", "--mesh", "tp=2",
+                                f"--strategies={pins}", "--data", "/data/tokens.bin")  # a path in the pods
+    assert config_map["data"] == {"strategies.yaml": pins.read_text()}
+    command = _command(job, "Master")
+    assert "--strategies=/etc/polyshard/strategies.yaml" in command and "/data/tokens.bin" in command
 
 
 def test_ps_manifests_are_valid_kubernetes_objects(tmp_path):
