@@ -93,8 +93,8 @@ def _train_job(args: argparse.Namespace) -> list[dict]:
 
     train = _parse("train", args.flags)
     world = args.nodes * args.procs_per_node
-    try:  # --data names a file inside the pods (on a volume you mount), so it is not looked for here
-        check_config(dataclasses.replace(train_config(train), data=""), world)
+    try:  # --data and --tokenizer name files inside the pods (on a volume you mount): not looked for here
+        check_config(dataclasses.replace(train_config(train), data="", tokenizer=""), world)
     except PolyshardError as exc:  # e.g. a mesh that is not nodes x procs
         raise PolyshardError(f"--nodes {args.nodes} x --procs-per-node {args.procs_per_node}: {exc}") from None
     docs = []

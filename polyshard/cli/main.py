@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                    "pydoc corpus, byte tokens)")
     t.add_argument("--data-dtype", choices=["uint16", "uint32"], default="uint16", help="the --data file's id type "
                    "(default uint16)")
+    t.add_argument("--tokenizer", default="", help="a tokenizer.json (or a folder with one, e.g. a transformers "
+                   "model's): --data is then a text file, tokenized once into runs/data/ beside the metrics")
     t.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
     t.add_argument("--batch-size", type=int, default=8, help="global batch rows per step (default 8)")
     t.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps per step (default 1)")
@@ -186,7 +188,8 @@ def train_config(args):
                        memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir,
                        timeline=args.timeline, sequence_parallel=args.sequence_parallel, save_dir=args.save_dir,
                        save_every=args.save_every, keep=args.keep, async_save=args.async_save, resume=args.resume,
-                       collective_timeout=args.collective_timeout, data=args.data, data_dtype=args.data_dtype)
+                       collective_timeout=args.collective_timeout, data=args.data, data_dtype=args.data_dtype,
+                       tokenizer=args.tokenizer)
 
 
 def _train(args) -> int:

@@ -1,7 +1,10 @@
-"""Token files as nanoGPT's prepare scripts write them: a flat array of uint16 or uint32 ids, read by memmap."""
+"""Token files as nanoGPT's prepare scripts write them: a flat array of uint16 or uint32 ids, read by memmap;
+and text files tokenized into one by a local tokenizer.json."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -42,3 +45,44 @@ def check_tokens(tokens: np.ndarray, path: str, vocab_size: int, seq_len: int) -
 def out_of_vocabulary(path: str, token: int, vocab_size: int) -> str:
     return (f"--data {path!r} holds token id {token}, but the model's vocabulary has {vocab_size} ids; train a "
             "model with a larger vocabulary (e.g. --model gpt:...,vocab=N) or check --data-dtype")
+
+
+def tokenized(text_path: str, tokenizer_path: str, folder: str) -> tuple[str, str]:
+    """A text file tokenized once into a token file in ``folder`` (named by a hash of both inputs, so a
+    rerun, and every process of the run, finds it); returns (its path, its dtype)."""
+    text, tokenizer = Path(text_path), _tokenizer_file(tokenizer_path)
+    if not text.is_file():
+        raise PolyshardError(f"--data {text_path!r} is not a file; give a UTF-8 text file to tokenize")
+    digest = hashlib.sha256(tokenizer.read_bytes())
+    with open(text, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    vocab = _load_tokenizer(tokenizer).get_vocab_size()
+    dtype = "uint16" if vocab <= 1 << 16 else "uint32"
+    out = Path(folder) / f"{text.stem}-{digest.hexdigest()[:16]}.{dtype}.bin"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        ids = _load_tokenizer(tokenizer).encode(text.read_text(encoding="utf-8")).ids
+        tmp = out.with_suffix(".tmp")
+        np.asarray(ids, dtype=DTYPES[dtype]).tofile(tmp)
+        os.replace(tmp, out)  # whole or absent: another process may be reading the folder
+    return str(out), dtype
+
+
+def _tokenizer_file(path: str) -> Path:
+    p = Path(path)
+    p = p / "tokenizer.json" if p.is_dir() else p
+    if not p.is_file():
+        raise PolyshardError(f"--tokenizer {path!r} is neither a tokenizer.json nor a folder holding one")
+    return p
+
+
+def _load_tokenizer(path: Path):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise PolyshardError("--tokenizer needs the tokenizers package: pip install 'polyshard[hf]'") from exc
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - the library raises its own exception type for a bad file
+        raise PolyshardError(f"--tokenizer {str(path)!r} cannot be read: {exc}") from exc

@@ -18,7 +18,7 @@ import yaml
 import polyshard as ps
 from polyshard import models
 from polyshard.cluster import parse_bytes
-from polyshard.data.token_file import check_tokens, open_tokens
+from polyshard.data.token_file import check_tokens, open_tokens, tokenized
 from polyshard.errors import PolyshardError
 from polyshard.mesh import PIPELINE_AXIS, check_mesh, check_roles, parse_mesh
 from polyshard.planner.plan import Plan
@@ -43,7 +43,8 @@ class TrainConfig:
     newest keep of them left (0: all), written in the background with async_save; resume: "auto" (the
     newest in save_dir) or a checkpoint directory to continue from; collective_timeout: seconds a
     collective waits for a silent rank before the run fails (0: torch's default); data: a token file to
-    train on (default: the pydoc corpus), its ids of type data_dtype (uint16 or uint32)."""
+    train on (default: the pydoc corpus), its ids of type data_dtype (uint16 or uint32), or with
+    tokenizer (a tokenizer.json, or a folder with one) a text file, tokenized once beside the metrics."""
 
     model: str = ""
     mesh: str = ""
@@ -71,6 +72,14 @@ class TrainConfig:
     collective_timeout: float = 0.0
     data: str = ""
     data_dtype: str = "uint16"
+    tokenizer: str = ""
+
+
+def token_source(cfg: TrainConfig) -> tuple[str, str]:
+    """The token file the run reads and its dtype: --data itself, or --data tokenized by --tokenizer."""
+    if cfg.tokenizer:
+        return tokenized(cfg.data, cfg.tokenizer, str(Path(cfg.metrics or "runs/metrics.jsonl").parent / "data"))
+    return cfg.data, cfg.data_dtype
 
 
 def model_name(cfg: TrainConfig, plan: Plan | None) -> str:
@@ -228,8 +237,10 @@ def _check_paths(cfg: TrainConfig) -> None:
             raise PolyshardError(f"{flag} {path!r}: {str(parent)!r} is a file, not a folder")
     if cfg.strategies and not Path(cfg.strategies).is_file():
         raise PolyshardError(f"--strategies file {cfg.strategies!r} does not exist")
+    if cfg.tokenizer and not cfg.data:
+        raise PolyshardError("--tokenizer tokenizes the text file --data names: give --data")
     if cfg.data:
-        open_tokens(cfg.data, cfg.data_dtype)
+        open_tokens(*token_source(cfg))
 
 
 def _check_checkpoint_flags(cfg: TrainConfig) -> None:
@@ -297,7 +308,7 @@ def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | No
 
     model = models.build(model_name(cfg, plan), device="meta")
     if cfg.data:
-        check_tokens(open_tokens(cfg.data, cfg.data_dtype), cfg.data, model.cfg.vocab_size, model.cfg.seq_len)
+        check_tokens(open_tokens(*token_source(cfg)), cfg.data, model.cfg.vocab_size, model.cfg.seq_len)
     if cfg.strategies:
         apply_strategies(model, cfg.strategies)
     data_axes = plan.data_axes if plan is not None else ("dp",)

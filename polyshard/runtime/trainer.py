@@ -32,12 +32,12 @@ from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.resume import restore_run, resume_path, save_run
 from polyshard.runtime.stall import is_timeout, stalled
 from polyshard.runtime.timeline import draw_timeline
-from polyshard.runtime.train_config import TrainConfig, apply_strategies, check_config, model_name
+from polyshard.runtime.train_config import TrainConfig, apply_strategies, check_config, model_name, token_source
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
 
 def train(cfg: TrainConfig) -> list[dict]:
-    """Train on the corpus shipped with Python; rank 0 prints, shows progress and writes metrics."""
+    """Train on --data, or the corpus shipped with Python; rank 0 prints, shows progress and writes metrics."""
     from tqdm import tqdm
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -97,7 +97,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     opt = make_optimizer(pm, cfg.lr, cfg.offload_dir or scratch.name)
     share = cfg.batch_size // mesh.num_data_shards  # this rank reads only its rows of each global batch
     mine = slice(mesh.data_index * share, (mesh.data_index + 1) * share)
-    source = open_tokens(cfg.data, cfg.data_dtype) if cfg.data else load_corpus()
+    source = open_tokens(*token_source(cfg)) if cfg.data else load_corpus()
     batches = Ahead(TokenBatches(source, cfg.batch_size, model.cfg.seq_len, cfg.seed, rows=mine))
     tokens_per_step = cfg.batch_size * model.cfg.seq_len
     done, history = 0, []

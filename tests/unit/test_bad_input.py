@@ -177,6 +177,9 @@ CLI_CASES = [
     ("data-missing", TRAIN + ["--data", "{inputs}/none.bin"], ["--data", "none.bin", "not a file"]),
     ("data-odd-size", TRAIN + ["--data", "{odd_tokens}"], ["odd.bin", "3 bytes", "--data-dtype"]),
     ("data-beyond-vocab", TRAIN + ["--data", "{big_tokens}"], ["big.bin", "token id 300", "256 ids"]),
+    ("tokenizer-without-data", TRAIN + ["--tokenizer", "{plan}"], ["--tokenizer", "give --data"]),
+    ("tokenizer-missing", TRAIN + ["--data", "{odd_tokens}", "--tokenizer", "{inputs}/none.json"],
+     ["none.json", "neither a tokenizer.json nor a folder"]),
     # counts and numbers
     ("nproc-zero", ["train", "--nproc", "0"], ["--nproc", "at least 1"]),
     ("nproc-negative", ["train", "--nproc", "-3"], ["--nproc", "-3"]),

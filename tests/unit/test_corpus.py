@@ -1,10 +1,12 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from polyshard.data.ahead import Ahead
 from polyshard.data.corpus import VOCAB_SIZE, TokenBatches, load_corpus
-from polyshard.data.token_file import check_tokens, open_tokens
+from polyshard.data.token_file import check_tokens, open_tokens, tokenized
 from polyshard.errors import PolyshardError
 
 
@@ -100,3 +102,29 @@ def test_batches_drawn_ahead_resume_at_the_batch_not_yet_handed_out():
     ahead.seek(saved)
     assert torch.equal(next(ahead)[0], fourth) and torch.equal(next(ahead)[0], fifth)
     ahead.close()
+
+
+def _tokenizer(tmp_path) -> str:
+    """A word-level tokenizer.json of our own: nothing downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "the", "cat", "sat", "on", "mat", "."]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return str(tmp_path / "tokenizer.json")
+
+
+def test_a_text_file_is_tokenized_once_into_a_token_file(tmp_path):
+    text = tmp_path / "story.txt"
+    text.write_text("the cat sat on the mat .\nthe dog sat .\n")
+    path, dtype = tokenized(str(text), _tokenizer(tmp_path), str(tmp_path / "data"))
+    assert dtype == "uint16"
+    assert open_tokens(path, dtype).tolist() == [1, 2, 3, 4, 1, 5, 6, 1, 0, 3, 6]  # "dog" is unknown
+    stamp = Path(path).stat().st_mtime_ns
+    assert tokenized(str(text), str(tmp_path), str(tmp_path / "data")) == (path, dtype)  # a folder works too
+    assert Path(path).stat().st_mtime_ns == stamp  # found, not written again
+    text.write_text("the mat .\n")
+    assert tokenized(str(text), str(tmp_path), str(tmp_path / "data"))[0] != path  # new text, new file
+    with pytest.raises(PolyshardError, match="neither a tokenizer.json nor a folder"):
+        tokenized(str(text), str(tmp_path / "none"), str(tmp_path / "data"))
