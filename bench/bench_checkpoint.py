@@ -15,6 +15,7 @@ Rank 0 prints a markdown table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -70,7 +71,7 @@ def main() -> None:
     model = models.build(args.model, seed=0)
     rows = 8 // mesh.num_data_shards
     pm = ps.parallelize(model, example_inputs=model.example_inputs(rows))
-    pm.plan.zero = args.zero if mesh.num_data_shards > 1 else 0
+    pm.plan = dataclasses.replace(pm.plan, zero=args.zero if mesh.num_data_shards > 1 else 0)
     where = [args.dir or (tempfile.mkdtemp(prefix="polyshard-bench-ckpt-") if dist.get_rank() == 0 else "")]
     dist.broadcast_object_list(where)
     root = Path(where[0])

@@ -97,7 +97,7 @@ def main() -> None:
         meta = models.GPT(cfg).to("meta")
         gm = capture(meta, batches[0])
         plan = propagate(gm, mesh.op_axes, lambda m: None)
-        plan.mesh = mesh.axes
+        plan = dataclasses.replace(plan, mesh=mesh.axes)
         chosen, predicted = choose_copies(gm, plan, mesh.cluster, args.batch)
         print(f"first loss: 1 copy {first[1]:.6f}  2 copies {first[2]:.6f}")
         print("planner: predicted step " + ", ".join(f"{k} copies {v * 1e3:.1f} ms" for k, v in predicted.items())

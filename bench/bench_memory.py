@@ -18,6 +18,7 @@ measured the same way: it must come in under the limit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 
@@ -41,7 +42,7 @@ def measure(model: str, batch, recompute="none", offload="none", plan=None):
     """Measured peak by category and the plan the step ran, for ``model`` under these settings."""
     torch.manual_seed(0)
     pm = ps.parallelize(models.build(model), batch, plan=plan, recompute=None if plan else recompute)
-    pm.plan.offload = plan.offload if plan else offload
+    pm.plan = dataclasses.replace(pm.plan, offload=plan.offload if plan else offload)
     with tempfile.TemporaryDirectory() as folder:
         opt = make_optimizer(pm, 1e-3, folder)
         return step_peak_bytes(pm, opt, batch, state_on_device=pm.plan.offload == "none"), pm.plan

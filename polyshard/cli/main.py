@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -271,7 +272,7 @@ def _plan(args) -> int:
 
         apply_strategies(model, args.pin)
     plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, reserve_bytes=reserve)
-    plan.model = args.model if args.seq_len is None else models.shape_spec(cfg)
+    plan = dataclasses.replace(plan, model=args.model if args.seq_len is None else models.shape_spec(cfg))
     seconds = time.perf_counter() - start
     pick = None
     if getattr(args, "compare", False):

@@ -48,7 +48,7 @@ class NodePlan:
     shape_divisors: dict[int, int] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     """op_axes: the device matrix operators split over; params: layout per parameter name;
     nodes: per graph node, how it runs; mesh/data_axes: the whole mesh it was made for;
@@ -103,7 +103,7 @@ class Plan:
         for name in ("copies", "micro_batches", "virtual_stages"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise PolyshardError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
-        self.stage_boundaries = tuple(self.stage_boundaries)
+        object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))  # a list read from JSON
 
     def to_json(self) -> str:
         return json.dumps({

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Mapping, Sequence
 
@@ -51,8 +52,8 @@ class ParallelModule(nn.Module):
 
     def set_copies(self, copies: int) -> None:
         """Run each batch as ``copies`` interleaved slices (1: as one)."""
+        self.plan = dataclasses.replace(self.plan, copies=copies)
         self.program = self._runnable(copies)
-        self.plan.copies = copies
 
     def _runnable(self, copies: int) -> fx.GraphModule:
         """The program with the plan's recomputed regions outlined, interleaved into ``copies``."""
@@ -157,19 +158,17 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
                                   fixed=Fixed(sp=1) if sequence_parallel else Fixed())
         else:
             plan = propagate(gm, mesh.op_axes, warn, sequence_parallel)
-    plan.mesh, plan.data_axes = mesh.axes, mesh.data_axes
+    plan = dataclasses.replace(plan, mesh=mesh.axes, data_axes=mesh.data_axes)
     copies = copies if copies is not None else getattr(model, COPIES_ATTR, None)
     if copies == "auto":
         cluster = mesh.cluster or Cluster.from_env()
         copies, _ = choose_copies(gm, plan, cluster, batch_rows=batch_rows(example_inputs))
-    if copies is not None:
-        if not isinstance(copies, int) or copies < 1:
-            raise PolyshardError(f"copies must be a positive integer or 'auto', got {copies!r}")
-        plan.copies = copies
-    plan.recompute = recompute or plan.recompute
-    plan.recompute_comm = recompute_comm or plan.recompute_comm
-    plan.schedule, plan.micro_batches = schedule or plan.schedule, micro_batches or plan.micro_batches
-    plan.virtual_stages = virtual_stages or plan.virtual_stages
+    if copies is not None and (not isinstance(copies, int) or copies < 1):
+        raise PolyshardError(f"copies must be a positive integer or 'auto', got {copies!r}")
+    plan = dataclasses.replace(plan, copies=copies or plan.copies, recompute=recompute or plan.recompute,
+                               recompute_comm=recompute_comm or plan.recompute_comm,
+                               schedule=schedule or plan.schedule, micro_batches=micro_batches or plan.micro_batches,
+                               virtual_stages=virtual_stages or plan.virtual_stages)
     if dist.is_initialized() and dist.get_world_size() != mesh.world_size:
         raise PolyshardError(f"mesh {mesh} does not match the world of {dist.get_world_size()} processes")
     if mesh.pp > 1:

@@ -10,6 +10,7 @@ used by two stages (a tied embedding) has a copy on each, whose gradients are su
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -419,10 +420,10 @@ class _Step:
 
 
 def pipeline_split(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan,
-                   pp: int) -> tuple[fx.GraphModule, Split]:
+                   pp: int) -> tuple[fx.GraphModule, Split, tuple[str, ...]]:
     """One micro-batch of ``model`` captured and cut into pp x virtual_stages chunks: at the plan's
-    stage boundaries, else the modules marked by :func:`pipeline_stage`, else balanced ones (the
-    cuts are recorded in the plan). Needs no process group."""
+    stage boundaries, else the modules marked by :func:`pipeline_stage`, else balanced ones; returns the
+    cuts it made too. Needs no process group."""
     check_schedule(plan.schedule, pp, plan.micro_batches, plan.virtual_stages)
     micro = tree_map(lambda t: micro_batches(t, plan.micro_batches)[0] if isinstance(t, torch.Tensor) else t,
                      example_inputs)
@@ -433,20 +434,19 @@ def pipeline_split(model: nn.Module, example_inputs: Sequence[torch.Tensor], pla
         raise PolyshardError(f"{len(boundaries)} stage boundaries {list(boundaries)} make {len(boundaries) + 1} "
                              f"stages; pp={pp} x virtual_stages={plan.virtual_stages} needs {chunks}, "
                              f"so {chunks - 1} boundaries")
-    plan.stage_boundaries = tuple(boundaries)
     split = split_graph(gm, plan, boundaries)
     for name, by_chunk in split.tied.items():
         if len({c % pp for c in by_chunk}) < len(by_chunk):
             raise PolyshardError(f"parameter `{name}` is used by chunks {sorted(by_chunk)}, two of them on one "
                                  "stage; move the boundaries so each stage uses it in one chunk")
-    return gm, split
+    return gm, split, tuple(boundaries)
 
 
 def predict_timings(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan, pp: int,
                     cluster: Cluster) -> list[ActionTime]:
     """The plan's schedule simulated with the cost model's per-chunk times, without any process
     (for planning and explaining; ``model`` may live on the meta device)."""
-    gm, split = pipeline_split(model, example_inputs, plan, pp)
+    gm, split, _ = pipeline_split(model, example_inputs, plan, pp)
     actions = schedule_actions(plan.schedule, pp, plan.micro_batches, plan.virtual_stages)
     return simulate(actions, *chunk_seconds(gm, plan, split, cluster))
 
@@ -458,7 +458,8 @@ def parallelize_pipeline(model: nn.Module, example_inputs: Sequence[torch.Tensor
     if plan.copies != 1:
         raise PolyshardError(f"copies={plan.copies} (multi-copy interleave) does not combine with pipeline "
                              "stages; micro-batches already overlap the stages' work: use copies=1")
-    gm, split = pipeline_split(model, example_inputs, plan, mesh.pp)
+    gm, split, boundaries = pipeline_split(model, example_inputs, plan, mesh.pp)
+    plan = dataclasses.replace(plan, stage_boundaries=boundaries)
     seconds = chunk_seconds(gm, plan, split, mesh.cluster or Cluster.from_env())
     mine = {c: build_chunk(gm, plan, split, c, mesh) for c in range(mesh.stage, split.chunks, mesh.pp)}
     return PipelineModule(mine, split, plan, mesh, seconds, bucket_bytes, marked_modules(model),

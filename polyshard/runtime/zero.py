@@ -22,6 +22,7 @@ whole, fuse by comm_fusion group, or run on the pieces of a lowered tensor-paral
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
@@ -438,9 +439,8 @@ def setup_zero(pm, level: int | None = None, optimizer: str | Callable | None = 
         if pm.grad_sync is not None:
             pm.grad_sync.remove()
         pm.grad_sync = opt if group is not None else None
-    plan.zero, plan.precision, plan.zero_threshold_bytes = level, precision, threshold_bytes
-    if isinstance(optimizer, str):
-        plan.optimizer = optimizer
+    pm.plan = dataclasses.replace(plan, zero=level, precision=precision, zero_threshold_bytes=threshold_bytes,
+                                  optimizer=optimizer if isinstance(optimizer, str) else plan.optimizer)
     return opt
 
 

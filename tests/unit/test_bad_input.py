@@ -8,6 +8,7 @@ passes when the exit code is 2, stderr holds one error line and no traceback, th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -34,7 +35,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("inputs")
     model = models.build("gpt-tiny", device="meta")
     plan = propagate(capture(model, model.example_inputs(8)), (("tp", 2),), lambda msg: None)
-    plan.mesh, plan.data_axes, plan.model = (("dp", 1), ("tp", 2)), ("dp",), "gpt-tiny"
+    plan = dataclasses.replace(plan, mesh=(("dp", 1), ("tp", 2)), data_axes=("dp",), model="gpt-tiny")
     (d / "tp2.json").write_text(plan.to_json())
     good = json.loads((d / "tp2.json").read_text())
     out: dict[str, str] = {"plan": str(d / "tp2.json")}
@@ -436,7 +437,7 @@ def _parallelize_edited(edit: str):
     elif edit == "no_param":
         del plan.params["wte.weight"]
     else:
-        plan.op_axes = (("tp", 4),)
+        plan = dataclasses.replace(plan, op_axes=(("tp", 4),))
     return ps.parallelize(model, example_inputs=model.example_inputs(2), plan=plan, mesh=_TP2)
 
 

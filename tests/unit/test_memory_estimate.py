@@ -28,7 +28,7 @@ def _measure(plan=None, recompute="none", offload="none"):
     ps.init()
     torch.manual_seed(0)
     pm = ps.parallelize(models.build("gpt-tiny"), _batch(), plan=plan, recompute=None if plan else recompute)
-    pm.plan.offload = plan.offload if plan else offload
+    pm.plan = dataclasses.replace(pm.plan, offload=plan.offload if plan else offload)
     with tempfile.TemporaryDirectory() as folder:
         opt = make_optimizer(pm, 1e-3, folder)
         return step_peak_bytes(pm, opt, _batch(), state_on_device=pm.plan.offload == "none",

@@ -53,8 +53,7 @@ def _plan_for(cfg, rows):
     model = models.GPT(cfg).to("meta")
     gm = capture(model, model.example_inputs(rows))
     plan = propagate(gm, (("tp", 4),), lambda msg: None)
-    plan.mesh = (("tp", 4),)
-    return gm, plan
+    return gm, dataclasses.replace(plan, mesh=(("tp", 4),))
 
 
 def test_on_cpu_nothing_hides_so_one_copy_wins():

@@ -13,8 +13,8 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.mesh import Mesh
 from polyshard.planner.propagate import propagate
-from polyshard.runtime.pipeline import (balanced_boundaries, micro_batches, predict_timings, split_graph,
-                                        stage_boundaries_of)
+from polyshard.runtime.pipeline import (balanced_boundaries, micro_batches, pipeline_split, predict_timings,
+                                        split_graph, stage_boundaries_of)
 from polyshard.runtime.schedules import Action, schedule_actions, simulate
 from polyshard.runtime.timeline import bubble_fraction, draw_timeline
 
@@ -208,9 +208,11 @@ def test_predicted_timings_need_no_processes():
         model = models.GPT(dataclasses.replace(models.CONFIGS["gpt-tiny"], num_layers=4))
     example = model.example_inputs(8)
     plan = propagate(capture(model, example), (), print)
-    plan.schedule, plan.micro_batches = "gpipe", 4
+    plan = dataclasses.replace(plan, schedule="gpipe", micro_batches=4)
     times = predict_timings(model, example, plan, 2, Cluster.preset("1xA100-80G"))
-    assert plan.stage_boundaries == ("blocks.2",)
+    cuts = pipeline_split(model, example, plan, 2)[2]
+    assert cuts == ("blocks.2",) and plan.stage_boundaries == ()  # the plan is left as it was
+    plan = dataclasses.replace(plan, stage_boundaries=cuts)
     assert sorted((t.stage, t.kind, t.micro) for t in times) == sorted(
         (s, k, i) for s in range(2) for k in "FB" for i in range(4))
     assert 0.2 <= bubble_fraction(times) < 0.5  # (p-1)/(m+p-1) = 0.2 for equal stages; the head makes stage 1 longer

@@ -96,7 +96,7 @@ def test_parameter_memory_follows_the_layouts():
 
 def test_search_report_survives_json_and_renders():
     plan, _ = _search()
-    plan.model = "gpt-small"
+    plan = dataclasses.replace(plan, model="gpt-small")
     again = Plan.from_json(plan.to_json())
     text = render(again)
     assert again.report == plan.report and "runner-up" in text and plan.report["chosen"] in text

@@ -152,14 +152,14 @@ def test_a_model_that_fits_only_pipelined_gets_a_consistent_pipeline_plan():
     assert len(plan.stage_boundaries) == pp * plan.virtual_stages - 1
     assert (64 // dp) % plan.micro_batches == 0
     assert all(s.memory.total_bytes <= limit for s in chosen.pipeline.stages)
-    _, split = pipeline_split(model, model.example_inputs(64 // dp), plan, pp)  # the runtime cuts where it says
+    _, split, _ = pipeline_split(model, model.example_inputs(64 // dp), plan, pp)  # the runtime cuts where it says
     assert split.chunks == pp * plan.virtual_stages
 
 
 def test_pipeline_plan_round_trips_and_renders_its_stages():
     # 3 rows: 1 or 3 micro-batches, neither a multiple of 2 stages, so no interleaving: one cut
     model, (plan, _) = _gpt_search(meshes=[(("pp", 2), ("dp", 1), ("tp", 2))], batch=3)
-    plan.model = "gpt-small"
+    plan = dataclasses.replace(plan, model="gpt-small")
     again = Plan.from_json(plan.to_json())
     assert (again.stage_boundaries, again.schedule, again.micro_batches, again.virtual_stages, again.mesh) == \
         (plan.stage_boundaries, plan.schedule, plan.micro_batches, plan.virtual_stages, plan.mesh)
