@@ -49,7 +49,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         plan, _ = search(meta, meta.example_inputs(1), Cluster.from_env(), cfg.batch_size // cfg.accum, limit,
                          meshes=None if cfg.auto else [tuple(shape.items())],
                          fixed=Fixed(sp=1) if cfg.sequence_parallel else Fixed())
-        plan.model, shape = name, dict(plan.mesh)
+        plan, shape = dataclasses.replace(plan, model=name), dict(plan.mesh)
     if plan is not None and cfg.settings:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
     mesh = ps.init(shape, timeout=cfg.collective_timeout or None)
