@@ -194,7 +194,7 @@ def train_config(args):
 
 
 def _train(args) -> int:
-    from polyshard.runtime.train_config import check_against_model, check_config
+    from polyshard.runtime.train_config import check_against_model, check_config, token_source
 
     cfg = train_config(args)
     in_torchrun = under_torchrun()
@@ -212,6 +212,11 @@ def _train(args) -> int:
         rest = args.argv
         for flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv", "--rdzv-timeout", "--max-restarts"):  # launcher's
             rest = without_flag(rest, flag)
+        if cfg.tokenizer:  # the ranks read the token file tokenized here, not the text again
+            for flag in ("--data", "--data-dtype", "--tokenizer"):
+                rest = without_flag(rest, flag)
+            data, dtype = token_source(cfg)
+            rest += ["--data", data, "--data-dtype", dtype]
         return launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + rest,
                        nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous, max_restarts=args.max_restarts)
     from polyshard.runtime.trainer import train

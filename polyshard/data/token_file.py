@@ -3,6 +3,7 @@ and text files tokenized into one by a local tokenizer.json."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -49,17 +50,24 @@ def out_of_vocabulary(path: str, token: int, vocab_size: int) -> str:
 
 def tokenized(text_path: str, tokenizer_path: str, folder: str) -> tuple[str, str]:
     """A text file tokenized once into a token file in ``folder`` (named by a hash of both inputs, so a
-    rerun, and every process of the run, finds it); returns (its path, its dtype)."""
+    rerun finds it); returns (its path, its dtype)."""
     text, tokenizer = Path(text_path), _tokenizer_file(tokenizer_path)
     if not text.is_file():
         raise PolyshardError(f"--data {text_path!r} is not a file; give a UTF-8 text file to tokenize")
+    stamp = tuple((p.stat().st_size, p.stat().st_mtime_ns) for p in (text, tokenizer))
+    return _tokenized(text.resolve(), tokenizer.resolve(), Path(folder), stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenized(text: Path, tokenizer: Path, folder: Path, stamp: tuple) -> tuple[str, str]:
+    """:func:`tokenized`, once per process for unchanged files (``stamp``: their sizes and times)."""
     digest = hashlib.sha256(tokenizer.read_bytes())
     with open(text, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
     vocab = _load_tokenizer(tokenizer).get_vocab_size()
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
-    out = Path(folder) / f"{text.stem}-{digest.hexdigest()[:16]}.{dtype}.bin"
+    out = folder / f"{text.stem}-{digest.hexdigest()[:16]}.{dtype}.bin"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         ids = _load_tokenizer(tokenizer).encode(text.read_text(encoding="utf-8")).ids
