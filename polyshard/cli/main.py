@@ -242,6 +242,8 @@ def _planning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-reserve", default="", help="of the limit, bytes plans leave free for the CUDA context, "
                    "communication buffers and allocator fragmentation (default: on GPUs the larger of 5%% and 2GiB)")
     p.add_argument("--pin", default="", help="YAML of strategies to keep: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")
+    p.add_argument("--pp-plan", action="store_true", help="pipeline stages may begin at every module a transformers "
+                   "model's own pipeline plan names (embedding, each layer, final norm, head), not only at its layers")
     p.add_argument("--json", action="store_true", help="print one JSON object (step_s, memory_bytes_per_device, "
                    "config, breakdown, planning_s) instead of the table")
 
@@ -276,12 +278,14 @@ def _plan(args) -> int:
         from polyshard.runtime.train_config import apply_strategies
 
         apply_strategies(model, args.pin)
-    plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, reserve_bytes=reserve)
+    plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, reserve_bytes=reserve,
+                     pp_plan=args.pp_plan)
     plan = dataclasses.replace(plan, model=args.model if args.seq_len is None else models.shape_spec(cfg))
     seconds = time.perf_counter() - start
     pick = None
     if getattr(args, "compare", False):
-        pick, _ = search(model, model.example_inputs(1), cluster, batch, limit, reserve_bytes=reserve)
+        pick, _ = search(model, model.example_inputs(1), cluster, batch, limit, reserve_bytes=reserve,
+                         pp_plan=args.pp_plan)
     if args.json:
         print(json.dumps({**summary(plan, cfg, cluster.num_devices), "planning_s": round(seconds, 3),
                           "fixed": fixed.text(),

@@ -92,10 +92,12 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
     kept = Recomputed(rc.rerun, rc.freed)  # without the region held again in backward
     paths: list[list[str]] = [[] for _ in range(n)]
     last = len(starts) - 1
+    # a unit's span names the outermost modules that hold no unit (a model's base holds them all)
+    holders = {".".join(t.split(".")[:i]) for t in starts for i in range(1, t.count(".") + 1)}
     for node in nodes:
         u, shape, out = unit_of[node.name], shape_of(node), plan.nodes[node.name].output
         stack = node.meta.get("nn_module_stack") or {}
-        paths[u] += [path for path, _ in list(stack.values())[:1]]
+        paths[u] += [path for path, _ in stack.values() if path not in holders][:1]
         if isinstance(out, Layout) and shape is not None:
             size = local_numel(shape, out) * itemsize
             if keeps_activation(node, kept):

@@ -78,6 +78,8 @@ def render(plan: Plan, layouts: int = 40) -> str:
             lines.extend(_stage_table(chosen, rep["limit_bytes"]))
         if rep.get("tp_plan"):
             lines.extend(_tp_plan_lines(rep["tp_plan"]))
+        if rep.get("pp_plan"):
+            lines.extend(_pp_plan_lines(rep["pp_plan"]))
     lines.append(f"mesh: {' x '.join(f'{n}={s}' for n, s in plan.mesh) or 'one device'}; parameter layouts:")
     summary = plan.summary().splitlines()
     lines.extend(summary[:layouts])
@@ -94,12 +96,13 @@ def _stage_table(chosen: dict, limit: float) -> list[str]:
     ideal = f"(p-1)/(vm+p-1) = {pp - 1}/{v * m + pp - 1}" if v > 1 else f"(p-1)/(m+p-1) = {pp - 1}/{m + pp - 1}"
     lines = [f"pipeline: {pp} stages{f' x {v} virtual' * (v > 1)}, schedule {p['schedule']}, {m} micro-batches of "
              f"{chosen['rows'] / m:g} rows; bubble {p['bubble']:.1%} predicted, {p['ideal_bubble']:.1%} = {ideal} "
-             f"for equal stages; p2p sends {chosen.get('p2p_s', 0) * 1e3:.1f}ms per step",
-             f"  {'stage':>5} {'rank':>4}  {'layers':<32} {'forward':>10} {'backward':>10} {'memory':>11}"]
-    for k, s in enumerate(p["stages"]):
-        layers = f"{s['first']}..{s['last']}"
+             f"for equal stages; p2p sends {chosen.get('p2p_s', 0) * 1e3:.1f}ms per step"]
+    spans = [f"{s['first']}..{s['last']}" for s in p["stages"]]
+    width = max(32, *map(len, spans))
+    lines.append(f"  {'stage':>5} {'rank':>4}  {'layers':<{width}} {'forward':>10} {'backward':>10} {'memory':>11}")
+    for k, (s, layers) in enumerate(zip(p["stages"], spans)):
         mark = " " if s["memory"]["total"] <= limit else "x"
-        lines.append(f"{mark} {k:>5} {s['rank']:>4}  {layers:<32} {_ms(s['forward_s'])} {_ms(s['backward_s'])} "
+        lines.append(f"{mark} {k:>5} {s['rank']:>4}  {layers:<{width}} {_ms(s['forward_s'])} {_ms(s['backward_s'])} "
                      f"{format_bytes(s['memory']['total']):>11}")
     return lines
 
@@ -112,6 +115,18 @@ def _tp_plan_lines(agreement: dict, shown: int = 5) -> list[str]:
     lines += [f"  {path} ({style}): {layout}" for path, style, layout in departures[:shown]]
     if len(departures) > shown:
         lines.append(f"  ... {len(departures) - shown} more")
+    return lines
+
+
+def _pp_plan_lines(agreement: dict) -> list[str]:
+    """Whether the stage cuts fall where the model's own pipeline plan allows, and what it allows that
+    the search did not consider."""
+    departures, unused = agreement["departures"], agreement["not_considered"]
+    lines = [f"the model's pipeline plan (_pp_plan): stages begin at {', '.join(agreement['cuts'])}"
+             + (f"; {', '.join(departures)} it does not name" if departures else ", all modules it names")]
+    if unused:
+        lines.append(f"  it also allows cuts before {', '.join(unused)}, not considered: the search cut between "
+                     "repeated blocks only (pp_plan=True, or --pp-plan, considers them)")
     return lines
 
 

@@ -46,7 +46,7 @@ from polyshard.planner.pipeline import (BUCKET_BYTES, PipelineCost, Setup, Units
 from polyshard.planner.config import Fixed
 from polyshard.pin import tp_plan_agreement
 from polyshard.planner.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
-from polyshard.planner.stages import assign_chunks, block_paths
+from polyshard.planner.stages import assign_chunks, block_paths, pp_plan_agreement, pp_plan_units
 from polyshard.transitions import wire_bytes
 
 # A split whose plan fills at most this share of the memory limit is not tried with recompute or offload.
@@ -166,20 +166,23 @@ def _paused_cycle_collection(fn):
 @_paused_cycle_collection
 def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Cluster, global_batch: int,
            memory_limit_bytes: float | None = None, meshes=None, data_axes: tuple[str, ...] = ("dp",),
-           fixed: Fixed = Fixed(), reserve_bytes: float | None = None) -> tuple[Plan, list[Candidate]]:
+           fixed: Fixed = Fixed(), reserve_bytes: float | None = None,
+           pp_plan: bool = False) -> tuple[Plan, list[Candidate]]:
     """The best plan over ``meshes`` (default: every dp x pp x tp split) and every candidate's costs.
 
     ``example_row``: inputs for one row (batch dim 1); ``global_batch``: rows per step in all;
     ``data_axes``: the mesh axes that split the batch (``pp`` holds pipeline stages; the others split operators);
     ``fixed``: settings the plan must keep; ``reserve_bytes``: of the limit, what plans leave free
-    (default :func:`default_reserve_bytes`).
+    (default :func:`default_reserve_bytes`); ``pp_plan``: stages may begin at every module a transformers
+    model's own pipeline plan names (:func:`pp_plan_units`), not only at its repeated blocks.
     """
     reserve = default_reserve_bytes(cluster) if reserve_bytes is None else reserve_bytes
     limit = (memory_limit_bytes or cluster.memory_bytes) - reserve
     if limit <= 0:
         raise PolyshardError(f"the memory reserve of {format_bytes(reserve)} leaves nothing of the "
                              f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the reserve")
-    costs = _Costs(capture(model, example_row), cluster, data_axes, global_batch, limit, fixed)
+    gm = capture(model, example_row)
+    costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else ())
     candidates, plans, skipped = [], {}, []
     best_s = float("inf")
     allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks),
@@ -233,9 +236,10 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     best = min(fitting, key=lambda c: c.step_s)
     ranked = sorted(candidates, key=lambda c: c.step_s)
     report = search_report(ranked, best, limit, reserve, data_axes, cluster)
-    agreement = tp_plan_agreement(model, plans[best.key].params)
+    hints = {"tp_plan": tp_plan_agreement(model, plans[best.key].params),
+             "pp_plan": pp_plan_agreement(model, costs.gm, plans[best.key].stage_boundaries, costs.blocks)}
     plan = dataclasses.replace(plans[best.key], global_batch=global_batch,
-                               report=report | ({"tp_plan": agreement} if agreement else {}))
+                               report=report | {k: v for k, v in hints.items() if v})
     return plan, ranked
 
 
@@ -244,11 +248,11 @@ class _Costs:
     per (operator axes, recompute), and that plan's costs per unit per precision."""
 
     def __init__(self, gm, cluster: Cluster, data_axes: tuple[str, ...], global_batch: int, limit: float,
-                 fixed: Fixed = Fixed()):
+                 fixed: Fixed = Fixed(), stage_units: Sequence[str] = ()):
         self.gm, self.cluster, self.data_axes, self.batch, self.limit = gm, cluster, data_axes, global_batch, limit
         self.fixed = fixed
         self.narrowest = "bf16" if _fast_half(cluster) and fixed.allows(precision="bf16") else "fp32"
-        self.blocks = block_paths(gm)
+        self.blocks = list(stage_units) or block_paths(gm)
         self.unit_of = assign_chunks(gm, self.blocks[1:])
         self.numel = sum(p.numel() for p in gm.parameters())
         self.recompute_comm = fixed.recompute_comm or "keep"
@@ -283,8 +287,8 @@ class _Costs:
         if recompute != "none" and not self.recomputed(recompute, self.recompute_comm).rerun:
             return []
         if _pp(mesh) > max(len(self.blocks), 1):
-            raise PolyshardError(f"{_pp(mesh)} pipeline stages need as many repeated blocks (children of a "
-                                 f"ModuleList); the model has {len(self.blocks)}")
+            raise PolyshardError(f"{_pp(mesh)} pipeline stages need as many stage units (by default the repeated "
+                                 f"blocks, children of a ModuleList); the model has {len(self.blocks)}")
         op_axes = tuple((n, s) for n, s in mesh if n not in self.data_axes and n != PIPELINE_AXIS and s > 1)
         rows = self.batch // _data_size(mesh, self.data_axes)
         floor = self.floor(mesh, offload)

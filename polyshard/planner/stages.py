@@ -8,7 +8,7 @@ import bisect
 from typing import Callable, Sequence
 
 import numpy as np
-from torch import fx
+from torch import fx, nn
 
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import shape_of
@@ -24,18 +24,60 @@ Load = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
 
 def block_paths(gm: fx.GraphModule) -> list[str]:
     """The model's repeated blocks (outermost children of a ModuleList: paths ending in an index), in run order."""
-    paths = list(dict.fromkeys(p for n in gm.graph.nodes for p, _ in n.meta.get("nn_module_stack", {}).values()
-                               if p.rpartition(".")[2].isdigit()))
+    paths = [p for p in _first_node(gm) if p.rpartition(".")[2].isdigit()]
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
+
+
+def model_pp_plan(model: nn.Module) -> dict[str, tuple] | None:
+    """A transformers model's own pipeline plan (its ``_pp_plan``: the modules a pipeline may cut
+    between, in module paths from ``model``), found on ``model`` or the outermost submodule carrying one."""
+    for prefix, module in model.named_modules():
+        plan = getattr(module, "_pp_plan", None)
+        if plan:
+            return {f"{prefix}.{path}" if prefix else path: io for path, io in plan.items()}
+    return None
+
+
+def pp_plan_units(model: nn.Module, gm: fx.GraphModule) -> list[str]:
+    """Stage units as the model's own pipeline plan names them, in run order (``gm``: its capture): each
+    named module that runs, a ModuleList's children one by one (``model.layers`` -> ``model.layers.0``, ...)."""
+    pp_plan = model_pp_plan(model)
+    if not pp_plan:
+        raise PolyshardError(f"pp_plan asked for, but {type(model).__name__} carries no pipeline plan "
+                             "(transformers models have one in `_pp_plan`)")
+    runs = _first_node(gm)
+    units = []
+    for path in pp_plan:
+        if path in runs:
+            units.append(path)
+        else:
+            units.extend(p for p in runs if p.startswith(path + ".") and p[len(path) + 1:].isdigit())
+    return sorted(units, key=runs.__getitem__)
+
+
+def pp_plan_agreement(model: nn.Module, gm: fx.GraphModule, boundaries: Sequence[str],
+                      units: Sequence[str]) -> dict | None:
+    """Where stage cuts stand against the model's own pipeline plan: the cuts, those at modules it does
+    not name, and the cuts it allows that were not among the ``units`` considered. None without either."""
+    if not model_pp_plan(model) or not boundaries:
+        return None
+    named = pp_plan_units(model, gm)
+    return {"cuts": list(boundaries), "departures": [b for b in boundaries if b not in named],
+            "not_considered": [u for u in named[1:] if u not in units]}
+
+
+def _first_node(gm: fx.GraphModule) -> dict[str, int]:
+    """Each module path that runs in ``gm``, with the index of its first node."""
+    first: dict[str, int] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        for path, _ in node.meta.get("nn_module_stack", {}).values():
+            first.setdefault(path, i)
+    return first
 
 
 def assign_chunks(gm: fx.GraphModule, boundaries: Sequence[str]) -> dict[str, int]:
     """Each computing node's chunk: chunk k runs from the first node of ``boundaries[k-1]`` on."""
-    first: dict[str, int] = {}
-    nodes = list(gm.graph.nodes)
-    for i, node in enumerate(nodes):
-        for path, _ in node.meta.get("nn_module_stack", {}).values():
-            first.setdefault(path, i)
+    first, nodes = _first_node(gm), list(gm.graph.nodes)
     missing = [b for b in boundaries if b not in first]
     if missing:
         raise PolyshardError(f"stage boundaries {missing} are not modules that run in {type(gm).__name__}; "
@@ -92,14 +134,15 @@ def sum_load(costs: Sequence[float]) -> Load:
     return lambda k, i, j: prefix[j] - prefix[i]
 
 
-def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = None) -> tuple[str, ...]:
-    """Cuts between repeated blocks that even out the stages' loads, a stage's load being the larger
-    of its shares of forward FLOPs and of memory (parameters and kept activations)."""
-    blocks = block_paths(gm)
+def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = None,
+                        units: Sequence[str] = ()) -> tuple[str, ...]:
+    """Cuts between ``units`` (default: the repeated blocks) that even out the stages' loads, a stage's
+    load being the larger of its shares of forward FLOPs and of memory (parameters and kept activations)."""
+    blocks = list(units) or block_paths(gm)
     if len(blocks) < stages:
-        raise PolyshardError(f"{type(gm).__name__} has {len(blocks)} repeated blocks (children of a ModuleList) "
-                             f"to cut into {stages} pipeline stages; use fewer stages or mark the cuts with "
-                             "polyshard.pipeline_stage")
+        raise PolyshardError(f"{type(gm).__name__} has {len(blocks)} "
+                             f"{'units' if units else 'repeated blocks (children of a ModuleList)'} to cut into "
+                             f"{stages} pipeline stages; use fewer stages or mark the cuts with polyshard.pipeline_stage")
     plan = plan or propagate(gm, (), lambda msg: None)
     unit = assign_chunks(gm, blocks[1:])
     modules = dict(gm.named_modules())

@@ -26,6 +26,7 @@ from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check
 from polyshard.planner.propagate import propagate
 from polyshard.pin import tp_plan_pins
 from polyshard.planner.search import search as search_plan
+from polyshard.planner.stages import balanced_boundaries, pp_plan_units
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
 from polyshard.runtime.fusion import fusion_groups
 from polyshard.runtime.interleave import interleave
@@ -105,7 +106,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
                 memory_limit_bytes: float | None = None, recompute: str | None = None,
                 recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
                 virtual_stages: int | None = None, sequence_parallel: bool = False,
-                tp_plan: bool = False) -> ParallelModule:
+                tp_plan: bool = False, pp_plan: bool = False) -> ParallelModule:
     """Split ``model`` over the mesh: pinned ops keep their strategies, the others follow the op rules.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values): the positional arguments, or a
@@ -124,6 +125,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
     all-reducing, so norms, dropout and residual adds run on a slice of it (Megatron's sequence parallel).
     ``tp_plan``: pin the modules a transformers model's own tensor-parallel plan names (its ``_tp_plan``:
     colwise, rowwise, ...) over the operator axes; the other ops follow the rules (or the search).
+    ``pp_plan``: pipeline stages may begin at every module a transformers model's own pipeline plan names
+    (its ``_pp_plan``: the embedding, each decoder layer, the final norm, the head), not only at its layers.
     """
     if recompute is not None:
         check_choice("recompute", recompute, RECOMPUTE_MODES)
@@ -140,6 +143,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
     gm = capture(model, example_inputs)
     if tp_plan:
         _pin_tp_plan(model, gm, mesh)
+    if pp_plan and mesh.pp == 1:
+        raise PolyshardError(f"pp_plan=True needs a pipeline axis to cut stages for; the mesh {mesh} has no pp")
+    units = pp_plan_units(model, gm) if pp_plan else ()
     if plan is not None:
         check_plan(plan, gm, mesh.axes)
     else:
@@ -155,7 +161,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
             row = tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, example_inputs)
             plan, _ = search_plan(model, row, cluster, batch_rows(example_inputs) * mesh.num_data_shards,
                                   memory_limit_bytes, meshes=[mesh.axes], data_axes=mesh.data_axes,
-                                  fixed=Fixed(sp=1) if sequence_parallel else Fixed())
+                                  fixed=Fixed(sp=1) if sequence_parallel else Fixed(), pp_plan=pp_plan)
         else:
             plan = propagate(gm, mesh.op_axes, warn, sequence_parallel)
     plan = dataclasses.replace(plan, mesh=mesh.axes, data_axes=mesh.data_axes)
@@ -169,6 +175,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
                                recompute_comm=recompute_comm or plan.recompute_comm,
                                schedule=schedule or plan.schedule, micro_batches=micro_batches or plan.micro_batches,
                                virtual_stages=virtual_stages or plan.virtual_stages)
+    if units and not plan.stage_boundaries:
+        plan = dataclasses.replace(plan, stage_boundaries=balanced_boundaries(
+            gm, mesh.pp * plan.virtual_stages, plan, units))
     if dist.is_initialized() and dist.get_world_size() != mesh.world_size:
         raise PolyshardError(f"mesh {mesh} does not match the world of {dist.get_world_size()} processes")
     if mesh.pp > 1:

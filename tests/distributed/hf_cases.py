@@ -75,7 +75,7 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     result = {"loss_err": loss_err, "param_err": max(errors)[0], "worst": max(errors),
               "missing": sorted(set(dict(ref.named_parameters())) - set(full)),
               "layouts": {k: str(v) for k, v in pm.plan.params.items()},
-              "sequence_parallel": pm.plan.sequence_parallel}
+              "sequence_parallel": pm.plan.sequence_parallel, "boundaries": list(pm.plan.stage_boundaries)}
     if zero is not None:
         opt.remove()
     return result

@@ -59,6 +59,17 @@ def test_the_models_own_tp_plan_as_pins(pools, family, mode):
     _check(pools(4).run(partial(hf_cases.hf_parity, **options), mesh, family))
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("search", [False, True])
+def test_the_models_own_pp_plan_as_stage_units(pools, family, search):
+    """Four stages of a two-layer model: only the pipeline plan's units (embedding, each layer, final norm,
+    head) make that many, so some stage begins at a module that is not a decoder layer."""
+    results = pools(4).run(partial(hf_cases.hf_parity, pp_plan=True, search=search, micro_batches=2), "pp=4", family)
+    _check(results)
+    boundaries = results[0]["boundaries"]
+    assert len(boundaries) == 3 and any(".layers." not in b for b in boundaries), boundaries
+
+
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt_neox"])
 @pytest.mark.parametrize("mode", ["dp_tp", "pp_1f1b"])
 def test_more_families(pools, family, mode):

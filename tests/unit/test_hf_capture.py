@@ -6,11 +6,16 @@ from torch import nn
 
 pytest.importorskip("transformers", reason="the [hf] extra (part of [dev]) is not installed")
 
+from polyshard.cluster import Cluster  # noqa: E402
 from polyshard.errors import PolyshardError  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.graph.export import SIGNATURE_KEY  # noqa: E402
 from polyshard.models import hf  # noqa: E402
+from polyshard.planner.config import Fixed  # noqa: E402
 from polyshard.planner.propagate import propagate  # noqa: E402
+from polyshard.planner.report import render  # noqa: E402
+from polyshard.planner.search import search  # noqa: E402
+from polyshard.planner.stages import pp_plan_units  # noqa: E402
 
 
 def _unruled(gm) -> list[str]:
@@ -158,3 +163,24 @@ def test_the_report_says_where_the_plan_follows_the_models_tp_plan(size, cluster
             follows = split == [i == LLAMA_SPLIT_DIM[module.split(".")[-1]] for i in range(len(split))]
             assert follows == (module not in {d[0] for d in agreement["departures"]}), (name, layout)
     assert f"followed by {followed} of 16 modules" in render(plan, layouts=0)
+
+
+def test_the_pipeline_plan_names_each_layer_and_the_modules_around_them():
+    model = hf.build("llama")
+    gm = capture(model, hf.batch(model, 2, 8))
+    assert pp_plan_units(model, gm) == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm",
+                                        "lm_head"]
+    gpt2 = hf.build("gpt2")
+    with pytest.raises(PolyshardError, match="carries no pipeline plan"):
+        pp_plan_units(gpt2, capture(gpt2, hf.batch(gpt2, 2, 8)))
+
+
+@pytest.mark.parametrize("pp_plan", [False, True])
+def test_the_report_says_where_the_cuts_stand_against_the_pipeline_plan(pp_plan):
+    model = hf.build("llama", num_hidden_layers=4)
+    plan, _ = search(model, hf.batch(model, 1, 8), Cluster.load("cpu-gloo:4"), 8, fixed=Fixed.parse("pp=4"),
+                     pp_plan=pp_plan)
+    report = plan.report["pp_plan"]
+    assert report["cuts"] == list(plan.stage_boundaries) and report["departures"] == []
+    assert report["not_considered"] == ([] if pp_plan else ["model.norm", "lm_head"])
+    assert "the model's pipeline plan (_pp_plan): stages begin at" in render(plan)
