@@ -167,10 +167,9 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
 def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recomputed = Recomputed(),
                   offload: str = "none", precision: str = "fp32", sequence: bool | None = None) -> Terms:
     """:func:`build_program`'s data with rows left open; ``sequence``: see :class:`RuleContext`."""
-    options, copied = candidates(gm, op_axes, sequence)
+    options, copied, rep = _enumerated(gm, op_axes, sequence)
     modules = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)
-    rep = _representatives(nodes, options, copied)
     var_of: dict[tuple[str, int], int] = {}
     for n in nodes:
         if rep[n.name] == n.name:
@@ -211,6 +210,20 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     conflicts = list(_shared_param_conflicts(nodes, options, rep, modules))
     cost, mem = tuple(map(np.array, cost)), tuple(map(np.array, mem))
     return Terms(options, rep, var_of, cost, mem, edges, conflicts)
+
+
+_ENUMERATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: what recompute and offload share
+
+
+def _enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None):
+    """:func:`candidates` and each node's stand-in, once per graph and operator axes (a search asks
+    again for every recompute mode and offload)."""
+    per_graph = _ENUMERATED.setdefault(gm, {})
+    key = (op_axes, sequence)
+    if key not in per_graph:
+        options, copied = candidates(gm, op_axes, sequence)
+        per_graph[key] = options, copied, _representatives(list(gm.graph.nodes), options, copied)
+    return per_graph[key]
 
 
 def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
