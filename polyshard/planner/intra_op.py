@@ -195,11 +195,16 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
             seen_params.update(id(p) for p in modules[n.target].parameters(recurse=False))
     edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
     per_edge: dict[tuple[str, str], np.ndarray] = {}
+    returned = _returned_layouts(nodes, options)
     for n in nodes:
         for u in n.all_input_nodes:
             costs = per_edge.get((copied.get(u.name), copied.get(n.name)))  # the twin edge, inside a block
-            if costs is None:
-                costs = np.array([[_edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster,
+            if costs is None or u.name in returned:
+                # a value the model returns is moved to the output's layout once, and its other consumers
+                # that take it so share that move (lowering inserts one redistribution per value and layout)
+                shared = returned.get(u.name) if n.op != "output" else None
+                costs = np.array([[(0.0, 0.0) if shared is not None and d.inputs.get(u.name) == shared else
+                                   _edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster,
                                                  passes(n.name, rc)[1], itemsize)
                                    for d in options[n.name]] for o in options[u.name]]).reshape(
                     len(options[u.name]), len(options[n.name]), 2)
@@ -210,6 +215,14 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     conflicts = list(_shared_param_conflicts(nodes, options, rep, modules))
     cost, mem = tuple(map(np.array, cost)), tuple(map(np.array, mem))
     return Terms(options, rep, var_of, cost, mem, edges, conflicts)
+
+
+def _returned_layouts(nodes: list[fx.Node], options: dict[str, list[NodePlan]]) -> dict[str, Layout]:
+    """The layout the graph's output takes each returned value in (it has one choice)."""
+    out = next((n for n in reversed(nodes) if n.op == "output"), None)
+    if out is None or len(options[out.name]) != 1:
+        return {}
+    return dict(options[out.name][0].inputs)
 
 
 _ENUMERATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: what recompute and offload share

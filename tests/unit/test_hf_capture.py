@@ -12,6 +12,7 @@ from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.graph.export import SIGNATURE_KEY  # noqa: E402
 from polyshard.models import hf  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
+from polyshard.planner.cost.comm import node_comm_bytes  # noqa: E402
 from polyshard.planner.propagate import propagate  # noqa: E402
 from polyshard.planner.report import render  # noqa: E402
 from polyshard.planner.search import search  # noqa: E402
@@ -184,3 +185,21 @@ def test_the_report_says_where_the_cuts_stand_against_the_pipeline_plan(pp_plan)
     assert report["cuts"] == list(plan.stage_boundaries) and report["departures"] == []
     assert report["not_considered"] == ([] if pp_plan else ["model.norm", "lm_head"])
     assert "the model's pipeline plan (_pp_plan): stages begin at" in render(plan)
+
+
+def test_a_returned_value_is_moved_to_the_outputs_layout_once():
+    """Llama returns its logits whole: a loss that takes them whole shares that one gather (lowering inserts
+    one redistribution per value and layout), so where collectives are slow the search gathers once and
+    computes a plain loss, as torch's own plan for the model does, and charges the gather once."""
+    model = hf.build("llama", hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=4,
+                     max_position_embeddings=128)
+    row = hf.batch(model, 1, 128)
+    plan, _ = search(model, row, Cluster.load("cpu-gloo:2"), 8, meshes=[(("tp", 2),)])
+    gm = capture(model, row)
+    head = next(n for n in gm.graph.nodes if n.target == "lm_head")
+    whole = plan.nodes["output"].inputs["lm_head"]
+    assert plan.nodes["lm_head"].output != whole  # split over the vocabulary by the head
+    assert all(plan.nodes[u.name].inputs[head.name] == whole for u in head.users)
+    modules = dict(gm.named_modules())
+    charged = [node_comm_bytes(u, plan, modules, 4, "gloo") for u in head.users]
+    assert sum(1 for c in charged if c) == 1

@@ -33,17 +33,24 @@ def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster) -> Link:
 
 def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int,
                     backend: str, all_to_all: bool = True) -> dict[str, float]:
-    """Bytes this rank sends, per axis, for ``node``: its input redistributions and its partial sums."""
+    """Bytes this rank sends, per axis, for ``node``: its input redistributions (each value moved to a
+    layout once, by its first consumer that takes it so, as lowering does) and its partial sums."""
     entry = plan.nodes[node.name]
     out: dict[str, float] = {}
     for inp in node.all_input_nodes:
         src, dst = plan.nodes[inp.name].output, entry.inputs.get(inp.name)
-        if isinstance(src, Layout) and dst is not None and src != dst:
+        if isinstance(src, Layout) and dst is not None and src != dst and _first_to_take(node, inp, dst, plan):
             for axis, b in transition_bytes(src, dst, shape_of(inp), itemsize, backend, all_to_all).items():
                 out[axis] = out.get(axis, 0.0) + b
     for axis, b in partial_sum_bytes(node, entry, modules, itemsize, backend).items():
         out[axis] = out.get(axis, 0.0) + b
     return out
+
+
+def _first_to_take(node: fx.Node, inp: fx.Node, dst: Layout, plan: Plan) -> bool:
+    """Whether ``node`` is the first of ``inp``'s consumers to take it in ``dst``."""
+    first = next(u for u in inp.users if u is node or plan.nodes[u.name].inputs.get(inp.name) == dst)
+    return first is node
 
 
 def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, float]:
