@@ -5,7 +5,8 @@
 
 Per row: the published configuration priced by polyshard's cost model (its dp / tp / pp, global
 batch, full recompute that issues a layer's collectives again as Megatron-LM's does, its optimizer
-sharding; the micro-batch count and schedule left to the
+sharding, the gradient reduction after backward where DeepSpeed's pipeline engine ran it; the
+micro-batch count and schedule left to the
 search, as the papers do not all give them), the planner's own pick with nothing fixed, and the
 reported throughput. TFLOP/s per GPU are counted the papers' way (Narayanan et al. 2021, eq. 3:
 96 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward included), so a row's three figures
@@ -57,6 +58,9 @@ class Run:
     schedule: str | None = None  # the pipeline schedule where the source shows it; else the search's
     dropout: float = 0.1
     node_link_gbps: float = 0.0  # inter-node line rate per node where it is not one 200 Gb/s HDR NIC per GPU
+    # gradients reduced after the last micro-batch's backward, not beside it: DeepSpeed's pipeline engine
+    # (Megatron-DeepSpeed, which trained MT-NLG and BLOOM) runs its ReduceGrads step after the schedule
+    reduce_after_backward: bool = False
 
     @property
     def dp(self) -> int:
@@ -92,12 +96,15 @@ RUNS = (
     Run("GPT-3-175B@384", _SC21_T2, 96, 12288, 96, 384, 1536, 8, 12, 153, mbs=1, schedule="1f1b"),
     Run("GPT-3-175B@768", _SC21_T2, 96, 12288, 96, 768, 1536, 8, 12, 149, mbs=1, schedule="1f1b"),
     Run("GPT-3-175B@1536", _SC21_T2, 96, 12288, 96, 1536, 1536, 8, 12, 141, mbs=1, schedule="1f1b"),
-    Run("MT-NLG-530B@2240", _MTNLG, 105, 20480, 128, 2240, 1920, 8, 35, 126, mbs=1, zero=1),
-    Run("MT-NLG-530B@2800", _MTNLG, 105, 20480, 128, 2800, 1920, 8, 35, 121, mbs=1, zero=1),
-    Run("MT-NLG-530B@3360", _MTNLG, 105, 20480, 128, 3360, 1920, 8, 35, 113, mbs=1, zero=1),
+    Run("MT-NLG-530B@2240", _MTNLG, 105, 20480, 128, 2240, 1920, 8, 35, 126, mbs=1, zero=1,
+        reduce_after_backward=True),
+    Run("MT-NLG-530B@2800", _MTNLG, 105, 20480, 128, 2800, 1920, 8, 35, 121, mbs=1, zero=1,
+        reduce_after_backward=True),
+    Run("MT-NLG-530B@3360", _MTNLG, 105, 20480, 128, 3360, 1920, 8, 35, 113, mbs=1, zero=1,
+        reduce_after_backward=True),
     # Jean Zay's A100 nodes: 4 Omni-Path links of 100 Gb/s per node of 8 GPUs (BLOOM paper, hardware section)
     Run("BLOOM-176B", "BLOOM, BigScience 2022 (about 150 TFLOP/s)", 70, 14336, 112, 384, 2048, 4, 12, 150,
-        vocab=250880, mbs=2, zero=1, dropout=0.0, node_link_gbps=400),
+        vocab=250880, mbs=2, zero=1, dropout=0.0, node_link_gbps=400, reduce_after_backward=True),
 )
 
 
@@ -136,7 +143,8 @@ def main(argv=None) -> None:
         base = Fixed(dp=run.dp, tp=run.tp, pp=run.pp, sp=0 if run.tp > 1 else None, mbs=run.mbs, zero=run.zero,
                      recompute="full", recompute_comm="recompute",  # Megatron-LM reruns a layer's all-reduces
                      precision="bf16", schedule=run.schedule,  # and had no sequence parallel before 2022;
-                     cuts="even")  # equal layers per stage (Megatron-DeepSpeed: partition_method type:transformer)
+                     cuts="even",  # equal layers per stage (Megatron-DeepSpeed: partition_method type:transformer)
+                     overlap=0 if run.reduce_after_backward else None)
         published, _ = price(run, base)
         pick, seconds = price(run, Fixed())
         flops = run.flops_per_step() / run.gpus / 1e12

@@ -239,6 +239,9 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     if base.devices_per_node == 1:
         notes.append("one device per node: intra_node is a copy of inter_node (no link inside a node to time)")
     cuda = base.device_type == "cuda"
+    # the rates are measured on products of one depth: that depth's share becomes 1, deeper ones no more
+    depth = _MATMUL_SIZE[base.device_type]
+    at_depth = base.matmul_share(depth, depth, depth) / base.matmul_efficiency
     cluster = replace(
         base,
         device_name=torch.cuda.get_device_name() if cuda else "cpu",
@@ -247,6 +250,8 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         intra_node=link,
         inter_node=fits.get("all_reduce, all nodes", link),
         flops_per_s=flops,
+        matmul_efficiency=1.0,
+        matmul_depth_shares=tuple((d, min(1.0, sh / at_depth)) for d, sh in base.matmul_depth_shares),
         attention_shares=attention,
         op_overhead_s=op_overhead,
         split_op_overhead_s=split_overhead,

@@ -39,6 +39,7 @@ class _Device:
     memory_bandwidth_bytes_per_s: float  # achievable device-memory bandwidth (read + write)
     matmul_efficiency: float  # share of peak FLOP/s a large matrix product reaches
     attention_efficiency: float  # share of peak FLOP/s fused attention reaches in training
+    matmul_depth_shares: tuple[tuple[float, float], ...] = ()  # of matmul_efficiency, by contraction depth
 
 
 def _flops(fp32: float, half: float) -> dict[str, float]:
@@ -75,7 +76,13 @@ _CPU_OFFLOAD = (10e9, 0.5e9)
 # 2.92 of the 3.35 TB/s of HBM3 (0.87). Other GPUs take the same shares of their datasheet figures
 # until `polyshard calibrate` measures them.
 _MATMUL_SHARE, _ATTENTION_SHARE, _STREAM_SHARE = 0.78, 0.55, 0.87
-_GPU_RATES = (_MATMUL_SHARE, _ATTENTION_SHARE)
+# The same run, by contraction depth k (median over m, n >= 4096, less the timing loop's 34 us per call):
+# a product's share falls from 0.79 at k = 16384 to 0.71 at 2048 and 0.46 at 256, as its tiles see fewer
+# steps of k; as shares of the large product's. A tensor-parallel row split shrinks k, a column split
+# shrinks backward's k (the output width), so a wide split runs its products below the large rate.
+_GPU_MATMUL_DEPTHS = ((256, 0.586), (512, 0.760), (1024, 0.844), (2048, 0.904), (4096, 0.940), (8192, 0.962),
+                      (16384, 1.0))
+_GPU_RATES = (_MATMUL_SHARE, _ATTENTION_SHARE, _GPU_MATMUL_DEPTHS)
 
 # Device types by preset name. The cpu row's memory is a placeholder: `_device` reads the machine's RAM.
 _DEVICES: dict[str, _Device] = {
@@ -131,6 +138,9 @@ class Cluster:
     matmul_efficiency: float = 1.0
     # Share of flops_per_s fused attention (scaled_dot_product_attention) reaches in training.
     attention_efficiency: float = 1.0
+    # Of matmul_efficiency, the share a product reaches by its contraction depth: ((depth, share), ...),
+    # ascending; empty: every depth at matmul_efficiency. Left out of the hash.
+    matmul_depth_shares: tuple[tuple[float, float], ...] = field(default=(), hash=False)
     # Measured shares of fused attention by size, per dtype name: ((forward FLOPs of one head's slice,
     # share of flops_per_s forward and backward reach), ...), ascending; where a dtype has them they
     # replace attention_efficiency (small heads run far below peak on CPUs). Left out of the hash.
@@ -142,15 +152,16 @@ class Cluster:
         """The share of peak attention reaches on slices of ``head_flops`` forward FLOPs: interpolated
         on log FLOPs between measured sizes, the nearest outside them; attention_efficiency unmeasured."""
         points = self.attention_shares.get(dtype)
-        if not points:
-            return self.attention_efficiency
-        x = math.log(max(head_flops, 1.0))
-        xs = [math.log(f) for f, _ in points]
-        if x <= xs[0] or x >= xs[-1]:
-            return points[0][1] if x <= xs[0] else points[-1][1]
-        i = next(k for k in range(1, len(xs)) if x <= xs[k])
-        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return points[i - 1][1] + t * (points[i][1] - points[i - 1][1])
+        return _interpolate_log(points, head_flops) if points else self.attention_efficiency
+
+    def matmul_share(self, m: float, n: float, k: float) -> float:
+        """The share of peak a product of (m x k) by (k x n) reaches over a training step: forward
+        contracts k, the input's gradient n and the weight's gradient m, each at its depth's share
+        (interpolated on log depth), the three passes taking equal FLOPs."""
+        if not self.matmul_depth_shares:
+            return self.matmul_efficiency
+        shares = [_interpolate_log(self.matmul_depth_shares, d) for d in (k, n, m)]
+        return self.matmul_efficiency * 3 / sum(1 / s for s in shares)
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.devices_per_node < 1:
@@ -178,11 +189,12 @@ class Cluster:
         for key in _RATE_KEYS[1:]:
             if not 0 < getattr(self, key) <= 1:
                 raise PolyshardError(f"cluster {key} is a share of peak, in (0, 1]; got {getattr(self, key)!r}")
-        for dtype, points in self.attention_shares.items():
-            flops = [f for f, _ in points]
-            if not points or flops != sorted(set(flops)) or not all(f > 0 and 0 < sh <= 1 for f, sh in points):
-                raise PolyshardError(f"cluster attention_shares.{dtype} must be (FLOPs, share) pairs, FLOPs "
-                                     f"positive and ascending, shares in (0, 1]; got {points!r}")
+        for key, points in [(f"attention_shares.{d}", p) for d, p in self.attention_shares.items()] + \
+                [("matmul_depth_shares", self.matmul_depth_shares)] * bool(self.matmul_depth_shares):
+            sizes = [f for f, _ in points]
+            if not points or sizes != sorted(set(sizes)) or not all(f > 0 and 0 < sh <= 1 for f, sh in points):
+                raise PolyshardError(f"cluster {key} must be (size, share) pairs, sizes positive and "
+                                     f"ascending, shares in (0, 1]; got {points!r}")
 
     @property
     def num_devices(self) -> int:
@@ -234,7 +246,7 @@ class Cluster:
             like = _DEVICES["cpu" if data.get("device_type") == "cpu" else "A100-80G"]
             data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload_bandwidths)),
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
-                    "attention_shares": {}, "all_to_all": True, **data}
+                    "matmul_depth_shares": [], "attention_shares": {}, "all_to_all": True, **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         if not isinstance(data["all_to_all"], bool):
             raise PolyshardError(f"cluster file {str(path)!r}: all_to_all must be true or false, got "
@@ -254,6 +266,7 @@ class Cluster:
                 inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
                 flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
                 **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS},
+                matmul_depth_shares=tuple((float(d), float(sh)) for d, sh in data["matmul_depth_shares"] or ()),
                 attention_shares={str(k): tuple((float(f), float(sh)) for f, sh in v)
                                   for k, v in dict(data["attention_shares"] or {}).items()},
                 all_to_all=data["all_to_all"],
@@ -320,7 +333,19 @@ def _cluster(nodes: int, per_node: int, name: str, device: _Device) -> Cluster:
         memory_bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
         matmul_efficiency=device.matmul_efficiency,
         attention_efficiency=device.attention_efficiency,
+        matmul_depth_shares=device.matmul_depth_shares,
     )
+
+
+def _interpolate_log(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The value at ``x`` of (size, value) points: linear in log size between them, the nearest outside."""
+    at = math.log(max(x, 1.0))
+    logs = [math.log(f) for f, _ in points]
+    if at <= logs[0] or at >= logs[-1]:
+        return points[0][1] if at <= logs[0] else points[-1][1]
+    i = next(k for k in range(1, len(logs)) if at <= logs[k])
+    t = (at - logs[i - 1]) / (logs[i] - logs[i - 1])
+    return points[i - 1][1] + t * (points[i][1] - points[i - 1][1])
 
 
 def _env_int(key: str, default: int) -> int:

@@ -23,7 +23,10 @@ class Fixed:
     collectives in recomputed regions or issue them again (recompute); precision: fp32 / bf16 /
     fp16; offload: where the optimizer state lives; cuts: where pipeline stages begin, "balanced"
     (the search's, by time and memory) or "even" (block counts as equal as they can be, the larger
-    stages first: Megatron-LM's layers per stage, DeepSpeed's uniform partition)."""
+    stages first: Megatron-LM's layers per stage, DeepSpeed's uniform partition); overlap: 1 (the
+    default, as polyshard's runtime runs it) prices the data-parallel gradient reduction beside
+    backward, 0 after it (as Megatron-LM did before its 2023 overlap option, and DeepSpeed's pipeline
+    engine does): a pricing choice only, for comparing with runs of other systems."""
 
     dp: int | None = None
     tp: int | None = None
@@ -39,6 +42,7 @@ class Fixed:
     precision: str | None = None
     offload: str | None = None
     cuts: str | None = None
+    overlap: int | None = None
 
     @staticmethod
     def parse(text: str) -> Fixed:
@@ -64,8 +68,9 @@ class Fixed:
         for key, allowed in _CHOICES.items():
             if getattr(self, key) is not None:
                 check_choice(f"--config {key}", getattr(self, key), allowed)
-        if self.sp not in (None, 0, 1):
-            raise PolyshardError(f"--config sp must be 0 or 1; got {self.sp}")
+        for key in ("sp", "overlap"):
+            if getattr(self, key) not in (None, 0, 1):
+                raise PolyshardError(f"--config {key} must be 0 or 1; got {getattr(self, key)}")
         if self.zero is not None and self.zero not in ZERO_LEVELS:
             raise PolyshardError(f"--config zero must be one of {ZERO_LEVELS}; got {self.zero}")
         if self.v is not None and self.v > 1 and self.schedule not in (None, "interleaved"):
@@ -97,7 +102,7 @@ _CHOICES = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "recompute_comm
 
 
 def _positive(key: str, value: str) -> int:
-    whole = key in ("zero", "sp")
+    whole = key in ("zero", "sp", "overlap")
     if not value.isdigit() or (int(value) < 1 and not whole):
         raise PolyshardError(f"--config {key}={value!r} must be a {'whole number' if whole else 'positive integer'}")
     return int(value)

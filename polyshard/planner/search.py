@@ -257,6 +257,7 @@ class _Costs:
         self.numel = sum(p.numel() for p in gm.parameters())
         self.recompute_comm = fixed.recompute_comm or "keep"
         self.sequence = None if fixed.sp is None else bool(fixed.sp)
+        self.hides = float(fixed.overlap != 0)  # of backward, the share gradient communication may run beside
         self._solved: dict[tuple, IntraOpResult] = {}
         self._terms: dict[tuple, Terms] = {}
         self.recomputed = functools.cache(functools.partial(recomputed, gm))
@@ -386,7 +387,8 @@ class _Costs:
         op_comm = float(rows * units.comm_s.sum() + m * units.latency_s.sum())
         backward = (1 - units.forward_share) * (compute + op_comm) / m
         dp_comm = _dp_seconds(numel * DTYPES[plan.precision][1], mesh, self.data_axes, self.cluster, plan.zero,
-                              overlap_s=backward, micro_batches=m, **_level3(units.model_groups, plan.precision, plan))
+                              overlap_s=backward * self.hides, micro_batches=m,
+                              **_level3(units.model_groups, plan.precision, plan))
         memory = _memory_floor(units, plan.zero, dp, plan.precision, plan.offload, rows // m, m > 1)
         exact = memory.total_bytes <= self.limit  # estimated in full only where it may fit
         if exact:
@@ -407,7 +409,8 @@ class _Costs:
             setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
                           send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
                           dp_seconds=lambda b, groups, overlap, m, zero=zero, precision=precision: _dp_seconds(
-                              b, mesh, self.data_axes, self.cluster, zero, overlap_s=overlap, micro_batches=m,
+                              b, mesh, self.data_axes, self.cluster, zero, overlap_s=overlap * self.hides,
+                              micro_batches=m,
                               **_level3(groups, precision, base)),
                           update_seconds=lambda numel, zero=zero, precision=precision: _update_seconds(
                               numel, offload, zero, dp, precision, self.cluster),

@@ -135,3 +135,18 @@ def test_attention_share_interpolates_on_log_flops_and_holds_the_ends():
     assert c.attention_share("float32", 1e5) == 0.5  # unmeasured dtype: the single efficiency
     with pytest.raises(PolyshardError, match="ascending"):
         dataclasses.replace(c, attention_shares={"bfloat16": ((1e6, 0.2), (1e4, 0.1))})
+
+
+def test_a_product_runs_below_the_large_rate_as_its_contraction_depth_shrinks():
+    gpu = Cluster.preset("8xA100-80G")
+    deep = gpu.matmul_share(16384, 16384, 16384)
+    assert deep == pytest.approx(gpu.matmul_efficiency)
+    # a row-parallel split of 6144 over 8 contracts 768 deep in forward; its backward contracts the full widths
+    row_split = gpu.matmul_share(2048, 6144, 768)
+    assert 0.8 * deep < row_split < 0.95 * deep
+    assert gpu.matmul_share(2048, 768, 6144) == pytest.approx(row_split)  # each pass's depth counts once
+    assert gpu.matmul_share(8, 8, 8) == pytest.approx(deep * 0.586)  # below the measured depths: the nearest
+    cpu = Cluster.preset("cpu-gloo:2")
+    assert cpu.matmul_share(8, 8, 8) == cpu.matmul_efficiency  # unmeasured: one rate for every shape
+    with pytest.raises(PolyshardError, match="matmul_depth_shares"):
+        dataclasses.replace(gpu, matmul_depth_shares=((1024, 0.9), (256, 0.5)))

@@ -10,6 +10,7 @@ from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.planner.config import Fixed
+from polyshard.planner.report import chosen_row
 from polyshard.planner.cost.comm import axis_link
 from polyshard.planner.search import _dp_seconds, default_reserve_bytes, mesh_candidates, search
 from polyshard.transitions import wire_bytes
@@ -51,9 +52,22 @@ def test_config_spelling_round_trips_and_refuses_nonsense():
     text = "dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,recompute=full,precision=bf16"
     assert Fixed.parse(text).text() == "dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,recompute=full,precision=bf16"
     for bad, needle in (("tp=0", "positive"), ("tq=2", "unknown"), ("tp", "KEY=VALUE"), ("tp=2,tp=4", "twice"),
-                        ("schedule=zigzag", "schedule"), ("zero=5", "zero"), ("v=2,schedule=1f1b", "interleaved")):
+                        ("schedule=zigzag", "schedule"), ("zero=5", "zero"), ("v=2,schedule=1f1b", "interleaved"),
+                        ("overlap=2", "0 or 1")):
         with pytest.raises(PolyshardError, match=needle):
             Fixed.parse(bad)
+
+
+def test_a_gradient_reduction_after_backward_is_priced_whole():
+    name, cluster = "gpt:layers=12,hidden=1024,heads=16,seq=512,vocab=8192", Cluster.preset("2x8xA100-80G")
+    split = dict(dp=16, tp=1, pp=1, zero=0, mbs=2, precision="bf16")
+    beside, after = (chosen_row(_search(name, "2x8xA100-80G", 32, Fixed(**split, overlap=o))[0].report)
+                     for o in (1, 0))
+    assert beside["compute_s"] == pytest.approx(after["compute_s"])
+    # a ring all-reduce of the bf16 gradients over 16 ranks on the inter-node link, none of it hidden
+    grads = 2 * sum(p.numel() for p in models.build(name, "meta").parameters())
+    ring_s = 2 * 15 / 16 * grads / cluster.inter_node.bandwidth_bytes_per_s
+    assert after["dp_comm_s"] == pytest.approx(ring_s, rel=0.01) and beside["dp_comm_s"] < 0.8 * ring_s
 
 
 def test_a_configuration_no_split_allows_is_refused():

@@ -2,7 +2,7 @@
 
 Matrix products count 2 FLOPs per multiply-add (nanoGPT's estimate_mfu convention); attention
 counts its two products, 4*B*H*T*S*D; elementwise ops count one FLOP per output element.
-Products run at the share of peak a large product reaches (``Cluster.matmul_efficiency``); every
+Products run at the share of peak their contraction depths reach (``Cluster.matmul_share``); every
 other op at the slower of its FLOPs at peak and the bytes it reads and writes over the memory
 bandwidth (the roofline model: LayerNorm, GELU or a residual add are bound by memory, not FLOPs).
 Training costs 3x forward (backward does two products per forward one, and reads and writes about
@@ -69,7 +69,7 @@ def forward_seconds(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], cl
         q, k = (shape_of(n) for n in node.args[:2])
         peak *= cluster.attention_share(dtype, 4 * q[-2] * k[-2] * q[-1])  # by one head's slice
     elif _is_product(node, modules):
-        peak *= cluster.matmul_efficiency
+        peak *= cluster.matmul_share(*_product_dims(node, plan, modules, flops))
     bandwidth = cluster.memory_bandwidth_bytes_per_s
     moved = forward_bytes(node, plan, modules, itemsize) if bandwidth else 0.0
     return max(flops / peak, moved / bandwidth if bandwidth else 0.0)
@@ -111,6 +111,19 @@ def computed_layout(node: fx.Node, entry, modules: dict[str, nn.Module]):
         return out
     summed = set(weight.dims[order[1]])
     return out.with_dims([tuple(a for a in d if a not in summed) for d in out.dims], out.partial)
+
+
+def _product_dims(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], flops: float) -> tuple[float, float, float]:
+    """(m, n, k) of the products ``node`` runs on this rank: k contracted, n the output's last dim, m
+    its rows (a Linear's flattened leading dims; one batch entry's rows for a batched product)."""
+    shape, out = shape_of(node), computed_layout(node, plan.nodes[node.name], modules)
+    if not shape or not isinstance(out, Layout):
+        return 1.0, 1.0, 1.0
+    numel = math.prod(shape) / out.pieces
+    n = shape[-1] / out.num_shards(len(shape) - 1)
+    batched = node.op != "call_module" and len(shape) > 2
+    m = shape[-2] / out.num_shards(len(shape) - 2) if batched else numel / n
+    return m, n, flops / 2 / max(numel, 1.0)
 
 
 def _is_product(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
