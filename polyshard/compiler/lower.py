@@ -14,7 +14,7 @@ from torch import fx, nn
 from torch.distributed.tensor import distribute_tensor
 
 from polyshard.compiler.ops import ShardedFunction, ShardedModule, VocabParallelCrossEntropy
-from polyshard.compiler.redistribute import redistribute_local
+from polyshard.compiler.redistribute import redistribute_local, to_dtensor
 from polyshard.graph.capture import PIN_ATTR, op_key
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
@@ -31,6 +31,19 @@ class Redistribute:
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         return redistribute_local(local, self.src, self.dst, self.src.global_shape(local.shape), self.mesh,
                                   async_op=True)
+
+
+class ToDTensor:
+    """Graph op: this rank's piece as one DTensor for every split op that takes it in ``layout``, so
+    their input gradients add up as partial sums and are reduced once (Megatron's f operator), not
+    once per op."""
+
+    def __init__(self, layout: Layout, mesh: Mesh):
+        self.layout, self.mesh = layout, mesh
+        self.__name__ = "to_dtensor"
+
+    def __call__(self, local: torch.Tensor):
+        return to_dtensor(local, self.layout, self.layout.global_shape(local.shape), self.mesh)
 
 
 class GlobalSize:
@@ -69,6 +82,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
     graph = gm.graph
     out_layout = {name: n.output for name, n in plan.nodes.items()}
     moved: dict[tuple[str, Layout], fx.Node] = {}
+    shared = _shared_split_inputs(graph, plan)
+    wrapped: dict[tuple[str, Layout], fx.Node] = {}
     for node in list(graph.nodes):
         entry = plan.nodes[node.name]
         in_layouts = [entry.inputs[n.name] for n in node.args if isinstance(n, fx.Node) and n.name in entry.inputs]
@@ -81,6 +96,14 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
                 with graph.inserting_before(node):
                     moved[key] = graph.call_function(Redistribute(src, dst, mesh), (inp,))
             node.replace_input_with(inp, moved[key])
+        for name, dst in entry.inputs.items() if entry.impl == "dtensor" else ():
+            if (name, dst) not in shared:
+                continue
+            current = moved.get((name, dst)) or next(n for n in node.all_input_nodes if n.name == name)
+            if (name, dst) not in wrapped:
+                with graph.inserting_before(node):
+                    wrapped[(name, dst)] = graph.call_function(ToDTensor(dst, mesh), (current,))
+            node.replace_input_with(current, wrapped[(name, dst)])
         if node.target is torch.ops.aten.view.default:  # a piece a redistribution made may not be viewable
             node.target = torch.ops.aten.reshape.default
         if _reads_size(node):
@@ -97,6 +120,19 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _shared_split_inputs(graph: fx.Graph, plan: Plan) -> set[tuple[str, Layout]]:
+    """(value, layout) pairs that two or more split ops take (q, k and v of one input, or gate and up)."""
+    counts: dict[tuple[str, Layout], int] = {}
+    for node in graph.nodes:
+        entry = plan.nodes.get(node.name)
+        if entry is not None and entry.impl == "dtensor":
+            for inp in node.all_input_nodes:
+                if inp.name in entry.inputs:
+                    key = (inp.name, entry.inputs[inp.name])
+                    counts[key] = counts.get(key, 0) + 1
+    return {key for key, n in counts.items() if n > 1}
 
 
 def _reads_size(node: fx.Node) -> bool:

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from polyshard.compiler.redistribute import redistribute, to_dtensor
@@ -44,6 +45,8 @@ class ShardedModule(nn.Module):
         return out if out.is_contiguous() else out.contiguous()
 
     def _wrap(self, local: torch.Tensor, layout: Layout):
+        if isinstance(local, DTensor):  # wrapped once for all the split ops that take it
+            return local
         return to_dtensor(local, layout, layout.global_shape(local.shape), self.mesh)
 
 
@@ -60,7 +63,7 @@ class ShardedFunction:
         for a in args:
             if isinstance(a, torch.Tensor):
                 l = next(layouts)
-                a = to_dtensor(a, l, l.global_shape(a.shape), self.mesh)
+                a = a if isinstance(a, DTensor) else to_dtensor(a, l, l.global_shape(a.shape), self.mesh)
             dargs.append(a)
         return redistribute(self.fn(*dargs, **kwargs), self.out_layout, self.mesh).to_local()
 

@@ -343,3 +343,17 @@ def plan_from_json_parity(edit: bool) -> dict:
     return {"loss_err": rel_err(loss.detach(), ref_loss.detach()),
             "param_err": max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters()),
             "fc": str(pm.plan.params["blocks.0.mlp.fc.weight"])}
+
+
+def tensor_parallel_collectives() -> dict:
+    """All-reduces one tensor-parallel forward and its backward issue (the rules' Megatron layout)."""
+    ps.init("tp=4")
+    model = _build("gpt-tiny", torch.float32, True)
+    x, y = _batch(model, 4, 0)
+    pm = ps.parallelize(model, example_inputs=(x, y))
+    with CommCounter() as forward:
+        loss = pm(x, y)
+    with CommCounter() as backward:
+        loss.backward()
+    return {"forward": forward.ops().count("all_reduce"), "backward": backward.ops().count("all_reduce"),
+            "layers": model.cfg.num_layers}

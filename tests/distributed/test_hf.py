@@ -59,8 +59,7 @@ def test_the_models_own_tp_plan_as_pins(pools, family, mode):
     _check(pools(4).run(partial(hf_cases.hf_parity, **options), mesh, family))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
-@pytest.mark.parametrize("search", [False, True])
+@pytest.mark.parametrize("family,search", [("llama", False), ("gpt_neox", True)])
 def test_the_models_own_pp_plan_as_stage_units(pools, family, search):
     """Four stages of a two-layer model: only the pipeline plan's units (embedding, each layer, final norm,
     head) make that many, so some stage begins at a module that is not a decoder layer."""

@@ -64,3 +64,12 @@ def test_redistribution_bytes_match_the_wire(pools, src, dst, src_p, dst_p):
         assert r["err"] < TOL
         predicted = {k: v for k, v in r["predicted"].items() if v}
         assert predicted == r["measured"], r
+
+
+def test_tensor_parallel_reduces_each_shared_input_gradient_once(pools):
+    """Megatron's f operator: q, k and v take one input, whose gradient's partial sums are added
+    before one all-reduce; so backward issues two all-reduces per layer (attention's input, the MLP's)
+    and one for the vocabulary-split head's input, not one per split product (q, k, v: three)."""
+    r = pools(4).run(cases.tensor_parallel_collectives)[0]
+    assert r["backward"] == 2 * r["layers"] + 1, r
+
