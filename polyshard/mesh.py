@@ -149,6 +149,15 @@ class Mesh:
                 idx = idx * size + c[name]
         return idx
 
+    def local_rows(self, *tensors):
+        """This rank's rows of a global batch (every rank passes the same global batch)."""
+        n, i = self.num_data_shards, self.data_index
+        for t in tensors:
+            if t.size(0) % n:
+                raise PolyshardError(f"batch of {t.size(0)} rows does not split over {n} data shards; "
+                                     f"use a multiple of {n}")
+        return tuple(t.chunk(n)[i] for t in tensors)
+
     def device_mesh(self, op_axes: Axes | None = None):
         """The DeviceMesh over ``op_axes`` (a refinement of this mesh's op axes) for this rank."""
         op_axes = self.op_axes if op_axes is None else op_axes

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from polyshard.cli.train_args import train_config
 from polyshard.errors import PolyshardError
 
 PS_PORT = 29600
@@ -77,21 +78,18 @@ def _check_common(args: argparse.Namespace) -> None:
                              f"{args.command} flags")
 
 
-def _parse(command: str, flags: list[str]) -> argparse.Namespace:
+def _parse(parser: argparse.ArgumentParser, command: str, flags: list[str]) -> argparse.Namespace:
     """The command's flags, parsed and checked as the pods will parse them (bad flags fail here, not in the pods)."""
-    from polyshard.cli.main import _parser
-
     try:
-        return _parser().parse_args([command, *flags])
+        return parser.parse_args([command, *flags])
     except SystemExit as exc:
         raise PolyshardError(f"the {command} flags {' '.join(flags)!r} do not parse (see above)") from exc
 
 
 def _train_job(args: argparse.Namespace) -> list[dict]:
-    from polyshard.cli.main import train_config
     from polyshard.runtime.train_config import check_config
 
-    train = _parse("train", args.flags)
+    train = _parse(args.parser, "train", args.flags)
     world = args.nodes * args.procs_per_node
     try:  # --data and --tokenizer name files inside the pods (on a volume you mount): not looked for here
         check_config(dataclasses.replace(train_config(train), data="", tokenizer=""), world)
@@ -152,7 +150,7 @@ def _ps_job(args: argparse.Namespace) -> list[dict]:
     from polyshard.runtime.ps.launch import check
     from polyshard.runtime.ps.spec import PSSpec
 
-    ps = _parse("ps", args.flags)
+    ps = _parse(args.parser, "ps", args.flags)
     servers, workers = ps.servers, ps.workers
     check(PSSpec(servers=(("", 0),) * servers, key=b"", snapshot_dir="", **job_of(ps)), servers, ps.max_restarts)
     service = f"{args.name}-servers"

@@ -14,19 +14,18 @@ from polyshard.cli.k8s import add_parser as add_k8s
 from polyshard.cli.launch import (ERRORS_ENV, check_nodes, launch, reach_rendezvous, under_torchrun,
                                   without_flag)
 from polyshard.cli.ps import add_parser as add_ps
+from polyshard.cli.train_args import train_config
 from polyshard.errors import PolyshardError
 from polyshard.planner.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
                                    ZERO_LEVELS)
 
-# `train` flags that set a plan field of the same name (and win over a plan file's)
-PLAN_FLAGS = ("recompute", "recompute_comm", "offload", "zero", "optimizer", "precision", "schedule", "micro_batches",
-              "virtual_stages")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what the launched ranks are given
+    args.parser = parser  # for commands that check the flags of another (k8s)
     try:
         return args.handler(args)
     except PolyshardError as exc:
@@ -176,21 +175,6 @@ def _parser() -> argparse.ArgumentParser:
     add_ps(sub)
     add_k8s(sub)
     return p
-
-
-def train_config(args):
-    """The TrainConfig that parsed ``train`` flags describe."""
-    from polyshard.runtime.train_config import TrainConfig
-
-    settings = tuple((name, getattr(args, name)) for name in PLAN_FLAGS if getattr(args, name) is not None)
-    return TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
-                       lr=args.lr, seed=args.seed, strategies=args.strategies, metrics=args.metrics,
-                       log_every=args.log_every, copies=args.copies, plan=args.plan, auto=args.auto,
-                       memory_limit=args.memory_limit, settings=settings, offload_dir=args.offload_dir,
-                       timeline=args.timeline, sequence_parallel=args.sequence_parallel, save_dir=args.save_dir,
-                       save_every=args.save_every, keep=args.keep, async_save=args.async_save, resume=args.resume,
-                       collective_timeout=args.collective_timeout, data=args.data, data_dtype=args.data_dtype,
-                       tokenizer=args.tokenizer)
 
 
 def _train(args) -> int:

@@ -71,13 +71,7 @@ class ParallelModule(nn.Module):
 
     def local_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's rows of a global batch (every rank passes the same global batch)."""
-        n, i = self.mesh.num_data_shards, self.mesh.data_index
-        out = []
-        for t in tensors:
-            if t.size(0) % n:
-                raise PolyshardError(f"batch of {t.size(0)} rows does not split over {n} data shards; use a multiple of {n}")
-            out.append(t.chunk(n)[i])
-        return tuple(out)
+        return self.mesh.local_rows(*tensors)
 
     def no_sync(self):
         """Skip the gradient all-reduce (inner steps of gradient accumulation)."""

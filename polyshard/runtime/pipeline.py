@@ -33,7 +33,6 @@ from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_seco
 from polyshard.planner.plan import DTYPES, NodePlan, Plan
 from polyshard.planner.stages import assign_chunks, balanced_boundaries
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync, Pausable
-from polyshard.runtime.parallel import ParallelModule
 from polyshard.runtime.recompute import apply_recompute
 from polyshard.runtime.schedules import Action, ActionTime, check_schedule, schedule_actions, simulate
 
@@ -232,7 +231,9 @@ class PipelineModule(nn.Module, Pausable):
     """This rank's chunks of a pipelined model. :meth:`train_step` runs a batch's forward and
     backward through the schedule (no optimizer step), so gradients land in ``.grad`` as on one device."""
 
-    local_batch = ParallelModule.local_batch
+    def local_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's rows of a global batch (every rank passes the same global batch)."""
+        return self.mesh.local_rows(*tensors)
 
     def __init__(self, chunks: dict[int, fx.GraphModule], split: Split, plan: Plan, mesh: Mesh,
                  seconds: tuple[list[float], list[float]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
