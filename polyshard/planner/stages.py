@@ -142,7 +142,8 @@ def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = Non
     if len(blocks) < stages:
         raise PolyshardError(f"{type(gm).__name__} has {len(blocks)} "
                              f"{'units' if units else 'repeated blocks (children of a ModuleList)'} to cut into "
-                             f"{stages} pipeline stages; use fewer stages or mark the cuts with polyshard.pipeline_stage")
+                             f"{stages} pipeline stages; use fewer stages or mark the cuts with "
+                             "polyshard.pipeline_stage")
     plan = plan or propagate(gm, (), lambda msg: None)
     unit = assign_chunks(gm, blocks[1:])
     modules = dict(gm.named_modules())
