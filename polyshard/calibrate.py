@@ -239,9 +239,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     if base.devices_per_node == 1:
         notes.append("one device per node: intra_node is a copy of inter_node (no link inside a node to time)")
     cuda = base.device_type == "cuda"
-    # the rates are measured on products of one depth: that depth's share becomes 1, deeper ones no more
-    depth = _MATMUL_SIZE[base.device_type]
-    at_depth = base.matmul_share(depth, depth, depth) / base.matmul_efficiency
+    efficiency, depths = measured_product_shares(base, _MATMUL_SIZE[base.device_type])
     cluster = replace(
         base,
         device_name=torch.cuda.get_device_name() if cuda else "cpu",
@@ -250,8 +248,8 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         intra_node=link,
         inter_node=fits.get("all_reduce, all nodes", link),
         flops_per_s=flops,
-        matmul_efficiency=1.0,
-        matmul_depth_shares=tuple((d, min(1.0, sh / at_depth)) for d, sh in base.matmul_depth_shares),
+        matmul_efficiency=efficiency,
+        matmul_depth_shares=depths,
         attention_shares=attention,
         op_overhead_s=op_overhead,
         split_op_overhead_s=split_overhead,
@@ -265,6 +263,14 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
             cluster.to_yaml(out_path)
             print(f"cluster: {out_path}")
     return cluster
+
+
+def measured_product_shares(base: Cluster, depth: int) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """(matmul_efficiency, matmul_depth_shares) for rates measured on products ``depth`` deep: those
+    products reach the measured rate (share 1), shallower ones ``base``'s shares relative to it, and
+    deeper ones no more than it."""
+    at_depth = base.matmul_share(depth, depth, depth) / base.matmul_efficiency
+    return 1.0, tuple((d, min(1.0, share / at_depth)) for d, share in base.matmul_depth_shares)
 
 
 def _flops(device_type: str, repeats: int) -> tuple[dict[str, float], list[str]]:

@@ -1,8 +1,11 @@
 """The alpha-beta fit recovers known links, and refuses data no link explains."""
 
+import dataclasses
+
 import pytest
 
-from polyshard.calibrate import fit_alpha_beta, message_sizes
+from polyshard.calibrate import fit_alpha_beta, measured_product_shares, message_sizes
+from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.transitions import wire_bytes
 
@@ -44,3 +47,18 @@ def test_message_sizes_are_powers_of_4_from_4_kib():
     assert len(SIZES) == 7 and SIZES[-1] == 16 * 2**20
     with pytest.raises(PolyshardError, match="at least 16 KiB"):
         message_sizes(8192)
+
+
+def test_rates_measured_on_products_count_from_the_depth_measured():
+    """A calibration times 8192-deep products: those reach the measured rate, not the preset's share of
+    it again, and shallower products keep their share relative to that depth."""
+    gpu = Cluster.preset("8xA100-80G")
+    efficiency, depths = measured_product_shares(gpu, 8192)
+    calibrated = dataclasses.replace(gpu, matmul_efficiency=efficiency, matmul_depth_shares=depths)
+    assert calibrated.matmul_share(8192, 8192, 8192) == pytest.approx(1.0)
+    assert calibrated.matmul_share(16384, 16384, 16384) == pytest.approx(1.0)
+    ratio = gpu.matmul_share(8192, 8192, 1024) / gpu.matmul_share(8192, 8192, 8192)
+    assert calibrated.matmul_share(8192, 8192, 1024) == pytest.approx(ratio)
+    cpu = Cluster.preset("cpu-gloo:2")  # no depths: every product at the measured rate
+    assert measured_product_shares(cpu, 1024) == (1.0, ())
+
