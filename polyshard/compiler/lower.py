@@ -15,7 +15,8 @@ from torch.distributed.tensor import distribute_tensor
 
 from polyshard.compiler.ops import ShardedFunction, ShardedModule, VocabParallelCrossEntropy
 from polyshard.compiler.redistribute import redistribute_local, to_dtensor
-from polyshard.graph.capture import PIN_ATTR, op_key
+from polyshard.graph.capture import PIN_ATTR
+from polyshard.graph.ops import op_key
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
 from polyshard.planner.plan import Plan

@@ -181,17 +181,3 @@ def shape_of(node: fx.Node) -> tuple[int, ...] | None:
     return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
 
 
-# aten ops (export's graphs) that the rules, cost model and recompute know by their torch function
-_ATEN_AS = {"scaled_dot_product_attention": F.scaled_dot_product_attention, "_softmax": "softmax",
-            "_log_softmax": "log_softmax", "_unsafe_view": "view", "_to_copy": "to", "mm": "matmul",
-            "bmm": "matmul", "t": "transpose"}
-
-
-def op_key(node: fx.Node):
-    """What a node computes, one name for both captures: a torch function or method name for fx's nodes,
-    and for an aten op (``aten.view.default``) its name ("view") or its torch function."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        name = target.overloadpacket.__name__
-        return _ATEN_AS.get(name, name)
-    return target

@@ -21,6 +21,7 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from polyshard.errors import PolyshardError
+from polyshard.graph.saved import KEPT_INSIDE, kept_inside
 from polyshard.graph.stamp import find_stack, first_layers, stamp
 
 SIGNATURE_KEY = "polyshard_call_signature"
@@ -218,7 +219,7 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         attrs[path] = module
         with graph.inserting_before(nodes[0]):
             call = graph.call_module(path, (inputs[0],))
-        call.meta = dict(outputs[0].meta)
+        call.meta = dict(outputs[0].meta) | {KEPT_INSIDE: kept_inside(nodes, outputs[0])}
         outputs[0].replace_all_uses_with(call)
         for n in reversed(nodes):
             graph.erase_node(n)

@@ -14,7 +14,7 @@ from typing import Mapping
 import torch.nn.functional as F
 from torch import fx, nn
 
-from polyshard.graph.capture import op_key
+from polyshard.graph.ops import op_key
 from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, check_choice
 
 RECOMPUTE_ATTR = "_polyshard_recompute"

@@ -27,7 +27,7 @@ from polyshard.layout import Axes, Layout
 from polyshard.planner.cost.comm import comm_seconds, partial_sum_bytes
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
-from polyshard.planner.cost.memory import keeps_activation, local_numel
+from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
 from polyshard.planner.plan import DTYPES, NodePlan, Plan
 from polyshard.planner.rules import RuleContext, decide_all
@@ -335,8 +335,8 @@ def _op_memory(node, d: NodePlan, modules, seen_params: set[int], rc: Recomputed
         if id(p) not in seen_params and name in d.params:
             fixed += local_numel(p.shape, d.params[name]) * device_bytes_per_param(offload)
     shape = shape_of(node)
-    kept = isinstance(d.output, Layout) and shape is not None and keeps_activation(node, rc)
-    return (local_numel(shape, d.output) * 4 if kept else 0.0), fixed
+    kept = kept_copies(node, rc) if isinstance(d.output, Layout) and shape is not None else 0.0
+    return (local_numel(shape, d.output) * 4 * kept if kept else 0.0), fixed
 
 
 def _edge_seconds(u: fx.Node, src, dst, axes, cluster, comm_passes: int, itemsize: int) -> tuple[float, float]:

@@ -20,7 +20,7 @@ from polyshard.graph.capture import shape_of
 from polyshard.graph.regions import Recomputed
 from polyshard.layout import Layout
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD
-from polyshard.planner.cost.memory import STATES, MemoryEstimate, keeps_activation, local_numel
+from polyshard.planner.cost.memory import STATES, MemoryEstimate, kept_copies, local_numel
 from polyshard.planner.cost.overlap import OpCost
 from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
@@ -100,10 +100,10 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
         paths[u] += [path for path, _ in stack.values() if path not in holders][:1]
         if isinstance(out, Layout) and shape is not None:
             size = local_numel(shape, out) * itemsize
-            if keeps_activation(node, kept):
-                fields["activation_bytes"][u] += size
-            elif keeps_activation(node, Recomputed()):
-                fields["rerun_bytes"][u] += size
+            if held := kept_copies(node, kept):
+                fields["activation_bytes"][u] += size * held
+            else:
+                fields["rerun_bytes"][u] += size * kept_copies(node, Recomputed())
             reach = max((unit_of.get(user.name, last) for user in node.users), default=u)
             fields["send_bytes"][u + 1:reach + 1] += size
         if node.op == "call_module":
@@ -190,6 +190,7 @@ class PipelineCost:
     stages: tuple[Stage, ...]
     memory: MemoryEstimate
     span_s: float = 0.0  # the simulated schedule, first start to last end (the step less data-parallel sync and update)
+    squeezed: bool = False  # an option that might be faster did not fit: what frees memory may win
 
     @property
     def step_s(self) -> float:
@@ -229,24 +230,30 @@ def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> t
     numel = sum(sum(g) for unit in units.groups for g in unit)
     options = sorted((_bound(units, setup, m, v, numel), m, schedule, v)
                      for m, schedule, v in _options(len(units), setup))
-    best, overflowed, tried, overflow_at = None, False, set(), {}
+    best, tried, overflow_at = None, set(), {}
+    overflow_bound = float("inf")  # the lowest bound of the options that did not fit
     for bound, m, schedule, v in options:
         if bound >= min(best_s, best.step_s if best else float("inf")):
-            return best, float("inf") if overflowed and best is None else bound
+            overflowed = overflow_bound < float("inf")
+            return _squeezed(best, overflow_bound), float("inf") if overflowed and best is None else bound
         if schedule == "gpipe" and m in tried:  # 1F1B ran the same work in no more memory: GPipe cannot gain
             continue
         if m <= overflow_at.get((schedule, v), 0):  # fewer, larger micro-batches hold no less per stage
-            overflowed = True
+            overflow_bound = min(overflow_bound, bound)
             continue
         found = cost_pipeline(units, setup, state, m, schedule, v)
         if schedule == "1f1b":
             tried.add(m)
         if found is None:
             overflow_at[(schedule, v)] = max(m, overflow_at.get((schedule, v), 0))
-        overflowed |= found is None
+            overflow_bound = min(overflow_bound, bound)
         if found is not None and (best is None or found.step_s < best.step_s):
             best = found
-    return best, float("inf")
+    return _squeezed(best, overflow_bound), float("inf")
+
+
+def _squeezed(best: PipelineCost | None, overflow_bound: float) -> PipelineCost | None:
+    return dataclasses.replace(best, squeezed=True) if best is not None and overflow_bound < best.step_s else best
 
 
 def leanest_pipeline(units: Units, setup: Setup) -> PipelineCost | None:

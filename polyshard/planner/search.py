@@ -89,6 +89,7 @@ class Candidate:
     pipeline: PipelineCost | None = None  # a pipelined split's stages, micro-batches and schedule
     accumulation: int = 1  # micro-batches per step without a pipeline (gradient accumulation)
     sequence: bool = False  # sequence parallel: row-parallel products reduce-scatter along the sequence
+    squeezed: bool = False  # memory refused a setting that might be faster (fewer micro-batches)
 
     @property
     def micro_batches(self) -> int:
@@ -213,8 +214,9 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                 hopeless.add(setting[1])
                 continue
             # recompute and offload only buy memory, at the price of time: once a setting without offload
-            # fits with room, the settings after it (more recompute, or offload on top) cannot be faster
-            if found and setting[1] == "none" and \
+            # fits with room, and memory refused none of its faster options, the settings after it (more
+            # recompute, or offload on top) cannot be faster
+            if found and setting[1] == "none" and not any(c.squeezed for c, _ in found) and \
                     min(c.memory.total_bytes for c, _ in found if not c.pruned) <= _ROOMY * limit:
                 break
     if not candidates:
@@ -374,7 +376,8 @@ class _Costs:
                 if found[0].memory.total_bytes <= self.limit:
                     break
             if found is not None:
-                out.append(found)
+                squeezed = found[0].accumulation != tries[0]
+                out.append((dataclasses.replace(found[0], squeezed=squeezed), found[1]))
         return out
 
     def _accumulated(self, plan: Plan, units: Units, mesh, rows: int, m: int, numel: float,
@@ -432,7 +435,7 @@ class _Costs:
                                        micro_batches=p.micro_batches, virtual_stages=p.virtual_stages)
             out.append((Candidate(mesh, rows, p.compute_s, p.op_comm_s, p.dp_comm_s, p.memory, solved.gap,
                                   recompute=base.recompute, offload=offload, zero=zero, precision=precision,
-                                  pipeline=p, sequence=base.sequence_parallel), plan))
+                                  pipeline=p, sequence=base.sequence_parallel, squeezed=p.squeezed), plan))
             if found is not None:
                 best_s = min(best_s, found.step_s)
         return out

@@ -14,7 +14,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import shape_of
 from polyshard.graph.regions import Recomputed
 from polyshard.planner.cost.compute import forward_flops
-from polyshard.planner.cost.memory import keeps_activation, local_numel
+from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.plan import Plan
 from polyshard.planner.propagate import propagate
 
@@ -153,8 +153,8 @@ def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = Non
             continue
         flops[unit[node.name]] += forward_flops(node, plan, modules)
         out, shape = plan.nodes[node.name].output, shape_of(node)
-        if shape is not None and keeps_activation(node, Recomputed()):
-            memory[unit[node.name]] += local_numel(shape, out)
+        if shape is not None:
+            memory[unit[node.name]] += local_numel(shape, out) * kept_copies(node, Recomputed())
         if node.op == "call_module":
             memory[unit[node.name]] += sum(p.numel() for p in modules[node.target].parameters())
     share_flops, share_memory = (sum_load(np.array(x) / (sum(x) or 1)) for x in (flops, memory))

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from polyshard.graph.capture import linear_dims, op_key, shape_of
+from polyshard.graph.capture import linear_dims, shape_of
+from polyshard.graph.ops import is_shape_op, op_key
 from polyshard.layout import Layout
 from polyshard.cluster import Cluster
 from polyshard.graph.regions import Recomputed
@@ -29,9 +30,6 @@ from polyshard.planner.plan import NodePlan, Plan
 TRAIN_FLOPS_PER_FORWARD = 3
 _PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.baddbmm,
              torch.addmm, F.linear, "matmul", "bmm")
-# Shape-only ops: no data moves.
-_FREE = {"view", "reshape", "transpose", "permute", "size", "expand", "unsqueeze", "flatten", "squeeze", "t",
-         "alias", "slice", "select", "split", operator.getitem, getattr}
 
 
 def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> float:
@@ -86,7 +84,7 @@ def optimizer_seconds(numel: float, precision: str, cluster: Cluster) -> float:
 def forward_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int) -> float:
     """Bytes ``node``'s forward reads and writes on this rank: its tensor inputs, its parameters and
     its output."""
-    if node.op in ("placeholder", "output", "get_attr") or op_key(node) in _FREE or node.name not in plan.nodes:
+    if node.op in ("placeholder", "output", "get_attr") or is_shape_op(node) or node.name not in plan.nodes:
         return 0.0
     entry, total = plan.nodes[node.name], 0.0
     if node.op == "call_module":

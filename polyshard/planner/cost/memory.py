@@ -1,8 +1,8 @@
 """Bytes one device holds for training: parameters, gradients, optimizer state, activations.
 
-Activations are the outputs autograd keeps for backward: every op's output except pure views
-and shape queries, at this rank's share of the shapes. Recompute frees the outputs inside its
-regions; the largest region holds its own again while its backward runs.
+Activations are the values autograd keeps for backward (polyshard.graph.saved), at this rank's
+share of the shapes. Recompute frees the outputs inside its regions; the largest region holds its
+own again while its backward runs.
 """
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ from dataclasses import dataclass
 from torch import fx
 
 from polyshard.graph.capture import shape_of
+from polyshard.graph.ops import is_shape_op, op_name
+from polyshard.graph.saved import KEPT_INSIDE, needs_grad, saved
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.layout import Layout
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
 from polyshard.planner.plan import Plan
 
 STATES = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 optimizer state tensors per parameter (SGD: momentum)
-
-VIEW_OPS = {"view", "reshape", "transpose", "permute", "contiguous", "size", "expand", "unsqueeze", "flatten"}
-
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -49,16 +48,17 @@ def local_numel(shape, layout: Layout) -> float:
     return math.prod(shape) / layout.pieces
 
 
-def keeps_activation(node: fx.Node, rc: Recomputed) -> bool:
-    """Whether ``node``'s output counts in activation memory, in the linear bound the integer program
-    uses: every kept output, plus the largest recompute region's own."""
-    return _activation(node) and (node.name not in rc.freed or node.name in rc.held)
+def kept_copies(node: fx.Node, rc: Recomputed) -> float:
+    """How many tensors of ``node``'s output size autograd keeps for it, in the linear bound the integer
+    program uses: its output if a backward reads it, plus what a module captured as one op keeps inside;
+    none where recompute frees them (the largest region holds its own again)."""
+    if node.name in rc.freed and node.name not in rc.held:
+        return 0.0
+    return _kept(node)
 
 
-def _activation(node: fx.Node) -> bool:
-    """Whether ``node``'s output is a tensor autograd may keep (not an input, a view or a shape query)."""
-    return not (node.op in ("placeholder", "output") or node.target in VIEW_OPS
-                or getattr(node.target, "__name__", "") == "getitem")
+def _kept(node: fx.Node) -> float:
+    return (node.name in saved(node.graph)) + node.meta.get(KEPT_INSIDE, 0.0)
 
 
 def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1,
@@ -69,14 +69,24 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
     between steps). Backward walks the graph in reverse: each output is freed once its backward
     ran, each parameter's gradient appears there, and a recompute region brings its own outputs
     back while its backward runs. While an op's backward runs, the gradients of its output and of
-    its input are alive too: about twice its output. ``grad_share``: the part of each parameter's
-    gradient a rank keeps (optimizer parallel from level 2 reduce-scatters them as they come)."""
-    size, grads, seen = {}, {}, set()
+    its inputs are alive too. Under gradient accumulation the last micro-batch's backward begins with
+    every gradient made. ``grad_share``: the part of each parameter's gradient a rank keeps
+    (optimizer parallel from level 2 reduce-scatters them as they come)."""
+    size, transient, grads, seen = {}, {}, {}, set()  # transient: gradients alive while an op's backward runs
     modules = dict(gm.named_modules())
+
+    def held(value: fx.Node) -> float:
+        entry, shape = plan.nodes.get(value.name), shape_of(value)
+        ok = entry is not None and shape is not None and isinstance(entry.output, Layout)
+        return local_numel(shape, entry.output) * itemsize * rows if ok else 0.0
+
     for node in reversed(gm.graph.nodes):
-        out, shape = plan.nodes.get(node.name), shape_of(node)
-        if out is not None and shape is not None and isinstance(out.output, Layout) and _activation(node):
-            size[node.name] = local_numel(shape, out.output) * itemsize * rows
+        if _kept(node):
+            size[node.name] = held(node) * _kept(node)
+        if not is_shape_op(node) and needs_grad(node):
+            inputs = sum(held(i) for i in node.all_input_nodes if needs_grad(i))
+            through_log_probs = op_name(node) in ("cross_entropy", "cross_entropy_loss")  # their gradient too
+            transient[node.name] = held(node) + inputs * (1 + through_log_probs)
         if node.op == "call_module":
             for name, p in modules[node.target].named_parameters(prefix=node.target, recurse=False):
                 if id(p) not in seen and name in plan.params:
@@ -89,11 +99,11 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
         if names:
             last_of[names[-1]] = sum(size.get(n, 0.0) for n in names)
     alive = sum(b for name, b in size.items() if name not in rc.freed)
-    made = 0.0
+    made = sum(grads.values()) if plan.micro_batches > 1 else 0.0  # the earlier micro-batches' gradients
     act_peak = joint_peak = alive
     for node in reversed(gm.graph.nodes):
         alive += last_of.get(node.name, 0.0)  # backward enters a region at its last node: recompute it
-        act_peak, joint_peak = max(act_peak, alive), max(joint_peak, alive + made + 2 * size.get(node.name, 0.0))
+        act_peak, joint_peak = max(act_peak, alive), max(joint_peak, alive + made + transient.get(node.name, 0.0))
         alive -= size.get(node.name, 0.0)
         made += grads.get(node.name, 0.0)
     return act_peak, max(joint_peak, made)

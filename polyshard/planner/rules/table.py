@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from polyshard.graph.capture import PIN_ATTR, is_conv1d, is_rms_norm, linear_dims, op_key, shape_of, shapes_of
+from polyshard.graph.capture import PIN_ATTR, is_conv1d, is_rms_norm, linear_dims, shape_of, shapes_of
+from polyshard.graph.ops import op_key
 from polyshard.layout import Layout
 from polyshard.planner.rules.base import Decision, RuleContext
 from polyshard.planner.rules.einsum import (
