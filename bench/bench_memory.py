@@ -45,7 +45,8 @@ def measure(model: str, batch, recompute="none", offload="none", plan=None):
     pm.plan = dataclasses.replace(pm.plan, offload=plan.offload if plan else offload)
     with tempfile.TemporaryDirectory() as folder:
         opt = make_optimizer(pm, 1e-3, folder)
-        return step_peak_bytes(pm, opt, batch, state_on_device=pm.plan.offload == "none"), pm.plan
+        return step_peak_bytes(pm, opt, batch, state_on_device=pm.plan.offload == "none",
+                               micro_batches=pm.plan.micro_batches), pm.plan
 
 
 def main(argv=None) -> None:
@@ -78,7 +79,8 @@ def main(argv=None) -> None:
                            meshes=[(("dp", 1),)])
         measured, _ = measure(name, batch, plan=chosen)
         print(f"\n{name}: limit {format_bytes(limit)} ({LIMIT_SHARE:.0%} of the plain peak); the planner chose "
-              f"recompute {chosen.recompute}, offload {chosen.offload}; measured peak {format_bytes(measured['total'])}: "
+              f"recompute {chosen.recompute}, offload {chosen.offload}, {chosen.micro_batches} micro-batches; "
+              f"measured peak {format_bytes(measured['total'])}: "
               f"{'within' if measured['total'] <= limit else 'OVER'} the limit\n")
 
 
