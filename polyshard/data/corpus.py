@@ -25,11 +25,13 @@ class TokenBatches:
     such as a memmap of a token file), the same windows on every process for one seed.
 
     Every data-parallel rank draws the same global batch's window starts and reads only its own ``rows``
-    of it (default: all), so a rank touches only its windows of a file on disk.
+    of it (default: all), so a rank touches only its windows of a file on disk. ``read=False`` (a middle
+    pipeline stage, which takes neither inputs nor labels) reads nothing: its batches are zeros of the
+    same shape, drawn in step with the others.
     """
 
     def __init__(self, tokens: torch.Tensor | np.ndarray, batch_size: int, seq_len: int, seed: int,
-                 rows: slice = slice(None)) -> None:
+                 rows: slice = slice(None), read: bool = True) -> None:
         if tokens.ndim != 1:
             raise PolyshardError(f"tokens have shape {tuple(tokens.shape)}; pass a 1-D tensor")
         if batch_size < 1 or seq_len < 1:
@@ -41,7 +43,7 @@ class TokenBatches:
                 f"seq_len={seq_len} needs more than the corpus's {len(tokens)} tokens; "
                 f"use a seq_len below {len(tokens)}"
             )
-        self.tokens, self.rows = tokens, rows
+        self.tokens, self.rows, self.read = tokens, rows, read
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
@@ -63,7 +65,9 @@ class TokenBatches:
         starts = torch.randint(
             len(self.tokens) - self.seq_len, (self.batch_size, 1), generator=self._generator
         )[self.rows]
-        if isinstance(self.tokens, torch.Tensor):
+        if not self.read:
+            windows = torch.zeros(len(starts), self.seq_len + 1, dtype=torch.long)
+        elif isinstance(self.tokens, torch.Tensor):
             windows = self.tokens[starts + self._offsets]
         else:  # one read per window, of just its tokens
             windows = torch.from_numpy(np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts[:, 0].tolist()])

@@ -257,6 +257,11 @@ class PipelineModule(nn.Module, Pausable):
     def forward(self, *batch):
         raise PolyshardError("a pipelined model runs forward and backward together: call train_step(*batch)")
 
+    @property
+    def reads_batch(self) -> bool:
+        """Whether this rank's chunks take any of the batch (inputs or labels); a middle stage's do not."""
+        return any(self.split.inputs[int(c)] for c in self.chunks)
+
     def use_optimizer(self, zero, dtype: torch.dtype | None) -> None:
         """Hand gradient sync to ``zero`` (a ZeroOptimizer over this rank's chunks, see ``setup_zero``): it
         syncs each chunk in the chunk's last backward and scales the loss; values between stages travel in

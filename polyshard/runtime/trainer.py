@@ -98,7 +98,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     share = cfg.batch_size // mesh.num_data_shards  # this rank reads only its rows of each global batch
     mine = slice(mesh.data_index * share, (mesh.data_index + 1) * share)
     source = open_tokens(*token_source(cfg)) if cfg.data else load_corpus()
-    batches = Ahead(TokenBatches(source, cfg.batch_size, model.cfg.seq_len, cfg.seed, rows=mine))
+    reads = not pipelined or pm.reads_batch  # a middle pipeline stage reads nothing
+    batches = Ahead(TokenBatches(source, cfg.batch_size, model.cfg.seq_len, cfg.seed, rows=mine, read=reads))
     tokens_per_step = cfg.batch_size * model.cfg.seq_len
     done, history = 0, []
     resumed = resume_path(cfg.resume, cfg.save_dir)

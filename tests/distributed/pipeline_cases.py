@@ -58,6 +58,8 @@ def _train(ref: nn.Module, par: nn.Module, batches, steps_kwargs: dict, optimize
         ref_opt.step()
         ref_opt.zero_grad()
         local = pm.local_batch(*batch)
+        if not pm.reads_batch:  # a middle stage takes neither inputs nor labels: what it is handed is unused
+            local = tuple(torch.zeros_like(t) for t in local)
         total = torch.zeros((), dtype=ref_loss.dtype)
         for i, micro in enumerate(zip(*(t.chunk(accum) for t in local))):
             with pm.no_sync() if i < accum - 1 else contextlib.nullcontext():
@@ -77,7 +79,7 @@ def _train(ref: nn.Module, par: nn.Module, batches, steps_kwargs: dict, optimize
     tied_gap = max((rel_err(a, b) for held in tied for a in held for b in held), default=0.0)
     result = {"loss_err": loss_err, "param_err": param_err, "tied_gap": tied_gap, "tied": sorted(pm.split.tied),
               "boundaries": pm.plan.stage_boundaries, "edges": [(e.name, e.src, e.dst) for e in pm.split.edges],
-              "params": sorted(pm.local_parameters())}
+              "params": sorted(pm.local_parameters()), "reads_batch": pm.reads_batch}
     del pm, opt
     return result
 

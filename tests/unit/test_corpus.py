@@ -72,6 +72,18 @@ def test_a_rank_reads_only_its_rows_of_a_token_file(tmp_path):
                        next(TokenBatches(load_corpus(), 8, 16, seed=3))[0][4:6])
 
 
+def test_a_stage_that_takes_no_data_reads_none_and_stays_in_step():
+    tokens = np.arange(1000, dtype=np.uint16)
+    untouched = tokens.view(_Recording)
+    untouched.reads = []
+    idle, reading = TokenBatches(untouched, 8, 16, seed=3, rows=slice(2, 4), read=False), TokenBatches(tokens, 8, 16, seed=3)
+    for _ in range(2):
+        x, y = next(idle)
+        assert x.shape == y.shape == (2, 16) and not x.any() and not y.any() and untouched.reads == []
+        next(reading)
+        assert torch.equal(idle.position(), reading.position())
+
+
 @pytest.mark.parametrize("content, dtype, message", [
     (b"", "uint16", "0 bytes"),
     (b"abc", "uint16", "3 bytes, not a whole number of uint16"),
