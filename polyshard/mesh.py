@@ -26,7 +26,8 @@ PIPELINE_AXIS = "pp"
 
 # What each axis name does; the Python API takes other names when `init` is told their role.
 AXIS_ROLES = {"dp": "data parallel (splits each batch)", "tp": "operator parallel (splits layers' weights)",
-              "pp": "pipeline stages", "world": "operator parallel (init's default axis over all ranks)"}
+              "pp": "pipeline stages", "world": "operator parallel (init's default axis over all ranks)",
+              "h": "spatial parallel (splits images by height)", "w": "spatial parallel (splits images by width)"}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -176,8 +177,17 @@ class Mesh:
         """The process group over the data axes (None when there is no data parallelism)."""
         if self.num_data_shards == 1:
             return None
-        sub = self._full_mesh(self.op_axes)[self.data_axes]
-        return (sub._flatten() if len(self.data_axes) > 1 else sub).get_group()
+        return self.group(self.data_axes)
+
+    def group(self, axes: tuple[str, ...]):
+        """The process group over ``axes`` (data or op axes, in any order) through this rank; made once."""
+        full = self._full_mesh(self.op_axes)
+        ordered = tuple(n for n in full.mesh_dim_names if n in axes)
+        key = (ordered, self.axes, self.data_axes, self.pipeline_axis)
+        if key not in _GROUPS:
+            sub = full[ordered]
+            _GROUPS[key] = (sub._flatten() if len(ordered) > 1 else sub).get_group()
+        return _GROUPS[key]
 
     def _full_mesh(self, op_axes: Axes):
         """One DeviceMesh per refinement of the op axes, the pipeline axis and data axes outermost;
@@ -206,6 +216,7 @@ class Mesh:
 
 _current: Mesh | None = None
 _DEVICE_MESHES: dict = {}  # one DeviceMesh (and its process groups) per arrangement, per process
+_GROUPS: dict = {}  # one process group per set of axes and arrangement, per process
 
 
 def current_mesh() -> Mesh:

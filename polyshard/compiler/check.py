@@ -13,7 +13,7 @@ from polyshard.layout import Axes, Layout, refine
 from polyshard.planner.plan import NodePlan, Plan
 from polyshard.planner.rules import RuleContext, decide_all
 
-IMPLS = ("local", "dtensor", "vocab_ce")
+IMPLS = ("local", "dtensor", "vocab_ce", "spatial")
 
 
 def check_plan(plan: Plan, gm: fx.GraphModule, mesh: Axes) -> None:

@@ -15,8 +15,10 @@ from torch.distributed.tensor import distribute_tensor
 
 from polyshard.compiler.ops import ShardedFunction, ShardedModule, VocabParallelCrossEntropy
 from polyshard.compiler.redistribute import redistribute_local, to_dtensor
-from polyshard.graph.capture import PIN_ATTR
+from polyshard.compiler.spatial import SpatialBatchNorm2d, SpatialGlobalPool, SpatialWindow, Split
+from polyshard.graph.capture import PIN_ATTR, shape_of
 from polyshard.graph.ops import op_key
+from polyshard.halo import SPLIT_DIMS, halo, pair
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
 from polyshard.planner.plan import Plan
@@ -113,6 +115,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
             _localize_shape(node, entry.shape_divisors, graph)
         elif entry.impl == "dtensor":
             _use_dtensor(gm, node, entry, in_layouts, mesh)
+        elif entry.impl == "spatial":
+            _use_spatial(gm, node, entry, mesh)
         elif entry.impl == "vocab_ce":
             if op_key(node) == "cross_entropy_loss":  # aten's positional form: only ignore_index may differ
                 ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
@@ -175,3 +179,24 @@ def _use_dtensor(gm: fx.GraphModule, node: fx.Node, entry, in_layouts: list[Layo
     else:
         fn = getattr(node.target, PIN_ATTR).fn
         node.target = ShardedFunction(fn, in_layouts, entry.output, mesh, getattr(fn, "__name__", "fn"))
+
+
+def _use_spatial(gm: fx.GraphModule, node: fx.Node, entry, mesh: Mesh) -> None:
+    """A convolutional module on an image split by height and width: its tile's op with halos (see
+    polyshard.compiler.spatial)."""
+    module, x = gm.get_submodule(node.target), node.args[0]
+    layout, shape = entry.inputs[x.name], shape_of(x)
+    split = {d: layout.dims[d] for d in SPLIT_DIMS if layout.dims[d]}
+    axes = tuple(a for d in split.values() for a in d)
+    if isinstance(module, nn.BatchNorm2d):
+        wrapped = SpatialBatchNorm2d(module, mesh.group(mesh.data_axes + axes), mesh.group(axes))
+    elif isinstance(module, nn.AdaptiveAvgPool2d):
+        wrapped = SpatialGlobalPool(layout.num_shards(2) * layout.num_shards(3), mesh.group(axes))
+    else:
+        kernel, stride, padding = (pair(getattr(module, k)) for k in ("kernel_size", "stride", "padding"))
+        splits = tuple(Split(d, mesh.group(a), *halo(shape[d], layout.num_shards(d), kernel[d - 2], stride[d - 2],
+                                                      padding[d - 2])) for d, a in split.items())
+        wrapped = SpatialWindow(module, splits, mesh.group(axes))
+    name = "_spatial_" + node.target.replace(".", "_")
+    gm.add_submodule(name, wrapped)
+    node.target = name

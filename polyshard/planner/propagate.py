@@ -16,11 +16,13 @@ from polyshard.planner.plan import Plan
 from polyshard.planner.rules import RuleContext, decide
 
 
-def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None], sequence: bool = False) -> Plan:
+def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None], sequence: bool = False,
+              inputs: dict[str, Layout] | None = None) -> Plan:
     """A Plan for every node and parameter of ``gm`` on the given op axes (``sequence``: row-parallel
-    products reduce-scatter along the sequence, Megatron's sequence parallel)."""
+    products reduce-scatter along the sequence, Megatron's sequence parallel; ``inputs``: layouts of graph
+    inputs, by placeholder name, that a dataset strategy splits)."""
     modules = dict(gm.named_modules())
-    ctx = RuleContext(op_axes, modules, {}, {}, warn, sequence)
+    ctx = RuleContext(op_axes, modules, {}, {}, warn, sequence, inputs or {})
     plan = Plan(op_axes=op_axes)
     param_names = {id(p): name for name, p in reversed(list(gm.named_parameters()))}
     owner: dict[int, str] = {}

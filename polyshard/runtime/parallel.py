@@ -10,6 +10,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.distributed.tensor import distribute_tensor
 from torch.utils._pytree import tree_map
 
 from polyshard.cluster import Cluster
@@ -19,11 +20,13 @@ from polyshard.compiler.redistribute import to_dtensor
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import PIN_ATTR, batch_rows, capture, shape_of
 from polyshard.graph.export import SIGNATURE_KEY
+from polyshard.layout import Layout
 from polyshard.mesh import Mesh, current_mesh
 from polyshard.planner.cost.overlap import choose_copies
 from polyshard.planner.config import Fixed
 from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
 from polyshard.planner.propagate import propagate
+from polyshard.planner.rules.einsum import pin_output_layout
 from polyshard.pin import tp_plan_pins
 from polyshard.planner.search import search as search_plan
 from polyshard.planner.stages import balanced_boundaries, pp_plan_units
@@ -70,8 +73,12 @@ class ParallelModule(nn.Module):
         return signature.unflatten(self.program(*signature.flatten(args, kwargs)))
 
     def local_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This rank's rows of a global batch (every rank passes the same global batch)."""
-        return self.mesh.local_rows(*tensors)
+        """This rank's rows of a global batch (every rank passes the same global batch), and of each input a
+        dataset strategy splits (an image by height and width), its piece."""
+        rows = self.mesh.local_rows(*tensors)
+        inputs = [n.name for n in self._single_copy.graph.nodes if n.op == "placeholder"]
+        return tuple(_piece(t, self.plan.nodes[name].output, self.mesh) if name in self.plan.nodes else t
+                     for t, name in zip(rows, inputs))
 
     def no_sync(self):
         """Skip the gradient all-reduce (inner steps of gradient accumulation)."""
@@ -94,13 +101,21 @@ class ParallelModule(nn.Module):
         return out
 
 
+def _piece(t: torch.Tensor, layout, mesh: Mesh) -> torch.Tensor:
+    """This rank's piece of ``t`` in ``layout`` (a slice, no communication)."""
+    if not isinstance(layout, Layout) or layout.is_replicated:
+        return t
+    layout.check_divides(t.shape, "input")
+    return distribute_tensor(t, mesh.device_mesh(layout.axes), layout.placements(), src_data_rank=None).to_local()
+
+
 def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = None, mesh: Mesh | None = None,
                 plan: Plan | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 copies: int | str | None = None, search: bool = False,
                 memory_limit_bytes: float | None = None, recompute: str | None = None,
                 recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
                 virtual_stages: int | None = None, sequence_parallel: bool = False,
-                tp_plan: bool = False, pp_plan: bool = False) -> ParallelModule:
+                tp_plan: bool = False, pp_plan: bool = False, dataset_strategy: Sequence | None = None) -> ParallelModule:
     """Split ``model`` over the mesh: pinned ops keep their strategies, the others follow the op rules.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values): the positional arguments, or a
@@ -121,6 +136,10 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
     colwise, rowwise, ...) over the operator axes; the other ops follow the rules (or the search).
     ``pp_plan``: pipeline stages may begin at every module a transformers model's own pipeline plan names
     (its ``_pp_plan``: the embedding, each decoder layer, the final norm, the head), not only at its layers.
+    ``dataset_strategy`` (MindSpore's): per positional input, how its dims split over the operator axes,
+    as slice counts (``(1, 1, 2, 2)``: an image by height and width on h=2, w=2) or axis names
+    (``(None, None, "h", "w")``), or None for whole; each rank is then called with its piece
+    (:meth:`ParallelModule.local_batch` cuts them). Convolutions, pooling and batch norm keep the split.
     """
     if recompute is not None:
         check_choice("recompute", recompute, RECOMPUTE_MODES)
@@ -135,6 +154,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
             )
         example_inputs = model.example_inputs()
     gm = capture(model, example_inputs)
+    if dataset_strategy is not None and (search or plan is not None or mesh.pp > 1):
+        raise PolyshardError("dataset_strategy lays out the inputs for the rules' propagation; it does not combine "
+                             "with search=True, a given plan or a pipeline yet: drop one of them")
     if tp_plan:
         _pin_tp_plan(model, gm, mesh)
     if pp_plan and mesh.pp == 1:
@@ -157,7 +179,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
                                   memory_limit_bytes, meshes=[mesh.axes], data_axes=mesh.data_axes,
                                   fixed=Fixed(sp=1) if sequence_parallel else Fixed(), pp_plan=pp_plan)
         else:
-            plan = propagate(gm, mesh.op_axes, warn, sequence_parallel)
+            plan = propagate(gm, mesh.op_axes, warn, sequence_parallel, _input_layouts(gm, dataset_strategy, mesh))
     plan = dataclasses.replace(plan, mesh=mesh.axes, data_axes=mesh.data_axes)
     copies = copies if copies is not None else getattr(model, COPIES_ATTR, None)
     if copies == "auto":
@@ -179,6 +201,28 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
 
         return parallelize_pipeline(model, example_inputs, plan, mesh, bucket_bytes)
     return ParallelModule(lower(gm, plan, mesh), plan, mesh, bucket_bytes, marked_modules(model))
+
+
+def _input_layouts(gm: fx.GraphModule, strategy: Sequence | None, mesh: Mesh) -> dict[str, Layout]:
+    """The layouts a dataset strategy gives the graph's positional inputs, by placeholder name."""
+    if strategy is None:
+        return {}
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not isinstance(strategy, (tuple, list)) or len(strategy) > len(inputs):
+        raise PolyshardError(f"dataset_strategy must be a tuple with one entry per input (at most {len(inputs)}), "
+                             f"e.g. ((1, 1, 2, 2), None); got {strategy!r}")
+    out = {}
+    for i, (node, s) in enumerate(zip(inputs, strategy)):
+        if s is None:
+            continue
+        shape = shape_of(node)
+        if shape is None or len(s) != len(shape):
+            raise PolyshardError(f"dataset_strategy[{i}] {tuple(s)} has {len(s)} entries, but input `{node.name}` "
+                                 f"has shape {tuple(shape or ())}; give one per dim")
+        layout = pin_output_layout(tuple(s), shape, None, mesh.op_axes, f"dataset_strategy[{i}]")
+        layout.check_divides(shape, f"input `{node.name}` (dataset_strategy[{i}] {tuple(s)})")
+        out[node.name] = layout
+    return out
 
 
 def _pin_tp_plan(model: nn.Module, gm: fx.GraphModule, mesh: Mesh) -> None:

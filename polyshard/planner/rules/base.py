@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torch import fx, nn
@@ -16,7 +16,7 @@ from polyshard.planner.plan import NodePlan as Decision
 class RuleContext:
     """What rules read: the op axes, the graph's modules, layouts already fixed, pins; and for the
     search, whether row-parallel products reduce-scatter along the sequence (sequence parallel: True
-    wherever it applies, False never, None both offered)."""
+    wherever it applies, False never, None both offered); the graph inputs' layouts (replicated if absent)."""
 
     op_axes: Axes
     modules: dict[str, nn.Module]
@@ -24,6 +24,7 @@ class RuleContext:
     param_layouts: dict[int, Layout]
     warn: Callable[[str], None]
     sequence: bool | None = None
+    inputs: dict[str, Layout] = field(default_factory=dict)  # graph inputs laid out by a dataset strategy
 
     @property
     def all_axes(self) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from polyshard.graph.capture import PIN_ATTR, is_conv1d, is_rms_norm, linear_dim
 from polyshard.graph.ops import op_key
 from polyshard.layout import Layout
 from polyshard.planner.rules.base import Decision, RuleContext
+from polyshard.planner.rules.spatial import SPATIAL_MODULES
 from polyshard.planner.rules.einsum import (
     EinsumSpec, embedding_spec, independent_spec, linear_spec, matmul_spec, output_layout, pin_layouts,
     pin_output_layout, to_common,
@@ -38,6 +39,8 @@ CREATION = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torc
 # New tensors of a given size: the tensor they are called on only lends its dtype and device.
 CREATION_FROM = {"new_ones", "new_zeros", "new_full", "new_empty"}
 VIEWS = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
+# Modules that act on each element alone (no weights): their input's layout carries through.
+ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
 # The value depends on where an element sits, or on elements anywhere (advanced indexing): whole tensors.
 POSITIONAL = {"triu", "tril", torch.triu, torch.tril, "index"}
 # Ops along one dim (positional arg 1, or ``dim``): that dim whole, the others may stay split.
@@ -69,7 +72,8 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
     """The Decision for one node, given the layouts of the nodes before it."""
     if node.op == "placeholder":
         shape = shape_of(node)
-        return Decision("local", {}, ctx.replicated(len(shape)) if shape is not None else None)
+        fixed = ctx.inputs.get(node.name)
+        return Decision("local", {}, fixed or (ctx.replicated(len(shape)) if shape is not None else None))
     if node.op == "output":
         return Decision("local", {n.name: ctx.replicated(len(shape_of(n))) for n in _tensor_inputs(node, ctx)}, None)
     if node.op == "get_attr":
@@ -87,6 +91,10 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
             return _linear(node, module, ctx)
         if is_rms_norm(module):
             return _layer_norm(node, module, ctx)
+        if type(module) in SPATIAL_MODULES:
+            return SPATIAL_MODULES[type(module)](node, module, ctx) or _replicated(node, ctx)
+        if isinstance(module, ELEMENTWISE_MODULES):
+            return _elementwise(node, ctx)
         return _replicated(node, ctx, warn=True)
     target = op_key(node)
     pin = getattr(node.target, PIN_ATTR, None)

@@ -1,0 +1,62 @@
+"""Rules for convolutional networks on images split by height and width (dims 2 and 3 of NCHW).
+
+A window op (Conv2d, MaxPool2d) keeps its input's split where every tile's windows line up with its
+output tile (polyshard.halo); lowering then exchanges the halo (polyshard.compiler.spatial). Other
+windows gather the image first. Channels stay whole.
+"""
+
+from __future__ import annotations
+
+from torch import fx, nn
+
+from polyshard.graph.capture import shape_of
+from polyshard.halo import SPLIT_DIMS, lines_up, pair
+from polyshard.layout import Layout
+from polyshard.planner.rules.base import Decision, RuleContext
+
+
+def window(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
+    """Conv2d or MaxPool2d: the image's split kept where the windows line up with the tiles."""
+    x = node.args[0]
+    src, shape = ctx.layout(x), shape_of(x)
+    kernel, stride, padding, dilation = (pair(getattr(module, k)) for k in ("kernel_size", "stride", "padding",
+                                                                            "dilation"))
+    plain = not isinstance(module.padding, str) and not getattr(module, "ceil_mode", False) and \
+        getattr(module, "padding_mode", "zeros") == "zeros"
+    kept = [d for d in SPLIT_DIMS if plain and src.dims[d] and lines_up(
+        shape[d], src.num_shards(d), kernel[d - 2], stride[d - 2], padding[d - 2], dilation[d - 2])]
+    for d in (d for d in SPLIT_DIMS if src.dims[d] and d not in kept):
+        ctx.warn(f"`{node.target}` ({type(module).__name__}, kernel {kernel[d - 2]}, stride {stride[d - 2]}, padding "
+                 f"{padding[d - 2]}) does not line up with tiles of {shape[d] // src.num_shards(d)} of the "
+                 f"{shape[d]} rows of dim {d}; the image is gathered there. Tiles that divide by the stride, with "
+                 "'same' padding (kernel - 1 = 2 x padding, or a 1x1 window), keep the split")
+    need = _only(src, kept)
+    params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
+    return Decision("spatial" if kept else "local", {x.name: need}, need, params=params)
+
+
+def batch_norm(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
+    """BatchNorm2d: the image stays split, statistics summed over the tiles (and the data-parallel rows)."""
+    x = node.args[0]
+    need = _only(ctx.layout(x), SPLIT_DIMS)
+    params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
+    return Decision("spatial" if not need.is_replicated else "local", {x.name: need}, need, params=params)
+
+
+def global_pool(node: fx.Node, module: nn.AdaptiveAvgPool2d, ctx: RuleContext) -> Decision | None:
+    """AdaptiveAvgPool2d to one pixel: each tile's mean, added up over the tiles; the result replicated.
+    None for other output sizes (the caller gathers)."""
+    if pair(module.output_size) != (1, 1):
+        return None
+    x = node.args[0]
+    need = _only(ctx.layout(x), SPLIT_DIMS)
+    return Decision("spatial" if not need.is_replicated else "local", {x.name: need}, ctx.replicated(need.ndim))
+
+
+def _only(layout: Layout, dims) -> Layout:
+    """``layout`` with only ``dims`` left split (and no partial sums)."""
+    return layout.with_dims([d if i in dims else () for i, d in enumerate(layout.dims)])
+
+
+SPATIAL_MODULES = {nn.Conv2d: window, nn.MaxPool2d: window, nn.BatchNorm2d: batch_norm,
+                   nn.AdaptiveAvgPool2d: global_pool}

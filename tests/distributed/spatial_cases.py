@@ -1,0 +1,51 @@
+"""Spatial parallel cases run on every rank of a pool: a ResNet-style classifier on images split by height
+and width (and rows over data parallel) trained against the same model, data and seed on one device."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import polyshard as ps
+from polyshard.models.resnet import ResNet
+from tests.distributed.cases import rel_err
+
+
+def resnet_parity(mesh: str, strategy: tuple, steps: int = 3, batch: int = 8, image: int = 32) -> dict:
+    """AdamW steps in float64 on ``mesh`` with the images laid out by ``strategy``, against one device:
+    every loss, every parameter and batch norm's running statistics."""
+    ps.init(mesh)
+    m = ps.current_mesh()
+    torch.manual_seed(0)
+    ref = ResNet(image_size=image).double()
+    par = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(batch, 3, image, image, generator=g, dtype=torch.float64),
+                torch.randint(0, 10, (batch,), generator=g)) for _ in range(steps)]
+    rows = batch // m.num_data_shards
+    pm = ps.parallelize(par, example_inputs=tuple(t[:rows] for t in batches[0]), dataset_strategy=(strategy, None))
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    loss_err, tile = 0.0, None
+    for x, y in batches:
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        local = pm.local_batch(x, y)
+        tile = tuple(local[0].shape)
+        loss = pm(*local)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if m.data_group() is not None:
+            dist.all_reduce(total, group=m.data_group())
+            total /= m.num_data_shards
+        loss_err = max(loss_err, rel_err(total, ref_loss.detach()))
+    full, buffers = pm.full_state_dict(), dict(pm._single_copy.named_buffers())
+    return {"loss_err": loss_err, "tile": tile,
+            "param_err": max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters()),
+            "buffer_err": max(rel_err(buffers[k], b) for k, b in ref.named_buffers() if b.dtype.is_floating_point),
+            "spatial": sorted(n for n, e in pm.plan.nodes.items() if e.impl == "spatial")}

@@ -1,0 +1,70 @@
+"""Spatial parallel rules: which windows keep an image's height/width split, and the halo each needs."""
+
+import pytest
+import torch
+from torch import nn
+
+from polyshard.errors import PolyshardError
+from polyshard.graph.capture import capture
+from polyshard.halo import halo, lines_up
+from polyshard.layout import Layout
+from polyshard.mesh import Mesh
+from polyshard.models.resnet import ResNet
+from polyshard.planner.propagate import propagate
+from polyshard.runtime.parallel import _input_layouts
+
+AXES = (("h", 2), ("w", 2))
+
+
+@pytest.mark.parametrize("window,expected", [
+    ((3, 1, 1), (1, 1, 8)),   # 3x3 "same": a row from each neighbour
+    ((3, 2, 1), (1, 0, 4)),   # 3x3 stride 2: a row before only
+    ((1, 2, 0), (0, -1, 4)),  # 1x1 stride 2 (a ResNet shortcut): no halo
+    ((7, 2, 3), (3, 2, 4)),   # a ResNet stem
+    ((2, 2, 0), (0, 0, 4)),   # 2x2 pooling
+])
+def test_halo_of_common_windows_on_tiles_of_8(window, expected):
+    assert lines_up(16, 2, *window) and halo(16, 2, *window) == expected
+
+
+@pytest.mark.parametrize("size,shards,window", [(16, 2, (5, 2, 1)), (15, 3, (3, 2, 1)), (16, 8, (7, 1, 3)),
+                                                (16, 2, (3, 1, 1, 2))])
+def test_windows_that_do_not_line_up_with_the_tiles(size, shards, window):
+    assert not lines_up(size, shards, *window)  # output not input / stride, odd tiles, halo past a tile, dilation
+
+
+def _plan(model, strategy, warned, image: int = 32):
+    x = torch.zeros(2, 3, image, image)
+    gm = capture(model, (x, torch.zeros(2, dtype=torch.long)))
+    mesh = Mesh(AXES, (), "cpu", 0)
+    return propagate(gm, AXES, warned.append, inputs=_input_layouts(gm, strategy, mesh))
+
+
+def test_a_resnet_keeps_its_images_split_to_the_pooling():
+    warned = []
+    plan = _plan(ResNet(), ((1, 1, 2, 2), None), warned)
+    split = Layout(AXES, ((), (), ("h",), ("w",)))
+    spatial = {n for n, e in plan.nodes.items() if e.impl == "spatial"}
+    assert len(spatial) == 14 and not warned
+    assert plan.nodes["blocks_1_conv1"].output == split and plan.nodes["stem_2"].output == split
+    assert plan.nodes["pool"].output.is_replicated and plan.params["fc.weight"].is_replicated
+
+
+def test_a_window_that_does_not_line_up_gathers_the_image_and_says_so():
+    model = ResNet()
+    model.stem[0] = nn.Conv2d(3, 8, 5, 2, 1, bias=False)  # 32 rows -> 15: not 32 / 2
+    warned = []
+    plan = _plan(model, ((1, 1, 2, 2), None), warned)
+    assert plan.nodes["stem_0"].inputs["images"].is_replicated and plan.nodes["stem_0"].impl == "local"
+    assert any("`stem.0` (Conv2d, kernel 5, stride 2, padding 1) does not line up" in w for w in warned)
+
+
+@pytest.mark.parametrize("strategy,image,message", [
+    (((1, 1, 2),), 32, r"dataset_strategy\[0\] \(1, 1, 2\) has 3 entries, but input `images` has shape \(2, 3, 32, 32\)"),
+    ("h", 32, "one entry per input"),
+    (((1, 3, 1, 1),), 32, "uses 3 devices, which does not divide the 4 devices of the op axes"),
+    (((1, 1, 4, 1),), 30, "does not divide dim 2 of size 30 .* use a count that divides 30"),
+])
+def test_bad_dataset_strategies_are_refused_before_anything_runs(strategy, image, message):
+    with pytest.raises(PolyshardError, match=message):
+        _plan(ResNet(image_size=image), strategy, [], image)
