@@ -15,7 +15,9 @@ from torch.distributed.tensor import distribute_tensor
 
 from polyshard.compiler.ops import ShardedFunction, ShardedModule, VocabParallelCrossEntropy
 from polyshard.compiler.redistribute import redistribute_local, to_dtensor
-from polyshard.compiler.spatial import SpatialBatchNorm2d, SpatialGlobalPool, SpatialWindow, Split
+from polyshard.compiler.spatial import (
+    SpatialBatchNorm2d, SpatialCrossEntropy, SpatialGlobalPool, SpatialWindow, Split,
+)
 from polyshard.graph.capture import PIN_ATTR, shape_of
 from polyshard.graph.ops import op_key
 from polyshard.halo import SPLIT_DIMS, halo, pair
@@ -182,13 +184,22 @@ def _use_dtensor(gm: fx.GraphModule, node: fx.Node, entry, in_layouts: list[Layo
 
 
 def _use_spatial(gm: fx.GraphModule, node: fx.Node, entry, mesh: Mesh) -> None:
-    """A convolutional module on an image split by height and width: its tile's op with halos (see
-    polyshard.compiler.spatial)."""
-    module, x = gm.get_submodule(node.target), node.args[0]
+    """A convolutional module (or a per-pixel loss) on an image split by height and width: its tile's op
+    with halos (see polyshard.compiler.spatial)."""
+    x = node.args[0]
     layout, shape = entry.inputs[x.name], shape_of(x)
     split = {d: layout.dims[d] for d in SPLIT_DIMS if layout.dims[d]}
     axes = tuple(a for d in split.values() for a in d)
-    if isinstance(module, nn.BatchNorm2d):
+    if node.op != "call_module":  # a per-pixel cross-entropy
+        node.target = SpatialCrossEntropy(mesh.group(axes), node.kwargs.get("ignore_index", -100))
+        node.kwargs = {}
+        return
+    module = gm.get_submodule(node.target)
+    if isinstance(module, nn.ConvTranspose2d):
+        splits = tuple(Split(d, mesh.group(a), 0, 0, shape[d] // layout.num_shards(d) * pair(module.stride)[d - 2])
+                       for d, a in split.items())
+        wrapped = SpatialWindow(module, splits, mesh.group(axes))
+    elif isinstance(module, nn.BatchNorm2d):
         wrapped = SpatialBatchNorm2d(module, mesh.group(mesh.data_axes + axes), mesh.group(axes))
     elif isinstance(module, nn.AdaptiveAvgPool2d):
         wrapped = SpatialGlobalPool(layout.num_shards(2) * layout.num_shards(3), mesh.group(axes))
@@ -197,6 +208,6 @@ def _use_spatial(gm: fx.GraphModule, node: fx.Node, entry, mesh: Mesh) -> None:
         splits = tuple(Split(d, mesh.group(a), *halo(shape[d], layout.num_shards(d), kernel[d - 2], stride[d - 2],
                                                       padding[d - 2])) for d, a in split.items())
         wrapped = SpatialWindow(module, splits, mesh.group(axes))
-    name = "_spatial_" + node.target.replace(".", "_")
+    name = "_spatial_" + node.name  # per call: one module called on two image sizes halos each its own way
     gm.add_submodule(name, wrapped)
     node.target = name

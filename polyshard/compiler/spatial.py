@@ -131,7 +131,8 @@ class _Reduce(torch.autograd.Function):
 
 
 class SpatialWindow(nn.Module):
-    """A Conv2d or MaxPool2d on a tile: halos on the split dims, the module's padding on the others."""
+    """A Conv2d, ConvTranspose2d or MaxPool2d on a tile: halos on the split dims, the module's padding on
+    the others."""
 
     def __init__(self, module: nn.Module, splits: tuple[Split, ...], weights_group):
         super().__init__()
@@ -149,7 +150,10 @@ class SpatialWindow(nn.Module):
         else:
             weight = _SumGrad.apply(m.weight, self.weights_group)
             bias = _SumGrad.apply(m.bias, self.weights_group) if m.bias is not None else None
-            y = F.conv2d(x, weight, bias, m.stride, self.padding, m.dilation, m.groups)
+            if isinstance(m, nn.ConvTranspose2d):
+                y = F.conv_transpose2d(x, weight, bias, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
+            else:
+                y = F.conv2d(x, weight, bias, m.stride, self.padding, m.dilation, m.groups)
         for s in self.splits:
             y = y.narrow(s.dim, 0, s.out)
         return y
@@ -182,6 +186,21 @@ class SpatialBatchNorm2d(nn.Module):
         if weight is not None:
             y = y * weight[None, :, None, None] + bias[None, :, None, None]
         return y
+
+
+class SpatialCrossEntropy:
+    """Mean cross-entropy of per-pixel logits split into tiles: the tiles' summed losses over all counted
+    pixels (those not ``ignore_index``); the loss replicated."""
+
+    def __init__(self, group, ignore_index: int = -100):
+        self.group, self.ignore_index = group, ignore_index
+        self.__name__ = "spatial_cross_entropy"
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        total = F.cross_entropy(logits, target, ignore_index=self.ignore_index, reduction="sum")
+        count = (target != self.ignore_index).sum().to(total.dtype)
+        dist.all_reduce(count, group=self.group)
+        return _Reduce.apply(total, self.group) / count
 
 
 class SpatialGlobalPool(nn.Module):

@@ -1,5 +1,6 @@
-"""Spatial parallel cases run on every rank of a pool: a ResNet-style classifier on images split by height
-and width (and rows over data parallel) trained against the same model, data and seed on one device."""
+"""Spatial parallel cases run on every rank of a pool: a ResNet-style classifier and a UNet-style segmenter
+on images split by height and width (and rows over data parallel) trained against the same model, data
+and seed on one device."""
 
 from __future__ import annotations
 
@@ -10,22 +11,26 @@ import torch.distributed as dist
 
 import polyshard as ps
 from polyshard.models.resnet import ResNet
+from polyshard.models.unet import UNet
 from tests.distributed.cases import rel_err
 
 
-def resnet_parity(mesh: str, strategy: tuple, steps: int = 3, batch: int = 8, image: int = 32) -> dict:
-    """AdamW steps in float64 on ``mesh`` with the images laid out by ``strategy``, against one device:
-    every loss, every parameter and batch norm's running statistics."""
+def image_parity(model: str, mesh: str, strategy: tuple, steps: int = 3, batch: int = 8, image: int = 32) -> dict:
+    """AdamW steps in float64 of ``model`` ("resnet": a classifier; "unet": per-pixel classes) on ``mesh``
+    with the images laid out by ``strategy`` (and a UNet's masks alike), against one device: every loss,
+    every parameter and batch norm's running statistics."""
     ps.init(mesh)
     m = ps.current_mesh()
     torch.manual_seed(0)
-    ref = ResNet(image_size=image).double()
+    ref = (ResNet if model == "resnet" else UNet)(image_size=image).double()
     par = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(1)
+    labels = (batch,) if model == "resnet" else (batch, image, image)
     batches = [(torch.randn(batch, 3, image, image, generator=g, dtype=torch.float64),
-                torch.randint(0, 10, (batch,), generator=g)) for _ in range(steps)]
+                torch.randint(0, 3, labels, generator=g)) for _ in range(steps)]
     rows = batch // m.num_data_shards
-    pm = ps.parallelize(par, example_inputs=tuple(t[:rows] for t in batches[0]), dataset_strategy=(strategy, None))
+    masks = None if model == "resnet" else strategy[:1] + strategy[2:]
+    pm = ps.parallelize(par, example_inputs=tuple(t[:rows] for t in batches[0]), dataset_strategy=(strategy, masks))
     ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(pm.parameters(), lr=1e-2)
     loss_err, tile = 0.0, None
     for x, y in batches:

@@ -1,6 +1,6 @@
 """Spatial parallel parity: a ResNet-style classifier (batch norm, strided convolutions, max pooling, a
-strided shortcut) on images split by height and width, alone and with data parallel, equals one device;
-AdamW in float64."""
+strided shortcut) and a UNet-style segmenter (transposed convolutions, skips by concatenation, a per-pixel
+loss) on images split by height and width, alone and with data parallel, equal one device; AdamW in float64."""
 
 import pytest
 
@@ -12,9 +12,18 @@ TOL = 1e-10
 @pytest.mark.parametrize("mesh,strategy,tile", [("h=2,w=2", (1, 1, 2, 2), (8, 3, 16, 16)),
                                                ("dp=2,h=2", (1, 1, 2, 1), (4, 3, 16, 32))])
 def test_resnet_on_split_images_trains_as_one_device(pools, mesh, strategy, tile):
-    results = pools(4).run(cases.resnet_parity, mesh, strategy)
+    results = pools(4).run(cases.image_parity, "resnet", mesh, strategy)
     for r in results:
         assert r["loss_err"] < TOL and r["param_err"] < TOL and r["buffer_err"] < TOL, r
         assert r["tile"] == tile
     # every convolution, batch norm and pooling ran on its tile: the stem, both blocks, the strided shortcut
     assert len(results[0]["spatial"]) == 14 and "blocks_1_shortcut_0" in results[0]["spatial"]
+
+
+@pytest.mark.parametrize("mesh,strategy", [("h=2,w=2", (1, 1, 2, 2)), ("dp=2,h=2", (1, 1, 2, 1))])
+def test_unet_on_split_images_trains_as_one_device(pools, mesh, strategy):
+    results = pools(4).run(cases.image_parity, "unet", mesh, strategy)
+    for r in results:
+        assert r["loss_err"] < TOL and r["param_err"] < TOL and r["buffer_err"] < TOL, r
+    spatial = results[0]["spatial"]  # 11 convolutions (the 1x1 head too), 10 norms, 2 poolings, 2 up, the loss
+    assert len(spatial) == 26 and {"up_0", "up_1", "cross_entropy"} <= set(spatial), spatial

@@ -2,7 +2,8 @@
 
 A window op (Conv2d, MaxPool2d) keeps its input's split where every tile's windows line up with its
 output tile (polyshard.halo); lowering then exchanges the halo (polyshard.compiler.spatial). Other
-windows gather the image first. Channels stay whole.
+windows gather the image first. Channels stay whole. A transposed convolution whose kernel equals its
+stride needs no halo, and a per-pixel cross-entropy adds up its tiles' losses.
 """
 
 from __future__ import annotations
@@ -35,6 +36,40 @@ def window(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
     return Decision("spatial" if kept else "local", {x.name: need}, need, params=params)
 
 
+def transposed(node: fx.Node, module: nn.ConvTranspose2d, ctx: RuleContext) -> Decision:
+    """ConvTranspose2d whose kernel equals its stride (a UNet's up-convolution): each input pixel makes its
+    own block of output pixels, so a tile makes its output tile with no halo."""
+    x = node.args[0]
+    src = ctx.layout(x)
+    kernel, stride, padding, out_pad, dilation = (pair(getattr(module, k)) for k in (
+        "kernel_size", "stride", "padding", "output_padding", "dilation"))
+    kept = [d for d in SPLIT_DIMS if src.dims[d] and kernel[d - 2] == stride[d - 2] and not padding[d - 2]
+            and not out_pad[d - 2] and dilation[d - 2] == 1]
+    need = _only(src, kept)
+    params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
+    return Decision("spatial" if kept else "local", {x.name: need}, need, params=params)
+
+
+def cross_entropy(node: fx.Node, ctx: RuleContext) -> Decision | None:
+    """Cross-entropy of per-pixel logits (N, C, H, W) against targets (N, H, W), both split alike by height
+    and width: each tile's losses summed, over the count of all tiles' counted pixels. None otherwise."""
+    logits, target = node.args[:2]
+    src = ctx.layout(logits)
+    if src is None or src.ndim != 4 or not any(src.dims[d] for d in SPLIT_DIMS) or not _plain_loss(node):
+        return None
+    need = _only(src, SPLIT_DIMS)
+    return Decision("spatial", {logits.name: need, target.name: need.with_dims([need.dims[0], *need.dims[2:]])},
+                    ctx.replicated(0))
+
+
+def _plain_loss(node: fx.Node) -> bool:
+    """F.cross_entropy called with its defaults, ignore_index aside."""
+    given = dict(node.kwargs)
+    given.pop("ignore_index", None)
+    return len(node.args) == 2 and all(given.get(k, v) == v for k, v in (
+        ("weight", None), ("reduction", "mean"), ("label_smoothing", 0.0), ("size_average", None), ("reduce", None)))
+
+
 def batch_norm(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
     """BatchNorm2d: the image stays split, statistics summed over the tiles (and the data-parallel rows)."""
     x = node.args[0]
@@ -58,5 +93,5 @@ def _only(layout: Layout, dims) -> Layout:
     return layout.with_dims([d if i in dims else () for i, d in enumerate(layout.dims)])
 
 
-SPATIAL_MODULES = {nn.Conv2d: window, nn.MaxPool2d: window, nn.BatchNorm2d: batch_norm,
-                   nn.AdaptiveAvgPool2d: global_pool}
+SPATIAL_MODULES = {nn.Conv2d: window, nn.MaxPool2d: window, nn.ConvTranspose2d: transposed,
+                   nn.BatchNorm2d: batch_norm, nn.AdaptiveAvgPool2d: global_pool}

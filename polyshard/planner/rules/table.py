@@ -18,7 +18,7 @@ from polyshard.graph.capture import PIN_ATTR, is_conv1d, is_rms_norm, linear_dim
 from polyshard.graph.ops import op_key
 from polyshard.layout import Layout
 from polyshard.planner.rules.base import Decision, RuleContext
-from polyshard.planner.rules.spatial import SPATIAL_MODULES
+from polyshard.planner.rules.spatial import SPATIAL_MODULES, cross_entropy as spatial_cross_entropy
 from polyshard.planner.rules.einsum import (
     EinsumSpec, embedding_spec, independent_spec, linear_spec, matmul_spec, output_layout, pin_layouts,
     pin_output_layout, to_common,
@@ -45,7 +45,7 @@ ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identi
 POSITIONAL = {"triu", "tril", torch.triu, torch.tril, "index"}
 # Ops along one dim (positional arg 1, or ``dim``): that dim whole, the others may stay split.
 ALONG_DIM = {F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax, "cumsum", "slice", "select",
-             "split", "split_with_sizes", "chunk", "cat", "stack"}
+             "split", "split_with_sizes", "chunk", "cat", "stack", torch.cat, torch.stack}
 
 
 def decide_all(node: fx.Node, ctx: RuleContext) -> list[Decision]:
@@ -134,7 +134,7 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
     if target is F.scaled_dot_product_attention:
         return _attention(node, ctx)
     if target in (F.cross_entropy, "cross_entropy_loss"):
-        return _cross_entropy(node, ctx)
+        return spatial_cross_entropy(node, ctx) or _cross_entropy(node, ctx)
     if target in ("sum", "mean", torch.sum, torch.mean):
         return _reduction(node, ctx)
     if target in (torch.matmul, operator.matmul, "matmul"):
@@ -285,10 +285,10 @@ def _attention(node: fx.Node, ctx: RuleContext) -> Decision:
 
 def _along_dim(node: fx.Node, ctx: RuleContext) -> Decision:
     """Softmax, cumsum, slice, select, split, cat, stack: the dim they work along whole, others as they come."""
-    target = op_key(node)
+    target = getattr(op_key(node), "__name__", op_key(node))  # torch.cat as "cat"
     parts = node.args[0] if target in ("cat", "stack") else [node.args[0]]
     pos = 2 if target in ("split", "split_with_sizes", "chunk") else 1
-    default = -1 if target in (F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax) else 0
+    default = -1 if target in ("softmax", "log_softmax") else 0
     dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else default)
     layouts = to_common([ctx.layout(n) for n in parts])
     lead = max(layouts, key=lambda l: sum(map(len, l.dims)))
