@@ -24,7 +24,7 @@ from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import shape_of
 from polyshard.layout import Axes, Layout
-from polyshard.planner.cost.comm import comm_seconds, partial_sum_bytes
+from polyshard.planner.cost.comm import comm_seconds, own_bytes
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
 from polyshard.planner.cost.memory import kept_copies, local_numel
@@ -323,7 +323,7 @@ def _op_seconds(node, d: NodePlan, modules, axes, cluster, dtype, itemsize, rc: 
     plan = Plan(op_axes=axes, nodes={node.name: d})
     compute_passes, comm_passes = passes(node.name, rc)
     compute = compute_passes * forward_seconds(node, plan, modules, cluster, dtype, itemsize)
-    transfer, latency = comm_seconds(partial_sum_bytes(node, d, modules, itemsize, cluster.backend), axes, cluster)
+    transfer, latency = comm_seconds(own_bytes(node, d, modules, itemsize, cluster.backend), axes, cluster)
     overhead = op_overhead(d, cluster, compute_passes) if node.op.startswith("call_") else 0.0
     return compute + comm_passes * transfer, comm_passes * latency + overhead
 

@@ -10,6 +10,8 @@ from polyshard.halo import halo, lines_up
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
 from polyshard.models.resnet import ResNet
+from polyshard.planner.cost.comm import node_comm_bytes
+from polyshard.planner.cost.compute import forward_flops
 from polyshard.planner.propagate import propagate
 from polyshard.runtime.parallel import _input_layouts
 
@@ -68,3 +70,13 @@ def test_a_window_that_does_not_line_up_gathers_the_image_and_says_so():
 def test_bad_dataset_strategies_are_refused_before_anything_runs(strategy, image, message):
     with pytest.raises(PolyshardError, match=message):
         _plan(ResNet(image_size=image), strategy, [], image)
+
+
+def test_the_cost_model_counts_a_tile_s_products_and_its_halo():
+    """The stem's 3x3 convolution on a 16x16 tile of a 2-row batch: a row from each neighbour by height
+    (2 x 3 channels x 16 columns), then a column from each by width on the 18-row tile."""
+    plan = _plan(ResNet(), ((1, 1, 2, 2), None), [])
+    gm = capture(ResNet(), (torch.zeros(2, 3, 32, 32), torch.zeros(2, dtype=torch.long)))
+    modules, stem = dict(gm.named_modules()), next(n for n in gm.graph.nodes if n.name == "stem_0")
+    assert node_comm_bytes(stem, plan, modules, 4, "gloo") == {"h": 2 * 2 * 3 * 16 * 4, "w": 2 * 2 * 3 * 18 * 4}
+    assert forward_flops(stem, plan, modules) == 2 * (2 * 8 * 16 * 16) * (3 * 3 * 3)

@@ -7,10 +7,13 @@ in one node, else on the inter-node link.
 
 from __future__ import annotations
 
+import math
+
 from torch import fx, nn
 
 from polyshard.cluster import Cluster, Link
 from polyshard.graph.capture import linear_dims, shape_of
+from polyshard.halo import SPLIT_DIMS, halo, pair
 from polyshard.layout import Axes, Layout
 from polyshard.planner.plan import Plan
 from polyshard.transitions import transition_bytes, wire_bytes
@@ -42,7 +45,7 @@ def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], it
         if isinstance(src, Layout) and dst is not None and src != dst and _first_to_take(node, inp, dst, plan):
             for axis, b in transition_bytes(src, dst, shape_of(inp), itemsize, backend, all_to_all).items():
                 out[axis] = out.get(axis, 0.0) + b
-    for axis, b in partial_sum_bytes(node, entry, modules, itemsize, backend).items():
+    for axis, b in own_bytes(node, entry, modules, itemsize, backend).items():
         out[axis] = out.get(axis, 0.0) + b
     return out
 
@@ -51,6 +54,41 @@ def _first_to_take(node: fx.Node, inp: fx.Node, dst: Layout, plan: Plan) -> bool
     """Whether ``node`` is the first of ``inp``'s consumers to take it in ``dst``."""
     first = next(u for u in inp.users if u is node or plan.nodes[u.name].inputs.get(inp.name) == dst)
     return first is node
+
+
+def own_bytes(node, entry, modules, itemsize: int, backend: str) -> dict[str, float]:
+    """Bytes an op's own collectives send, per axis: its partial sums and its halo."""
+    out = partial_sum_bytes(node, entry, modules, itemsize, backend)
+    for axis, b in halo_bytes(node, entry, modules, itemsize, backend).items():
+        out[axis] = out.get(axis, 0.0) + b
+    return out
+
+
+def halo_bytes(node, entry, modules, itemsize: int, backend: str) -> dict[str, float]:
+    """Bytes a window op on an image split by height and width sends its neighbours, per axis: the rows
+    before its tile's end to the next rank, those after its start to the previous one (polyshard.halo);
+    batch norm all-reduces two values per channel and global pooling its pooled output."""
+    if entry.impl != "spatial" or node.op != "call_module":
+        return {}
+    module, x = modules[node.target], node.args[0]
+    layout, shape = entry.inputs[x.name], shape_of(x)
+    out: dict[str, float] = {}
+    if isinstance(module, (nn.BatchNorm2d, nn.AdaptiveAvgPool2d)):
+        for axis in (a for d in SPLIT_DIMS for a in layout.dims[d]):
+            values = shape[1] * (2 if isinstance(module, nn.BatchNorm2d) else shape[0])
+            out[axis] = wire_bytes("all_reduce", values * itemsize, layout.axis_sizes[axis], backend)
+        return out
+    if not hasattr(module, "padding") or isinstance(module, nn.ConvTranspose2d):
+        return out
+    local = list(layout.local_shape(shape))
+    kernel, stride, padding = (pair(getattr(module, k)) for k in ("kernel_size", "stride", "padding"))
+    for d in SPLIT_DIMS:
+        for axis in layout.dims[d]:
+            before, after, _ = halo(shape[d], layout.num_shards(d), kernel[d - 2], stride[d - 2], padding[d - 2])
+            rows = max(before, 0) + max(after, 0)
+            out[axis] = out.get(axis, 0.0) + rows * math.prod(local) / local[d] * itemsize
+            local[d] += rows  # the width's halo runs on the tile grown by the height's
+    return out
 
 
 def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, float]:

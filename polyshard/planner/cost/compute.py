@@ -46,6 +46,10 @@ def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> f
             return 2 * local * module.weight.shape[order[1]] / weight.num_shards(order[1])
         if isinstance(module, nn.Embedding):
             return 0.0
+        if isinstance(module, nn.Conv2d):  # a multiply-add per output element and weight of its filter
+            return 2 * local * module.weight[0].numel()
+        if isinstance(module, nn.ConvTranspose2d):  # a multiply-add per input element and weight it spreads
+            return 2 * math.prod(shape_of(node.args[0])) / out.pieces * module.weight[0].numel()
     if op_key(node) is F.scaled_dot_product_attention:
         q, k = (shape_of(n) for n in node.args[:2])
         return 4 * local / q[-1] * k[-2] * q[-1]
