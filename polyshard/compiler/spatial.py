@@ -33,26 +33,27 @@ class Split:
     out: int
 
 
-class _Halo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, lo, hi, group, fill):
-        ctx.dim, ctx.lo, ctx.hi, ctx.group = dim, lo, hi, group
-        before, after = _swap(x.narrow(dim, x.size(dim) - lo, lo), x.narrow(dim, 0, hi), group)
-        edge = lambda n: x.new_full((*x.shape[:dim], n, *x.shape[dim + 1:]), fill)  # noqa: E731
-        return torch.cat([before if before is not None else edge(lo), x, after if after is not None else edge(hi)],
-                         dim)
+class _Strips(torch.autograd.Function):
+    """The rows a tile's windows reach in its neighbours along ``dim``: (``lo`` rows before it, ``hi`` after
+    it), ``fill`` past the image's edges; backward sends their gradients back to the ranks they came from."""
 
     @staticmethod
-    def backward(ctx, grad):
+    def forward(ctx, x, dim, lo, hi, group, fill):
+        ctx.dim, ctx.lo, ctx.hi, ctx.group, ctx.shape = dim, lo, hi, group, x.shape
+        before, after = _swap(x.narrow(dim, x.size(dim) - lo, lo), x.narrow(dim, 0, hi), group)
+        edge = lambda n: x.new_full((*x.shape[:dim], n, *x.shape[dim + 1:]), fill)  # noqa: E731
+        return before if before is not None else edge(lo), after if after is not None else edge(hi)
+
+    @staticmethod
+    def backward(ctx, grad_before, grad_after):
         dim, lo, hi = ctx.dim, ctx.lo, ctx.hi
-        mine = grad.narrow(dim, lo, grad.size(dim) - lo - hi).clone()
-        # the halo's gradient belongs to the neighbour it came from: the 'before' rows to the previous rank
-        from_prev, from_next = _swap(grad.narrow(dim, grad.size(dim) - hi, hi), grad.narrow(dim, 0, lo), ctx.group)
-        if from_next is not None and lo:
-            mine.narrow(dim, mine.size(dim) - lo, lo).add_(from_next)
+        from_prev, from_next = _swap(grad_after.contiguous(), grad_before.contiguous(), ctx.group)
+        grad = grad_before.new_zeros(ctx.shape)
+        if from_next is not None and lo:  # the next rank's rows before it are this tile's last
+            grad.narrow(dim, ctx.shape[dim] - lo, lo).add_(from_next)
         if from_prev is not None and hi:
-            mine.narrow(dim, 0, hi).add_(from_prev)
-        return mine, None, None, None, None, None
+            grad.narrow(dim, 0, hi).add_(from_prev)
+        return grad, None, None, None, None, None
 
 
 def _swap(to_next: torch.Tensor, to_prev: torch.Tensor, group) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -78,10 +79,76 @@ def _swap(to_next: torch.Tensor, to_prev: torch.Tensor, group) -> tuple[torch.Te
     return from_prev, from_next
 
 
-def with_halo(x: torch.Tensor, split: Split, fill: float = 0.0) -> torch.Tensor:
-    """``x`` with the rows ``split``'s windows reach in its neighbours (``fill`` past the image's edges)."""
-    lo, hi = max(split.lo, 0), max(split.hi, 0)
-    return _Halo.apply(x, split.dim, lo, hi, split.group, fill) if lo or hi else x
+def strips(x: torch.Tensor, splits: tuple[Split, ...], fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each split dim's (before, after) rows, height first, width then from the tile grown by the height's
+    (so corners come along). The grown tile is a temporary: nothing keeps it."""
+    out = []
+    for s in splits:
+        lo, hi = max(s.lo, 0), max(s.hi, 0)
+        pair_ = _Strips.apply(x, s.dim, lo, hi, s.group, fill)
+        out.append(pair_)
+        x = torch.cat([pair_[0], x, pair_[1]], s.dim)
+    return out
+
+
+def _grown(x: torch.Tensor, splits: tuple[Split, ...], rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The tile with its strips around it (``rows``: before, after of each split dim in turn)."""
+    for k, s in enumerate(splits):
+        x = torch.cat([rows[2 * k], x, rows[2 * k + 1]], s.dim)
+    return x
+
+
+def _ungrown(grad: torch.Tensor, splits: tuple[Split, ...], rows: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The grown tile's gradient cut back into (tile, before, after of each split dim)."""
+    parts: list[torch.Tensor] = [None] * (2 * len(splits))
+    for k in reversed(range(len(splits))):
+        d, lo, hi = splits[k].dim, rows[2 * k].size(splits[k].dim), rows[2 * k + 1].size(splits[k].dim)
+        parts[2 * k], parts[2 * k + 1] = grad.narrow(d, 0, lo), grad.narrow(d, grad.size(d) - hi, hi)
+        grad = grad.narrow(d, lo, grad.size(d) - lo - hi)
+    return [grad, *parts]
+
+
+class _TileConv(torch.autograd.Function):
+    """conv2d over a tile with its strips, keeping the tile (which the op before keeps anyway) and the
+    strips, not the grown copy: backward grows it again."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, conv, splits, *rows):
+        ctx.conv, ctx.splits, ctx.has_bias = conv, splits, bias is not None
+        ctx.save_for_backward(x, weight, *rows)
+        return F.conv2d(_grown(x, splits, rows), weight, bias, *conv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, *rows = ctx.saved_tensors
+        grown = _grown(x, ctx.splits, rows)
+        stride, padding, dilation, groups = ctx.conv
+        grad_in = torch.nn.grad.conv2d_input(grown.shape, weight, grad, stride, padding, dilation, groups)
+        grad_w = torch.nn.grad.conv2d_weight(grown, weight.shape, grad, stride, padding, dilation, groups)
+        grad_b = grad.sum((0, 2, 3)) if ctx.has_bias else None
+        tile, *strip_grads = _ungrown(grad_in, ctx.splits, rows)
+        return (tile, grad_w, grad_b, None, None, *strip_grads)
+
+
+class _TileMaxPool(torch.autograd.Function):
+    """max_pool2d over a tile with its strips, keeping only the argmax of each window for backward."""
+
+    @staticmethod
+    def forward(ctx, x, pool, splits, *rows):
+        grown = _grown(x, splits, rows)
+        y, index = F.max_pool2d(grown, *pool, return_indices=True)
+        ctx.splits, ctx.shape = splits, grown.shape
+        ctx.save_for_backward(index, *rows)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, *rows = ctx.saved_tensors
+        n, c = ctx.shape[:2]
+        grown = grad.new_zeros(ctx.shape)
+        grown.view(n, c, -1).scatter_add_(2, index.reshape(n, c, -1), grad.reshape(n, c, -1))
+        tile, *strip_grads = _ungrown(grown, ctx.splits, rows)
+        return (tile, None, None, *strip_grads)
 
 
 class _SumGrad(torch.autograd.Function):
@@ -95,23 +162,6 @@ class _SumGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _Sum(torch.autograd.Function):
-    """Sum over ``group`` forward; backward sums too (each rank's gradient is its own part's share)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -142,21 +192,54 @@ class SpatialWindow(nn.Module):
         self.fill = float("-inf") if isinstance(module, nn.MaxPool2d) else 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for s in self.splits:
-            x = with_halo(x, s, self.fill)
-        m = self.module
+        m, splits = self.module, tuple(s for s in self.splits if max(s.lo, 0) or max(s.hi, 0))
+        rows = [t for pair_ in strips(x, splits, self.fill) for t in pair_]
         if isinstance(m, nn.MaxPool2d):
-            y = F.max_pool2d(x, m.kernel_size, m.stride, self.padding, m.dilation, m.ceil_mode)
+            y = _TileMaxPool.apply(x, (m.kernel_size, m.stride, self.padding, m.dilation, m.ceil_mode), splits, *rows)
         else:
             weight = _SumGrad.apply(m.weight, self.weights_group)
             bias = _SumGrad.apply(m.bias, self.weights_group) if m.bias is not None else None
             if isinstance(m, nn.ConvTranspose2d):
                 y = F.conv_transpose2d(x, weight, bias, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
             else:
-                y = F.conv2d(x, weight, bias, m.stride, self.padding, m.dilation, m.groups)
+                y = _TileConv.apply(x, weight, bias, (m.stride, self.padding, m.dilation, m.groups), splits, *rows)
         for s in self.splits:
             y = y.narrow(s.dim, 0, s.out)
         return y
+
+
+class _BatchNorm(torch.autograd.Function):
+    """Training batch norm over every element of a channel on ``group``'s ranks, keeping only the normalized
+    input for backward (torch's own keeps its input). Also returns the batch mean and variance."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, group):
+        count = x.numel() // x.size(1) * dist.get_world_size(group)
+        mean = x.sum((0, 2, 3))
+        dist.all_reduce(mean, group=group)
+        mean /= count
+        centred = x - mean[None, :, None, None]
+        var = (centred * centred).sum((0, 2, 3))
+        dist.all_reduce(var, group=group)
+        var /= count
+        invstd = torch.rsqrt(var + eps)
+        normed = centred.mul_(invstd[None, :, None, None])
+        ctx.save_for_backward(normed, weight, invstd)
+        ctx.count, ctx.group = count, group
+        ctx.mark_non_differentiable(mean, var)
+        y = normed * weight[None, :, None, None] + bias[None, :, None, None] if weight is not None else normed.clone()
+        return y, mean, var
+
+    @staticmethod
+    def backward(ctx, grad, _mean, _var):
+        normed, weight, invstd = ctx.saved_tensors
+        sums = torch.stack([grad.sum((0, 2, 3)), (grad * normed).sum((0, 2, 3))])
+        grad_b, grad_w = sums[0].clone(), sums[1].clone()  # this rank's parts (added up over tiles outside)
+        dist.all_reduce(sums, group=ctx.group)
+        scale = invstd * weight if weight is not None else invstd
+        grad_x = (grad - sums[0][None, :, None, None] / ctx.count
+                  - normed * (sums[1] / ctx.count)[None, :, None, None]) * scale[None, :, None, None]
+        return grad_x, grad_w if weight is not None else None, grad_b if weight is not None else None, None, None
 
 
 class SpatialBatchNorm2d(nn.Module):
@@ -172,19 +255,14 @@ class SpatialBatchNorm2d(nn.Module):
         bias = _SumGrad.apply(m.bias, self.weights_group) if m.affine else None
         if not (m.training or m.running_mean is None):
             return F.batch_norm(x, m.running_mean, m.running_var, weight, bias, False, 0.0, m.eps)
-        count = x.numel() // x.size(1) * dist.get_world_size(self.stats_group)
-        sums = _Sum.apply(torch.stack([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3))]), self.stats_group)
-        mean = sums[0] / count
-        var = sums[1] / count - mean * mean
+        y, mean, var = _BatchNorm.apply(x, weight, bias, m.eps, self.stats_group)
         if m.training and m.running_mean is not None:
             with torch.no_grad():
+                count = x.numel() // x.size(1) * dist.get_world_size(self.stats_group)
                 m.num_batches_tracked.add_(1)
                 rate = m.momentum if m.momentum is not None else 1.0 / float(m.num_batches_tracked)
-                m.running_mean.mul_(1 - rate).add_(mean.detach(), alpha=rate)
-                m.running_var.mul_(1 - rate).add_(var.detach() * count / max(count - 1, 1), alpha=rate)
-        y = (x - mean[None, :, None, None]) * torch.rsqrt(var + m.eps)[None, :, None, None]
-        if weight is not None:
-            y = y * weight[None, :, None, None] + bias[None, :, None, None]
+                m.running_mean.mul_(1 - rate).add_(mean, alpha=rate)
+                m.running_var.mul_(1 - rate).add_(var * count / max(count - 1, 1), alpha=rate)
         return y
 
 
