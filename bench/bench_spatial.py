@@ -102,7 +102,8 @@ def main() -> None:
                "speedup": round(whole_s / split_s, 3), "torch": torch.__version__}
         print(f"| {args.model} | {args.image_size} x {args.image_size} x {args.batch} | {args.mesh} | "
               f"{whole_peak['activation'] / 2**20:.1f} MiB | {split_peak['activation'] / 2**20:.1f} MiB | "
-              f"{share:.3f} (goal <= {1.1 * (1 + halo) / ranks:.3f}) | {whole_s * 1e3:.0f} ms | {split_s * 1e3:.0f} ms | "
+              f"{share:.3f} (goal <= {1.1 * (1 + halo) / ranks:.3f}) | {whole_s * 1e3:.0f} ms | "
+              f"{split_s * 1e3:.0f} ms | "
               f"{whole_s / split_s:.2f}x |")
         print(json.dumps(row))
     dist.barrier()

@@ -159,6 +159,18 @@ class Mesh:
                                      f"use a multiple of {n}")
         return tuple(t.chunk(n)[i] for t in tensors)
 
+    def piece(self, layout, shape) -> tuple[slice, ...]:
+        """This rank's slice of each dim of a tensor of ``shape`` laid out by ``layout`` (over mesh axes;
+        each split dim divides evenly)."""
+        coords, sizes = self.coords(), layout.axis_sizes
+        out = []
+        for size, axes in zip(shape, layout.dims):
+            index, count = 0, 1
+            for a in axes:
+                index, count = index * sizes[a] + coords[a], count * sizes[a]
+            out.append(slice(index * size // count, (index + 1) * size // count))
+        return tuple(out)
+
     def device_mesh(self, op_axes: Axes | None = None):
         """The DeviceMesh over ``op_axes`` (a refinement of this mesh's op axes) for this rank."""
         op_axes = self.op_axes if op_axes is None else op_axes

@@ -3,9 +3,10 @@
 Each rank holds a tile. A window op (convolution, pooling) first takes from its neighbours the border rows
 and columns its windows reach past the tile (the halo), height first, then width on the taller tile, so
 corners come along; the tile's own op then runs without padding on the split dims (the image's edges are
-padded as the op pads them). In backward the halo's gradient goes back to the rank it came from and is
-added there. Batch norm sums its statistics over every rank that holds part of a channel (tiles and
-data-parallel rows), so it normalizes as one device does; global average pooling adds the tiles' shares.
+padded as the op pads them). It keeps the tile and those thin strips for backward, which grows the tile
+again, not a padded copy; the halo's gradient goes back to the rank it came from and is added there.
+Batch norm sums its statistics over every rank that holds part of a channel (tiles and data-parallel
+rows), so it normalizes as one device does; global average pooling adds the tiles' shares.
 Weights are whole on every rank, and their gradients, sums over the tiles, are added up across them.
 """
 
@@ -85,9 +86,9 @@ def strips(x: torch.Tensor, splits: tuple[Split, ...], fill: float) -> list[tupl
     out = []
     for s in splits:
         lo, hi = max(s.lo, 0), max(s.hi, 0)
-        pair_ = _Strips.apply(x, s.dim, lo, hi, s.group, fill)
-        out.append(pair_)
-        x = torch.cat([pair_[0], x, pair_[1]], s.dim)
+        before, after = _Strips.apply(x, s.dim, lo, hi, s.group, fill)
+        out.append((before, after))
+        x = torch.cat([before, x, after], s.dim)
     return out
 
 
@@ -193,7 +194,7 @@ class SpatialWindow(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m, splits = self.module, tuple(s for s in self.splits if max(s.lo, 0) or max(s.hi, 0))
-        rows = [t for pair_ in strips(x, splits, self.fill) for t in pair_]
+        rows = [t for around in strips(x, splits, self.fill) for t in around]
         if isinstance(m, nn.MaxPool2d):
             y = _TileMaxPool.apply(x, (m.kernel_size, m.stride, self.padding, m.dilation, m.ceil_mode), splits, *rows)
         else:

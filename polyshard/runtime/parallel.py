@@ -10,7 +10,6 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed.tensor import distribute_tensor
 from torch.utils._pytree import tree_map
 
 from polyshard.cluster import Cluster
@@ -106,7 +105,7 @@ def _piece(t: torch.Tensor, layout, mesh: Mesh) -> torch.Tensor:
     if not isinstance(layout, Layout) or layout.is_replicated:
         return t
     layout.check_divides(t.shape, "input")
-    return distribute_tensor(t, mesh.device_mesh(layout.axes), layout.placements(), src_data_rank=None).to_local()
+    return t[mesh.piece(layout, t.shape)]
 
 
 def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = None, mesh: Mesh | None = None,
@@ -115,7 +114,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
                 memory_limit_bytes: float | None = None, recompute: str | None = None,
                 recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
                 virtual_stages: int | None = None, sequence_parallel: bool = False,
-                tp_plan: bool = False, pp_plan: bool = False, dataset_strategy: Sequence | None = None) -> ParallelModule:
+                tp_plan: bool = False, pp_plan: bool = False,
+                dataset_strategy: Sequence | None = None) -> ParallelModule:
     """Split ``model`` over the mesh: pinned ops keep their strategies, the others follow the op rules.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values): the positional arguments, or a

@@ -62,7 +62,8 @@ def test_a_window_that_does_not_line_up_gathers_the_image_and_says_so():
 
 
 @pytest.mark.parametrize("strategy,image,message", [
-    (((1, 1, 2),), 32, r"dataset_strategy\[0\] \(1, 1, 2\) has 3 entries, but input `images` has shape \(2, 3, 32, 32\)"),
+    (((1, 1, 2),), 32,
+     r"dataset_strategy\[0\] \(1, 1, 2\) has 3 entries, but input `images` has shape \(2, 3, 32, 32\)"),
     ("h", 32, "one entry per input"),
     (((1, 3, 1, 1),), 32, "uses 3 devices, which does not divide the 4 devices of the op axes"),
     (((1, 1, 4, 1),), 30, "does not divide dim 2 of size 30 .* use a count that divides 30"),

@@ -1,0 +1,67 @@
+"""Image arrays on disk: seeded draws, each rank reading only its rows and its tile, resumable."""
+
+import numpy as np
+import pytest
+import torch
+
+from polyshard.data.images import ImageBatches, open_images
+from polyshard.errors import PolyshardError
+from polyshard.layout import Layout
+from polyshard.mesh import Mesh
+
+
+class _Recording(np.ndarray):
+    """An array that records the windows read from it."""
+
+    reads: list
+
+    def __getitem__(self, index):
+        self.reads.append(index)
+        return np.asarray(super().__getitem__(index))
+
+
+def _image_set(tmp_path, masks: bool = True):
+    g = np.random.default_rng(0)
+    np.save(tmp_path / "train.npy", g.standard_normal((10, 3, 16, 16)).astype(np.float32))
+    np.save(tmp_path / "train.labels.npy", g.integers(0, 3, (10, 16, 16) if masks else (10,)))
+    return str(tmp_path / "train.npy")
+
+
+def test_a_rank_reads_only_its_rows_and_its_tile(tmp_path):
+    images, labels = open_images(_image_set(tmp_path))
+    whole_x, whole_y = next(ImageBatches(images, labels, 4, seed=5))
+    mesh = Mesh((("dp", 2), ("h", 2), ("w", 2)), ("dp",), "cpu", rank=7)  # dp 1, h 1, w 1
+    tile = mesh.piece(Layout((("h", 2), ("w", 2)), ((), (), ("h",), ("w",))), (4, 3, 16, 16))[2:]
+    recording = np.asarray(images).view(_Recording)
+    recording.reads = []
+    x, y = next(ImageBatches(recording, labels, 4, seed=5, rows=slice(2, 4), tile=tile))
+    assert torch.equal(x, whole_x[2:4, :, 8:, 8:]) and torch.equal(y, whole_y[2:4, 8:, 8:])
+    read = [np.empty((16, 16))[r[2:]].size * 3 for r in recording.reads]
+    assert len(read) == 2 and sum(read) == 2 * 3 * 8 * 8  # two images, a quarter of each
+
+
+def test_draws_are_seeded_and_resume_where_they_stood(tmp_path):
+    images, labels = open_images(_image_set(tmp_path, masks=False))
+    a, b = ImageBatches(images, labels, 3, seed=1), ImageBatches(images, labels, 3, seed=1)
+    next(a)
+    saved = a.position()
+    expected = [next(a) for _ in range(2)]
+    next(b)
+    b.seek(saved)
+    for (x, y), (ex, ey) in zip((next(b) for _ in range(2)), expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey) and y.shape == (3,)
+    assert not torch.equal(next(ImageBatches(images, labels, 3, seed=2))[0], next(ImageBatches(images, labels, 3,
+                                                                                               seed=1))[0])
+
+
+@pytest.mark.parametrize("images,labels,message", [
+    ((10, 16, 16), (10,), r"shape \(10, 16, 16\); images are \(N, C, H, W\)"),
+    ((10, 3, 16, 16), (10, 8, 8), r"labels are \(10,\) classes or \(10, 16, 16\) masks"),
+    ((10, 3, 16, 16), None, "train.labels.npy"),
+])
+def test_what_cannot_be_an_image_set_is_refused(tmp_path, images, labels, message):
+    np.save(tmp_path / "train.npy", np.zeros(images, dtype=np.float32))
+    if labels is not None:
+        np.save(tmp_path / "train.labels.npy", np.zeros(labels, dtype=np.int64))
+    with pytest.raises(PolyshardError, match=message):
+        open_images(str(tmp_path / "train.npy"))
