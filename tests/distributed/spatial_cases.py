@@ -16,13 +16,15 @@ from tests.distributed.cases import rel_err
 
 
 def image_parity(model: str, mesh: str, strategy: tuple, steps: int = 3, batch: int = 8, image: int = 32) -> dict:
-    """AdamW steps in float64 of ``model`` ("resnet": a classifier; "unet": per-pixel classes) on ``mesh``
+    """AdamW steps in float64 of ``model`` ("resnet": a classifier; "unet", "unet-nearest": per-pixel classes,
+    upsampling by transposed convolutions or nearest neighbours) on ``mesh``
     with the images laid out by ``strategy`` (and a UNet's masks alike), against one device: every loss,
     every parameter and batch norm's running statistics."""
     ps.init(mesh)
     m = ps.current_mesh()
     torch.manual_seed(0)
-    ref = (ResNet if model == "resnet" else UNet)(image_size=image).double()
+    build = {"resnet": ResNet, "unet": UNet, "unet-nearest": lambda **kw: UNet(up="nearest", **kw)}[model]
+    ref = build(image_size=image).double()
     par = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(1)
     labels = (batch,) if model == "resnet" else (batch, image, image)

@@ -27,3 +27,10 @@ def test_unet_on_split_images_trains_as_one_device(pools, mesh, strategy):
         assert r["loss_err"] < TOL and r["param_err"] < TOL and r["buffer_err"] < TOL, r
     spatial = results[0]["spatial"]  # 11 convolutions (the 1x1 head too), 10 norms, 2 poolings, 2 up, the loss
     assert len(spatial) == 26 and {"up_0", "up_1", "cross_entropy"} <= set(spatial), spatial
+
+
+def test_unet_upsampling_by_nearest_neighbours_keeps_the_split(pools):
+    results = pools(4).run(cases.image_parity, "unet-nearest", "h=2,w=2", (1, 1, 2, 2))
+    for r in results:
+        assert r["loss_err"] < TOL and r["param_err"] < TOL and r["buffer_err"] < TOL, r
+    assert {"up_0_1", "up_1_1"} <= set(results[0]["spatial"])  # the 1x1 convolutions after upsampling: on tiles

@@ -81,3 +81,17 @@ def test_the_cost_model_counts_a_tile_s_products_and_its_halo():
     modules, stem = dict(gm.named_modules()), next(n for n in gm.graph.nodes if n.name == "stem_0")
     assert node_comm_bytes(stem, plan, modules, 4, "gloo") == {"h": 2 * 2 * 3 * 16 * 4, "w": 2 * 2 * 3 * 18 * 4}
     assert forward_flops(stem, plan, modules) == 2 * (2 * 8 * 16 * 16) * (3 * 3 * 3)
+
+
+@pytest.mark.parametrize("mode,kept", [("nearest", True), ("bilinear", False)])
+def test_upsampling_keeps_the_split_only_by_nearest_neighbours(mode, kept):
+    from polyshard.models.unet import UNet
+
+    model = UNet(up="nearest")
+    for up in model.up:
+        up[0].mode = mode
+    x = torch.zeros(2, 3, 32, 32)
+    gm = capture(model, (x, torch.zeros(2, 32, 32, dtype=torch.long)))
+    mesh = Mesh(AXES, (), "cpu", 0)
+    plan = propagate(gm, AXES, lambda _: None, inputs=_input_layouts(gm, ((1, 1, 2, 2), (1, 2, 2)), mesh))
+    assert (not plan.nodes["up_0_0"].output.is_replicated) == kept

@@ -3,7 +3,8 @@
 A window op (Conv2d, MaxPool2d) keeps its input's split where every tile's windows line up with its
 output tile (polyshard.halo); lowering then exchanges the halo (polyshard.compiler.spatial). Other
 windows gather the image first. Channels stay whole. A transposed convolution whose kernel equals its
-stride needs no halo, and a per-pixel cross-entropy adds up its tiles' losses.
+stride, and nearest-neighbour upsampling by a whole factor, need no halo; a per-pixel cross-entropy adds
+up its tiles' losses.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def transposed(node: fx.Node, module: nn.ConvTranspose2d, ctx: RuleContext) -> D
     return Decision("spatial" if kept else "local", {x.name: need}, need, params=params)
 
 
+def upsample(node: fx.Node, module: nn.Upsample, ctx: RuleContext) -> Decision:
+    """Nearest-neighbour upsampling by a whole factor: each pixel makes its own block, so a tile makes its
+    output tile (other modes blend neighbours, and a fixed output size is the whole image's: gathered)."""
+    x = node.args[0]
+    src = ctx.layout(x)
+    factor = module.scale_factor if isinstance(module.scale_factor, tuple) else (module.scale_factor,) * 2
+    whole = module.mode != "nearest" or module.size is not None or any(f is None or f != int(f) for f in factor)
+    need = _only(src, () if whole else SPLIT_DIMS)
+    return Decision("local", {x.name: need}, need)
+
+
 def cross_entropy(node: fx.Node, ctx: RuleContext) -> Decision | None:
     """Cross-entropy of per-pixel logits (N, C, H, W) against targets (N, H, W), both split alike by height
     and width: each tile's losses summed, over the count of all tiles' counted pixels. None otherwise."""
@@ -94,4 +106,4 @@ def _only(layout: Layout, dims) -> Layout:
 
 
 SPATIAL_MODULES = {nn.Conv2d: window, nn.MaxPool2d: window, nn.ConvTranspose2d: transposed,
-                   nn.BatchNorm2d: batch_norm, nn.AdaptiveAvgPool2d: global_pool}
+                   nn.BatchNorm2d: batch_norm, nn.AdaptiveAvgPool2d: global_pool, nn.Upsample: upsample}
