@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
-from torch import fx
+from torch import fx, nn
 
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
@@ -31,6 +31,7 @@ from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
 from polyshard.planner.plan import DTYPES, NodePlan, Plan
 from polyshard.planner.rules import RuleContext, decide_all
+from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.transitions import transition_bytes
 
 MAX_COMBOS = 64  # input-layout combinations tried per op
@@ -61,11 +62,11 @@ def candidates(gm: fx.GraphModule, op_axes: Axes,
     the run's second block, renamed) when its inputs may arrive in the same layouts: a 96-layer
     model is enumerated as two layers."""
     modules = dict(gm.named_modules())
-    ctx = RuleContext(op_axes, modules, {}, {}, lambda msg: None, sequence)
+    ctx = RuleContext(op_axes, modules, {}, {}, lambda msg: None, sequence, gm.meta.get(INPUT_LAYOUTS, {}))
     nodes = list(gm.graph.nodes)
     twins = _TWINS.get(gm)
     if twins is None:
-        twins = _TWINS[gm] = _twins(nodes)
+        twins = _TWINS[gm] = _twins(nodes, modules)
     values: dict[str, list] = {}
     out: dict[str, list[NodePlan]] = {}
     copied: dict[str, str] = {}
@@ -95,7 +96,7 @@ def _same(a: list, b: list) -> bool:
 _TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: every split enumerates the same blocks
 
 
-def _twins(nodes: list[fx.Node]) -> dict[str, fx.Node]:
+def _twins(nodes: list[fx.Node], modules: dict[str, nn.Module]) -> dict[str, fx.Node]:
     """Node -> the same position in the second block of its run of identical blocks (third block on)."""
     blocks: dict[str, list[fx.Node]] = {}
     for n in nodes:
@@ -105,7 +106,7 @@ def _twins(nodes: list[fx.Node]) -> dict[str, fx.Node]:
     twins: dict[str, fx.Node] = {}
     run: list[list[fx.Node]] = []
     for members in list(blocks.values()) + [[]]:
-        if run and _signature(members) == _signature(run[0]):
+        if run and _signature(members, modules) == _signature(run[0], modules):
             run.append(members)
             continue
         for later in run[2:]:
@@ -114,8 +115,11 @@ def _twins(nodes: list[fx.Node]) -> dict[str, fx.Node]:
     return twins
 
 
-def _signature(members: list[fx.Node]) -> tuple:
-    return tuple((m.op, _strip(m), shape_of(m), len(m.all_input_nodes)) for m in members)
+def _signature(members: list[fx.Node], modules: dict[str, nn.Module]) -> tuple:
+    """What makes blocks alike: each member's op, target (indices aside), module type, shape and inputs (the
+    members of one Sequential, a Conv2d then a BatchNorm2d, are blocks of one node each, and not alike)."""
+    return tuple((m.op, _strip(m), type(modules[m.target]) if m.op == "call_module" else None, shape_of(m),
+                  len(m.all_input_nodes)) for m in members)
 
 
 def _key(value):

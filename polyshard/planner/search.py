@@ -46,6 +46,7 @@ from polyshard.planner.pipeline import (BUCKET_BYTES, PipelineCost, Setup, Units
 from polyshard.planner.config import Fixed
 from polyshard.pin import tp_plan_agreement
 from polyshard.planner.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
+from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.planner.stages import assign_chunks, block_paths, pp_plan_agreement, pp_plan_units
 from polyshard.transitions import wire_bytes
 
@@ -168,14 +169,15 @@ def _paused_cycle_collection(fn):
 def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Cluster, global_batch: int,
            memory_limit_bytes: float | None = None, meshes=None, data_axes: tuple[str, ...] = ("dp",),
            fixed: Fixed = Fixed(), reserve_bytes: float | None = None,
-           pp_plan: bool = False) -> tuple[Plan, list[Candidate]]:
+           pp_plan: bool = False, inputs: dict | None = None) -> tuple[Plan, list[Candidate]]:
     """The best plan over ``meshes`` (default: every dp x pp x tp split) and every candidate's costs.
 
     ``example_row``: inputs for one row (batch dim 1); ``global_batch``: rows per step in all;
     ``data_axes``: the mesh axes that split the batch (``pp`` holds pipeline stages; the others split operators);
     ``fixed``: settings the plan must keep; ``reserve_bytes``: of the limit, what plans leave free
     (default :func:`default_reserve_bytes`); ``pp_plan``: stages may begin at every module a transformers
-    model's own pipeline plan names (:func:`pp_plan_units`), not only at its repeated blocks.
+    model's own pipeline plan names (:func:`pp_plan_units`), not only at its repeated blocks; ``inputs``:
+    layouts of the graph's inputs by placeholder name (a dataset strategy's, over the one mesh searched).
     """
     reserve = default_reserve_bytes(cluster) if reserve_bytes is None else reserve_bytes
     limit = (memory_limit_bytes or cluster.memory_bytes) - reserve
@@ -183,6 +185,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         raise PolyshardError(f"the memory reserve of {format_bytes(reserve)} leaves nothing of the "
                              f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the reserve")
     gm = capture(model, example_row)
+    if inputs:
+        gm.meta[INPUT_LAYOUTS] = dict(inputs)
     costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else ())
     candidates, plans, skipped = [], {}, []
     best_s = float("inf")

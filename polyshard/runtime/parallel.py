@@ -154,9 +154,10 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
             )
         example_inputs = model.example_inputs()
     gm = capture(model, example_inputs)
-    if dataset_strategy is not None and (search or plan is not None or mesh.pp > 1):
-        raise PolyshardError("dataset_strategy lays out the inputs for the rules' propagation; it does not combine "
-                             "with search=True, a given plan or a pipeline yet: drop one of them")
+    if dataset_strategy is not None and (plan is not None or mesh.pp > 1):
+        raise PolyshardError("dataset_strategy lays out the inputs for propagation or the search; it does not "
+                             "combine with a given plan or a pipeline yet: drop one of them")
+    inputs = _input_layouts(gm, dataset_strategy, mesh)
     if tp_plan:
         _pin_tp_plan(model, gm, mesh)
     if pp_plan and mesh.pp == 1:
@@ -177,9 +178,10 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
             row = tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, example_inputs)
             plan, _ = search_plan(model, row, cluster, batch_rows(example_inputs) * mesh.num_data_shards,
                                   memory_limit_bytes, meshes=[mesh.axes], data_axes=mesh.data_axes,
-                                  fixed=Fixed(sp=1) if sequence_parallel else Fixed(), pp_plan=pp_plan)
+                                  fixed=Fixed(sp=1) if sequence_parallel else Fixed(), pp_plan=pp_plan,
+                                  inputs=inputs)
         else:
-            plan = propagate(gm, mesh.op_axes, warn, sequence_parallel, _input_layouts(gm, dataset_strategy, mesh))
+            plan = propagate(gm, mesh.op_axes, warn, sequence_parallel, inputs)
     plan = dataclasses.replace(plan, mesh=mesh.axes, data_axes=mesh.data_axes)
     copies = copies if copies is not None else getattr(model, COPIES_ATTR, None)
     if copies == "auto":

@@ -15,11 +15,12 @@ from polyshard.models.unet import UNet
 from tests.distributed.cases import rel_err
 
 
-def image_parity(model: str, mesh: str, strategy: tuple, steps: int = 3, batch: int = 8, image: int = 32) -> dict:
+def image_parity(model: str, mesh: str, strategy: tuple, steps: int = 3, batch: int = 8, image: int = 32,
+                 search: bool = False) -> dict:
     """AdamW steps in float64 of ``model`` ("resnet": a classifier; "unet", "unet-nearest": per-pixel classes,
     upsampling by transposed convolutions or nearest neighbours) on ``mesh``
     with the images laid out by ``strategy`` (and a UNet's masks alike), against one device: every loss,
-    every parameter and batch norm's running statistics."""
+    every parameter and batch norm's running statistics. ``search``: the cost model's plan, not the rules'."""
     ps.init(mesh)
     m = ps.current_mesh()
     torch.manual_seed(0)
@@ -32,7 +33,8 @@ def image_parity(model: str, mesh: str, strategy: tuple, steps: int = 3, batch: 
                 torch.randint(0, 3, labels, generator=g)) for _ in range(steps)]
     rows = batch // m.num_data_shards
     masks = None if model == "resnet" else strategy[:1] + strategy[2:]
-    pm = ps.parallelize(par, example_inputs=tuple(t[:rows] for t in batches[0]), dataset_strategy=(strategy, masks))
+    pm = ps.parallelize(par, example_inputs=tuple(t[:rows] for t in batches[0]), dataset_strategy=(strategy, masks),
+                        search=search)
     ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(pm.parameters(), lr=1e-2)
     loss_err, tile = 0.0, None
     for x, y in batches:

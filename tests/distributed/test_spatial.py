@@ -2,6 +2,8 @@
 strided shortcut) and a UNet-style segmenter (transposed convolutions, skips by concatenation, a per-pixel
 loss) on images split by height and width, alone and with data parallel, equal one device; AdamW in float64."""
 
+import functools
+
 import pytest
 
 from tests.distributed import spatial_cases as cases
@@ -9,10 +11,12 @@ from tests.distributed import spatial_cases as cases
 TOL = 1e-10
 
 
-@pytest.mark.parametrize("mesh,strategy,tile", [("h=2,w=2", (1, 1, 2, 2), (8, 3, 16, 16)),
-                                               ("dp=2,h=2", (1, 1, 2, 1), (4, 3, 16, 32))])
-def test_resnet_on_split_images_trains_as_one_device(pools, mesh, strategy, tile):
-    results = pools(4).run(cases.image_parity, "resnet", mesh, strategy)
+@pytest.mark.parametrize("mesh,strategy,tile,search", [("h=2,w=2", (1, 1, 2, 2), (8, 3, 16, 16), False),
+                                                      ("dp=2,h=2", (1, 1, 2, 1), (4, 3, 16, 32), False),
+                                                      ("h=2,w=2", (1, 1, 2, 2), (8, 3, 16, 16), True)])
+def test_resnet_on_split_images_trains_as_one_device(pools, mesh, strategy, tile, search):
+    """The rules' plan, and the cost model's (``search=True``), which keeps the split the strategy gave."""
+    results = pools(4).run(functools.partial(cases.image_parity, search=search), "resnet", mesh, strategy)
     for r in results:
         assert r["loss_err"] < TOL and r["param_err"] < TOL and r["buffer_err"] < TOL, r
         assert r["tile"] == tile

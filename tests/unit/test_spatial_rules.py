@@ -95,3 +95,15 @@ def test_upsampling_keeps_the_split_only_by_nearest_neighbours(mode, kept):
     mesh = Mesh(AXES, (), "cpu", 0)
     plan = propagate(gm, AXES, lambda _: None, inputs=_input_layouts(gm, ((1, 1, 2, 2), (1, 2, 2)), mesh))
     assert (not plan.nodes["up_0_0"].output.is_replicated) == kept
+
+
+def test_the_search_enumerates_each_layer_of_a_sequential_by_its_own_kind():
+    """stem.1 (BatchNorm2d) and stem.2 (ReLU) are blocks of one node with alike names: not twins."""
+    from polyshard.planner.intra_op import candidates
+    from polyshard.planner.rules.base import INPUT_LAYOUTS
+
+    gm = capture(ResNet(), (torch.zeros(1, 3, 32, 32), torch.zeros(1, dtype=torch.long)))
+    gm.meta[INPUT_LAYOUTS] = {"images": Layout(AXES, ((), (), ("h",), ("w",)))}
+    options, copied = candidates(gm, AXES)
+    assert "stem_2" not in copied and all(not o.params for o in options["stem_2"])
+    assert [o.impl for o in options["stem_1"]] == ["spatial"]

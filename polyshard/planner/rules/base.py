@@ -12,6 +12,9 @@ from polyshard.layout import Axes, Layout
 from polyshard.planner.plan import NodePlan as Decision
 
 
+INPUT_LAYOUTS = "polyshard_input_layouts"  # a captured graph's meta: its inputs' layouts, by placeholder name
+
+
 @dataclass
 class RuleContext:
     """What rules read: the op axes, the graph's modules, layouts already fixed, pins; and for the
