@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from pydoc_data.topics import topics
 
+from polyshard.data.draws import SeededDraws
 from polyshard.errors import PolyshardError
 
 VOCAB_SIZE = 256  # one token per byte
@@ -20,7 +21,7 @@ def load_corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
-class TokenBatches:
+class TokenBatches(SeededDraws):
     """Endless (inputs, targets) batches of random windows of ``tokens`` (a 1-D tensor, or a numpy array
     such as a memmap of a token file), the same windows on every process for one seed.
 
@@ -47,19 +48,8 @@ class TokenBatches:
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
-        self._generator = torch.Generator().manual_seed(seed)
+        super().__init__(seed)
         self._offsets = torch.arange(seq_len + 1)
-
-    def position(self) -> torch.Tensor:
-        """Where the sampling stands (its generator's state), to save and resume from."""
-        return self._generator.get_state()
-
-    def seek(self, position: torch.Tensor) -> None:
-        """Continue from a saved :meth:`position`."""
-        self._generator.set_state(position)
-
-    def __iter__(self) -> TokenBatches:
-        return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from polyshard.data.draws import SeededDraws
 from polyshard.errors import PolyshardError
 
 
@@ -35,7 +36,7 @@ def open_images(path: str) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-class ImageBatches:
+class ImageBatches(SeededDraws):
     """Endless (images, labels) batches of ``batch_size`` images drawn with ``seed``, the same draws on every
     rank; a rank reads its ``rows`` of each batch and, of each image, the ``tile`` (height, width slices)."""
 
@@ -45,18 +46,7 @@ class ImageBatches:
             raise PolyshardError(f"batch_size={batch_size} must be at least 1")
         self.images, self.labels, self.batch_size = images, labels, batch_size
         self.rows, self.tile = rows, tile
-        self._generator = torch.Generator().manual_seed(seed)
-
-    def position(self) -> torch.Tensor:
-        """Where the sampling stands (its generator's state), to save and resume from."""
-        return self._generator.get_state()
-
-    def seek(self, position: torch.Tensor) -> None:
-        """Continue from a saved :meth:`position`."""
-        self._generator.set_state(position)
-
-    def __iter__(self) -> ImageBatches:
-        return self
+        super().__init__(seed)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         picks = torch.randint(len(self.images), (self.batch_size,), generator=self._generator)[self.rows].tolist()
