@@ -107,3 +107,26 @@ def test_the_search_enumerates_each_layer_of_a_sequential_by_its_own_kind():
     options, copied = candidates(gm, AXES)
     assert "stem_2" not in copied and all(not o.params for o in options["stem_2"])
     assert [o.impl for o in options["stem_1"]] == ["spatial"]
+
+
+class _Interpolating(nn.Module):
+    def __init__(self, **how):
+        super().__init__()
+        self.how, self.conv = how, nn.Conv2d(3, 3, 3, 1, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.interpolate(self.conv(x), **self.how).mean()
+
+
+@pytest.mark.parametrize("how,kept", [(dict(scale_factor=2), True), (dict(scale_factor=2, mode="nearest"), True),
+                                      (dict(size=(64, 64)), False), (dict(scale_factor=2, mode="bilinear"), False)])
+def test_interpolate_keeps_the_split_only_by_a_whole_nearest_factor(how, kept):
+    x = torch.randn(2, 3, 32, 32)
+    gm = capture(_Interpolating(**how), (x, torch.zeros(2)))
+    plan = propagate(gm, AXES, lambda _: None,
+                     inputs=_input_layouts(gm, ((1, 1, 2, 2), None), Mesh(AXES, (), "cpu", 0)))
+    node = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.interpolate)
+    assert (not plan.nodes[node.name].output.is_replicated) == kept
+    if kept:  # each tile upsampled alone is its block of the whole image upsampled
+        whole = torch.nn.functional.interpolate(x, **how)
+        assert torch.equal(torch.nn.functional.interpolate(x[:, :, 16:, :16], **how), whole[:, :, 32:, :32])

@@ -51,13 +51,18 @@ def transposed(node: fx.Node, module: nn.ConvTranspose2d, ctx: RuleContext) -> D
     return Decision("spatial" if kept else "local", {x.name: need}, need, params=params)
 
 
-def upsample(node: fx.Node, module: nn.Upsample, ctx: RuleContext) -> Decision:
-    """Nearest-neighbour upsampling by a whole factor: each pixel makes its own block, so a tile makes its
-    output tile (other modes blend neighbours, and a fixed output size is the whole image's: gathered)."""
+def upsample(node: fx.Node, module: nn.Upsample | None, ctx: RuleContext) -> Decision:
+    """Nearest-neighbour upsampling by a whole factor (an ``nn.Upsample``, or ``F.interpolate`` when
+    ``module`` is None): each pixel makes its own block, so a tile makes its output tile. Other modes blend
+    neighbours, and a fixed output size is the whole image's: gathered."""
     x = node.args[0]
     src = ctx.layout(x)
-    factor = module.scale_factor if isinstance(module.scale_factor, tuple) else (module.scale_factor,) * 2
-    whole = module.mode != "nearest" or module.size is not None or any(f is None or f != int(f) for f in factor)
+    given = vars(module) if module is not None else dict(zip(("input", "size", "scale_factor", "mode"), node.args))
+    given = given | ({} if module is not None else node.kwargs)
+    factor = given.get("scale_factor")
+    factor = factor if isinstance(factor, (tuple, list)) else (factor,) * 2
+    whole = given.get("mode", "nearest") != "nearest" or given.get("size") is not None or \
+        any(f is None or f != int(f) for f in factor)
     need = _only(src, () if whole else SPLIT_DIMS)
     return Decision("local", {x.name: need}, need)
 

@@ -18,7 +18,7 @@ from polyshard.graph.capture import PIN_ATTR, is_conv1d, is_rms_norm, linear_dim
 from polyshard.graph.ops import op_key
 from polyshard.layout import Layout
 from polyshard.planner.rules.base import Decision, RuleContext
-from polyshard.planner.rules.spatial import SPATIAL_MODULES, cross_entropy as spatial_cross_entropy
+from polyshard.planner.rules.spatial import SPATIAL_MODULES, upsample, cross_entropy as spatial_cross_entropy
 from polyshard.planner.rules.einsum import (
     EinsumSpec, embedding_spec, independent_spec, linear_spec, matmul_spec, output_layout, pin_layouts,
     pin_output_layout, to_common,
@@ -135,6 +135,8 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
         return _attention(node, ctx)
     if target in (F.cross_entropy, "cross_entropy_loss"):
         return spatial_cross_entropy(node, ctx) or _cross_entropy(node, ctx)
+    if target is F.interpolate and shape_of(node.args[0]) is not None and len(shape_of(node.args[0])) == 4:
+        return upsample(node, None, ctx)
     if target in ("sum", "mean", torch.sum, torch.mean):
         return _reduction(node, ctx)
     if target in (torch.matmul, operator.matmul, "matmul"):
