@@ -240,6 +240,7 @@ def _plan(args) -> int:
     from polyshard.cluster import Cluster, parse_bytes
     from polyshard.planner.config import Fixed
     from polyshard.planner.report import compare, render, summary
+    from polyshard.graph.capture import capture
     from polyshard.planner.search import default_reserve_bytes, search
 
     cluster = Cluster.load(args.cluster)
@@ -262,14 +263,15 @@ def _plan(args) -> int:
         from polyshard.runtime.train_config import apply_strategies
 
         apply_strategies(model, args.pin)
+    graph = capture(model, model.example_inputs(1))
     plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, reserve_bytes=reserve,
-                     pp_plan=args.pp_plan)
+                     pp_plan=args.pp_plan, graph=graph)
     plan = dataclasses.replace(plan, model=args.model if args.seq_len is None else models.shape_spec(cfg))
     seconds = time.perf_counter() - start
     pick = None
     if getattr(args, "compare", False):
         pick, _ = search(model, model.example_inputs(1), cluster, batch, limit, reserve_bytes=reserve,
-                         pp_plan=args.pp_plan)
+                         pp_plan=args.pp_plan, graph=graph)
     if args.json:
         print(json.dumps({**summary(plan, cfg, cluster.num_devices), "planning_s": round(seconds, 3),
                           "fixed": fixed.text(),

@@ -13,7 +13,6 @@ optimum bounds the true optimum from below: the gap reported is how far the plan
 from __future__ import annotations
 
 import itertools
-import re
 import weakref
 from dataclasses import dataclass
 
@@ -23,6 +22,8 @@ from torch import fx, nn
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import shape_of
+from polyshard.graph.params import parameters_of
+from polyshard.graph.twins import block_of, stripped, twins
 from polyshard.layout import Axes, Layout
 from polyshard.planner.cost.comm import comm_seconds, own_bytes
 from polyshard.graph.regions import Recomputed, recomputed
@@ -64,15 +65,13 @@ def candidates(gm: fx.GraphModule, op_axes: Axes,
     modules = dict(gm.named_modules())
     ctx = RuleContext(op_axes, modules, {}, {}, lambda msg: None, sequence, gm.meta.get(INPUT_LAYOUTS, {}))
     nodes = list(gm.graph.nodes)
-    twins = _TWINS.get(gm)
-    if twins is None:
-        twins = _TWINS[gm] = _twins(nodes, modules)
+    table = twins(gm)
     values: dict[str, list] = {}
     out: dict[str, list[NodePlan]] = {}
     copied: dict[str, str] = {}
     for node in nodes:
         inputs = node.all_input_nodes
-        twin = twins.get(node.name)
+        twin = table.get(node.name)
         if twin is not None and all(_same(values[a.name], values[b.name]) for a, b in zip(inputs, twin.all_input_nodes)):
             rename = {b.name: a.name for a, b in zip(inputs, twin.all_input_nodes)}
             out[node.name] = [NodePlan(d.impl, {rename[k]: v for k, v in d.inputs.items()}, d.output, d.params,
@@ -91,35 +90,6 @@ def candidates(gm: fx.GraphModule, op_axes: Axes,
 
 def _same(a: list, b: list) -> bool:
     return a is b or a == b  # a copied node shares its twin's list: most checks end at `is`
-
-
-_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: every split enumerates the same blocks
-
-
-def _twins(nodes: list[fx.Node], modules: dict[str, nn.Module]) -> dict[str, fx.Node]:
-    """Node -> the same position in the second block of its run of identical blocks (third block on)."""
-    blocks: dict[str, list[fx.Node]] = {}
-    for n in nodes:
-        block = _block_of(n)
-        if block:
-            blocks.setdefault(block, []).append(n)
-    twins: dict[str, fx.Node] = {}
-    run: list[list[fx.Node]] = []
-    for members in list(blocks.values()) + [[]]:
-        if run and _signature(members, modules) == _signature(run[0], modules):
-            run.append(members)
-            continue
-        for later in run[2:]:
-            twins.update({m.name: t for m, t in zip(later, run[1])})
-        run = [members]
-    return twins
-
-
-def _signature(members: list[fx.Node], modules: dict[str, nn.Module]) -> tuple:
-    """What makes blocks alike: each member's op, target (indices aside), module type, shape and inputs (the
-    members of one Sequential, a Conv2d then a BatchNorm2d, are blocks of one node each, and not alike)."""
-    return tuple((m.op, _strip(m), type(modules[m.target]) if m.op == "call_module" else None, shape_of(m),
-                  len(m.all_input_nodes)) for m in members)
 
 
 def _key(value):
@@ -183,8 +153,9 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     seen_params: set[int] = set()
     dtype, itemsize = DTYPES[precision]
     per_node: dict[str, tuple[list, list]] = {}  # a twin costs what its twin does
+    owned = parameters_of(gm).owned
     for n in nodes:
-        if n.name in copied and not _shares_params(n, modules, seen_params):
+        if n.name in copied and not _shares_params(n, owned, seen_params):
             costs, mems = per_node[copied[n.name]]
         else:
             costs = [_op_seconds(n, d, modules, op_axes, cluster, dtype, itemsize, rc) for d in options[n.name]]
@@ -196,13 +167,18 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
                 total[0][v] += part[0]
                 total[1][v] += part[1]
         if n.op == "call_module":
-            seen_params.update(id(p) for p in modules[n.target].parameters(recurse=False))
+            seen_params.update(id(p) for _, _, p in owned[n.target])
     edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
     per_edge: dict[tuple[str, str], np.ndarray] = {}
     returned = _returned_layouts(nodes, options)
+    twin_of = twins(gm)
     for n in nodes:
-        for u in n.all_input_nodes:
+        twin = twin_of.get(n.name) if n.name in copied else None
+        for k, u in enumerate(n.all_input_nodes):
             costs = per_edge.get((copied.get(u.name), copied.get(n.name)))  # the twin edge, inside a block
+            if costs is None and twin is not None and twin.all_input_nodes[k] is u and \
+                    passes(n.name, rc) == passes(twin.name, rc):
+                costs = per_edge[(u.name, twin.name)]  # a value from outside the block (a rotary table), as the twin
             if costs is None or u.name in returned:
                 # a value the model returns is moved to the output's layout once, and its other consumers
                 # that take it so share that move (lowering inserts one redistribution per value and layout)
@@ -317,9 +293,9 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     return IntraOpResult(plan, cost, min(lower, cost), float(node_mem @ np.round(x)), h.getNumCol())
 
 
-def _shares_params(node: fx.Node, modules, seen: set[int]) -> bool:
+def _shares_params(node: fx.Node, owned, seen: set[int]) -> bool:
     """Whether a parameter of ``node`` was met before (a tied weight counts its memory once)."""
-    return node.op == "call_module" and any(id(p) in seen for p in modules[node.target].parameters(recurse=False))
+    return node.op == "call_module" and any(id(p) in seen for _, _, p in owned[node.target])
 
 
 def _op_seconds(node, d: NodePlan, modules, axes, cluster, dtype, itemsize, rc: Recomputed) -> tuple[float, float]:
@@ -357,7 +333,7 @@ def _representatives(nodes: list[fx.Node], options, copied: dict[str, str]) -> d
     """Each node's stand-in: the same position in the first of a run of identical blocks."""
     blocks: dict[str, list[fx.Node]] = {}
     for n in nodes:
-        block = _block_of(n)
+        block = block_of(n)
         if block:
             blocks.setdefault(block, []).append(n)
     rep = {n.name: n.name for n in nodes}
@@ -366,23 +342,10 @@ def _representatives(nodes: list[fx.Node], options, copied: dict[str, str]) -> d
         if all(m.name in copied for m in members):  # a twin's stand-in is already known
             rep.update({m.name: rep[copied[m.name]] for m in members})
             continue
-        signature = tuple((m.op, _strip(m)) + tuple(_shape_key(options[m.name])) for m in members)
+        signature = tuple((m.op, stripped(m)) + tuple(_shape_key(options[m.name])) for m in members)
         first = firsts.setdefault(signature, members)
         rep.update({m.name: rep[f.name] for m, f in zip(members, first)})
     return rep
-
-
-def _block_of(node: fx.Node) -> str:
-    for path in (node.meta.get("nn_module_stack") or {}).values():
-        name = path[0] if isinstance(path, tuple) else path
-        if re.fullmatch(r".*\.\d+", name):
-            return name
-    return ""
-
-
-def _strip(node: fx.Node) -> str:
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return re.sub(r"\d+", "#", target)
 
 
 def _shape_key(decisions: list[NodePlan]) -> list[str]:
@@ -404,15 +367,10 @@ def _shared_param_conflicts(nodes, options, rep, modules):
 
 
 def _fill_params(gm: fx.GraphModule, plan: Plan, modules, op_axes: Axes) -> None:
-    params = _PARAMS.get(gm)
-    if params is None:
-        params = _PARAMS[gm] = list(gm.named_parameters())
-    names = {id(p): n for n, p in reversed(params)}
+    listed = parameters_of(gm)
     for node in gm.graph.nodes:
         for pname, layout in plan.nodes[node.name].params.items():
-            plan.params.setdefault(names[id(getattr(modules[node.target], pname))], layout)
-    for name, p in params:
+            plan.params.setdefault(listed.name_of[id(getattr(modules[node.target], pname))], layout)
+    for name, p in listed.named:
         plan.params.setdefault(name, Layout.replicated(op_axes, p.ndim))
 
-
-_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: its parameters, named once

@@ -17,6 +17,7 @@ import numpy as np
 from torch import fx
 
 from polyshard.graph.capture import shape_of
+from polyshard.graph.params import parameters_of
 from polyshard.graph.regions import Recomputed
 from polyshard.layout import Layout
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD
@@ -85,7 +86,7 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
         u = unit_of[node.name]
         for key in ("compute_s", "comm_s", "overhead_s", "latency_s"):
             fields[key][u] += getattr(cost, key)
-    names = {id(p): name for name, p in reversed(list(gm.named_parameters()))}
+    listed = parameters_of(gm)
     groups: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
     seen: list[set[int]] = [set() for _ in range(n)]
     model_groups, model_seen = [], set()
@@ -107,12 +108,12 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
             reach = max((unit_of.get(user.name, last) for user in node.users), default=u)
             fields["send_bytes"][u + 1:reach + 1] += size
         if node.op == "call_module":
-            params = list(gm.get_submodule(node.target).parameters(recurse=False))
+            params = [p for _, _, p in listed.owned[node.target]]
             for found, done in ((groups[u], seen[u]), (model_groups, model_seen)):
                 own = [p for p in params if id(p) not in done]
                 done.update(id(p) for p in own)
                 if own:
-                    found.append(tuple(int(local_numel(p.shape, plan.params[names[id(p)]])) for p in own))
+                    found.append(tuple(int(local_numel(p.shape, plan.params[listed.name_of[id(p)]])) for p in own))
     span = tuple((p[0], p[-1]) if p else (s, s) for p, s in zip(paths, starts))
     share = 1 / (TRAIN_FLOPS_PER_FORWARD + (plan.recompute == "full"))
     return Units(span, starts, forward_share=share, groups=tuple(map(tuple, groups)),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from polyshard.cluster import Cluster, format_bytes
 from polyshard.errors import PolyshardError
@@ -169,7 +169,8 @@ def _paused_cycle_collection(fn):
 def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Cluster, global_batch: int,
            memory_limit_bytes: float | None = None, meshes=None, data_axes: tuple[str, ...] = ("dp",),
            fixed: Fixed = Fixed(), reserve_bytes: float | None = None,
-           pp_plan: bool = False, inputs: dict | None = None) -> tuple[Plan, list[Candidate]]:
+           pp_plan: bool = False, inputs: dict | None = None,
+           graph: fx.GraphModule | None = None) -> tuple[Plan, list[Candidate]]:
     """The best plan over ``meshes`` (default: every dp x pp x tp split) and every candidate's costs.
 
     ``example_row``: inputs for one row (batch dim 1); ``global_batch``: rows per step in all;
@@ -177,14 +178,15 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     ``fixed``: settings the plan must keep; ``reserve_bytes``: of the limit, what plans leave free
     (default :func:`default_reserve_bytes`); ``pp_plan``: stages may begin at every module a transformers
     model's own pipeline plan names (:func:`pp_plan_units`), not only at its repeated blocks; ``inputs``:
-    layouts of the graph's inputs by placeholder name (a dataset strategy's, over the one mesh searched).
+    layouts of the graph's inputs by placeholder name (a dataset strategy's, over the one mesh searched);
+    ``graph``: the model already captured at ``example_row`` (:func:`capture`), so a second search skips it.
     """
     reserve = default_reserve_bytes(cluster) if reserve_bytes is None else reserve_bytes
     limit = (memory_limit_bytes or cluster.memory_bytes) - reserve
     if limit <= 0:
         raise PolyshardError(f"the memory reserve of {format_bytes(reserve)} leaves nothing of the "
                              f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the reserve")
-    gm = capture(model, example_row)
+    gm = capture(model, example_row) if graph is None else graph
     if inputs:
         gm.meta[INPUT_LAYOUTS] = dict(inputs)
     costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else ())

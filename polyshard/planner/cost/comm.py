@@ -42,7 +42,7 @@ def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], it
     out: dict[str, float] = {}
     for inp in node.all_input_nodes:
         src, dst = plan.nodes[inp.name].output, entry.inputs.get(inp.name)
-        if isinstance(src, Layout) and dst is not None and src != dst and _first_to_take(node, inp, dst, plan):
+        if isinstance(src, Layout) and dst is not None and src != dst and first_to_take(node, inp, dst, plan):
             for axis, b in transition_bytes(src, dst, shape_of(inp), itemsize, backend, all_to_all).items():
                 out[axis] = out.get(axis, 0.0) + b
     for axis, b in own_bytes(node, entry, modules, itemsize, backend).items():
@@ -50,7 +50,7 @@ def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], it
     return out
 
 
-def _first_to_take(node: fx.Node, inp: fx.Node, dst: Layout, plan: Plan) -> bool:
+def first_to_take(node: fx.Node, inp: fx.Node, dst: Layout, plan: Plan) -> bool:
     """Whether ``node`` is the first of ``inp``'s consumers to take it in ``dst``."""
     first = next(u for u in inp.users if u is node or plan.nodes[u.name].inputs.get(inp.name) == dst)
     return first is node

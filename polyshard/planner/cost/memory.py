@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from polyshard.graph.capture import shape_of
+from polyshard.graph.params import parameters_of
 from polyshard.graph.ops import is_shape_op, op_name
 from polyshard.graph.saved import KEPT_INSIDE, needs_grad, saved
 from polyshard.graph.regions import Recomputed, recomputed
@@ -73,7 +74,7 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
     every gradient made. ``grad_share``: the part of each parameter's gradient a rank keeps
     (optimizer parallel from level 2 reduce-scatters them as they come)."""
     size, transient, grads, seen = {}, {}, {}, set()  # transient: gradients alive while an op's backward runs
-    modules = dict(gm.named_modules())
+    owned = parameters_of(gm).owned
 
     def held(value: fx.Node) -> float:
         entry, shape = plan.nodes.get(value.name), shape_of(value)
@@ -88,7 +89,7 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
             through_log_probs = op_name(node) in ("cross_entropy", "cross_entropy_loss")  # their gradient too
             transient[node.name] = held(node) + inputs * (1 + through_log_probs)
         if node.op == "call_module":
-            for name, p in modules[node.target].named_parameters(prefix=node.target, recurse=False):
+            for _, name, p in owned[node.target]:
                 if id(p) not in seen and name in plan.params:
                     seen.add(id(p))
                     grads[node.name] = grads.get(node.name, 0.0) + \
@@ -116,9 +117,9 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, data_world: int = 1, rows: i
     precision weights, gradients and activations over fp32 masters and state) and offload."""
     itemsize = 4 if plan.precision == "fp32" else 2
     state_per_element = 4 * (STATES[plan.optimizer] + (plan.precision != "fp32"))  # fp32 moments and master
-    params = dict(gm.named_parameters())
-    units = [[local_numel(p.shape, plan.params[f"{n.target}.{k}"])
-              for k, p in gm.get_submodule(n.target).named_parameters(recurse=False) if f"{n.target}.{k}" in plan.params]
+    listed = parameters_of(gm)
+    params = dict(listed.named)
+    units = [[local_numel(p.shape, plan.params[name]) for _, name, p in listed.owned[n.target] if name in plan.params]
              for n in gm.graph.nodes if n.op == "call_module"]
     numel = sum(local_numel(params[name].shape, layout) for name, layout in plan.params.items() if name in params)
     held = state_bytes_per_rank([u for u in units if u] or [0], plan.zero, data_world, plan.zero_threshold_bytes,

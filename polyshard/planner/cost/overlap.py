@@ -21,6 +21,7 @@ from polyshard.cluster import Cluster
 from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes
 from polyshard.graph.regions import recomputed
 from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
+from polyshard.planner.cost.repeat import costed_as
 from polyshard.planner.plan import Plan
 
 @dataclass(frozen=True)
@@ -36,20 +37,28 @@ class OpCost:
 
 
 def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "float32", itemsize: int = 4) -> list[OpCost]:
-    """Training cost of every op in program order (forward, backward and recompute folded together)."""
+    """Training cost of every op in program order (forward, backward and recompute folded together); a
+    layer's node that runs as its twin in an earlier layer does costs what the twin did."""
     modules = dict(gm.named_modules())
     rc = recomputed(gm, plan.recompute, plan.recompute_comm)
+    same = costed_as(gm, plan)
+    by_name: dict[str, OpCost] = {}
     out = []
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr") or node.name not in plan.nodes:
             continue
         compute_passes, comm_passes = passes(node.name, rc)
+        twin = same.get(node.name)
+        if twin is not None and passes(twin, rc) == (compute_passes, comm_passes):
+            out.append(by_name.setdefault(node.name, by_name[twin]))
+            continue
         seconds = compute_passes * forward_seconds(node, plan, modules, cluster, dtype, itemsize)
         sent = node_comm_bytes(node, plan, modules, itemsize, cluster.backend, cluster.all_to_all)
         transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
-        out.append(OpCost(seconds, comm_passes * transfer, comm_passes * latency,
-                          op_overhead(plan.nodes[node.name], cluster, compute_passes)))
+        by_name[node.name] = OpCost(seconds, comm_passes * transfer, comm_passes * latency,
+                                    op_overhead(plan.nodes[node.name], cluster, compute_passes))
+        out.append(by_name[node.name])
     return out
 
 

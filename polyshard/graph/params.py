@@ -1,0 +1,33 @@
+"""A captured graph's parameters by full name and by the module call that owns them, listed once per graph:
+the planner asks for every split it costs, and walking a large model's modules each time costs seconds."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from torch import fx, nn
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """named: ``gm.named_parameters()``; name_of: id -> the first full name a parameter goes by (a tied
+    weight: its first module's); owned: a module's target -> its own (name, full name, parameter)."""
+
+    named: tuple[tuple[str, nn.Parameter], ...]
+    name_of: dict[int, str]
+    owned: dict[str, tuple[tuple[str, str, nn.Parameter], ...]]
+
+
+_LISTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def parameters_of(gm: fx.GraphModule) -> Parameters:
+    found = _LISTED.get(gm)
+    if found is None:
+        named = tuple(gm.named_parameters())
+        owned = {n.target: tuple((k, f"{n.target}.{k}", p)
+                                 for k, p in gm.get_submodule(n.target).named_parameters(recurse=False))
+                 for n in gm.graph.nodes if n.op == "call_module"}
+        found = _LISTED[gm] = Parameters(named, {id(p): name for name, p in reversed(named)}, owned)
+    return found

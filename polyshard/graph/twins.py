@@ -1,0 +1,69 @@
+"""Repeated blocks: each node of the third and later of a run of identical blocks, and its twin in the second.
+
+A twin computes the same op on the same shapes, so the planner enumerates, and where the plan lays both
+out alike costs, one block's nodes and reuses them: an 80-layer model is planned as two layers.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+
+from torch import fx, nn
+
+from polyshard.graph.capture import shape_of
+
+_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: every split asks again
+
+
+def twins(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """Node name -> the node at the same position in the second block of its run (third block on)."""
+    found = _TWINS.get(gm)
+    if found is None:
+        found = _TWINS[gm] = _twins(list(gm.graph.nodes), dict(gm.named_modules()))
+    return found
+
+
+def _twins(nodes: list[fx.Node], modules: dict[str, nn.Module]) -> dict[str, fx.Node]:
+    blocks: dict[str, list[fx.Node]] = {}
+    for n in nodes:
+        block = block_of(n)
+        if block:
+            blocks.setdefault(block, []).append(n)
+    out: dict[str, fx.Node] = {}
+    run: list[list[fx.Node]] = []
+    for members in list(blocks.values()) + [[]]:
+        if run and _signature(members, modules) == _signature(run[0], modules):
+            run.append(members)
+            continue
+        for later in run[2:]:
+            out.update({m.name: t for m, t in zip(later, run[1])})
+        run = [members]
+    return out
+
+
+def _signature(members: list[fx.Node], modules: dict[str, nn.Module]) -> tuple:
+    """What makes blocks alike: each member's op, target (indices aside), module type, shape and inputs (the
+    members of one Sequential, a Conv2d then a BatchNorm2d, are blocks of one node each, and not alike)."""
+    return tuple((m.op, stripped(m), type(modules[m.target]) if m.op == "call_module" else None, shape_of(m),
+                  len(m.all_input_nodes)) for m in members)
+
+
+def block_of(node: fx.Node) -> str:
+    """The innermost indexed module (a ModuleList's child) ``node`` runs in, or ""."""
+    for path in (node.meta.get("nn_module_stack") or {}).values():
+        name = path[0] if isinstance(path, tuple) else path
+        if re.fullmatch(r".*\.\d+", name):
+            return name
+    return ""
+
+
+def stripped(node: fx.Node) -> str:
+    """``node``'s target with its indices blanked: layer 3's q_proj reads as layer 5's."""
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return re.sub(r"\d+", "#", target)
+
+
+def fed_alike(node: fx.Node, twin: fx.Node, table: dict[str, fx.Node]) -> bool:
+    """Every input of ``node`` is its twin's input's twin: nothing reaches it from outside its block."""
+    return all(table.get(a.name) is b for a, b in zip(node.all_input_nodes, twin.all_input_nodes))
