@@ -162,14 +162,19 @@ class Mesh:
     def piece(self, layout, shape) -> tuple[slice, ...]:
         """This rank's slice of each dim of a tensor of ``shape`` laid out by ``layout`` (over mesh axes;
         each split dim divides evenly)."""
-        coords, sizes = self.coords(), layout.axis_sizes
         out = []
-        for size, axes in zip(shape, layout.dims):
-            index, count = 0, 1
-            for a in axes:
-                index, count = index * sizes[a] + coords[a], count * sizes[a]
+        for dim, size in enumerate(shape):
+            index, count = self.piece_index(layout, dim), layout.num_shards(dim)
             out.append(slice(index * size // count, (index + 1) * size // count))
         return tuple(out)
+
+    def piece_index(self, layout, dim: int) -> int:
+        """Which of dim ``dim``'s pieces under ``layout`` this rank holds (row-major over the axes that split
+        it, outermost first; 0 where it is whole)."""
+        coords, sizes, index = self.coords(), layout.axis_sizes, 0
+        for a in layout.dims[dim]:
+            index = index * sizes[a] + coords[a]
+        return index
 
     def device_mesh(self, op_axes: Axes | None = None):
         """The DeviceMesh over ``op_axes`` (a refinement of this mesh's op axes) for this rank."""

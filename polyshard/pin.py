@@ -15,15 +15,18 @@ Strategy = Sequence[Sequence[Any]]
 class Pin:
     """in_strategy: per input, slices per dim (``(2, 1)``) or a named spec (``("tp", None)``).
     out_strategy: the output's, or None for the op's natural output (partial sums reduced).
-    fn: the pinned function (None for a module); name: how errors and plans call it."""
+    fn: the pinned function (None for a module); name: how errors and plans call it;
+    manual_split: an embedding table's rows per piece, where its dim 0 is split unevenly."""
 
     in_strategy: tuple
     out_strategy: tuple | None
     fn: Callable | None = None
     name: str = ""
+    manual_split: tuple[int, ...] | None = None
 
 
-def make_pin(in_strategy: Strategy, out_strategy: Sequence | None, fn: Callable | None, name: str) -> Pin:
+def make_pin(in_strategy: Strategy, out_strategy: Sequence | None, fn: Callable | None, name: str,
+             manual_split: Sequence[int] | None = None) -> Pin:
     """Validate the strategy's form (not its fit to shapes: that needs the tensors)."""
     if not isinstance(in_strategy, (tuple, list)) or not all(isinstance(s, (tuple, list)) for s in in_strategy):
         raise PolyshardError(
@@ -35,7 +38,12 @@ def make_pin(in_strategy: Strategy, out_strategy: Sequence | None, fn: Callable 
             if not (c is None or isinstance(c, str) or (type(c) is int and c >= 1)):
                 raise PolyshardError(f"`{name}`: entry {c!r} of {tuple(s)} is not a positive slice count or axis name")
     out = tuple(out_strategy) if out_strategy is not None else None
-    return Pin(tuple(tuple(s) for s in in_strategy), out, fn, name)
+    if manual_split is not None and (not isinstance(manual_split, (tuple, list)) or len(manual_split) < 2
+                                     or not all(type(r) is int and r >= 1 for r in manual_split)):
+        raise PolyshardError(f"`{name}`: manual_split gives the table's rows per piece, two or more positive "
+                             f"integers such as (10, 20, 30, 4); got {manual_split!r}")
+    return Pin(tuple(tuple(s) for s in in_strategy), out, fn, name,
+               tuple(manual_split) if manual_split is not None else None)
 
 
 # transformers' tensor-parallel styles (a model's ``_tp_plan``) as pins: (weight spec, output replicated)

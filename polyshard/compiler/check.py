@@ -13,7 +13,7 @@ from polyshard.layout import Axes, Layout, refine
 from polyshard.planner.plan import NodePlan, Plan
 from polyshard.planner.rules import RuleContext, decide_all
 
-IMPLS = ("local", "dtensor", "vocab_ce", "spatial")
+IMPLS = ("local", "dtensor", "vocab_ce", "spatial", "rows")
 
 
 def check_plan(plan: Plan, gm: fx.GraphModule, mesh: Axes) -> None:
@@ -29,7 +29,14 @@ def check_plan(plan: Plan, gm: fx.GraphModule, mesh: Axes) -> None:
     for name, p in params.items():
         if name not in plan.params:
             raise PolyshardError(f"the plan has no layout for parameter `{name}`{made_for}; plan this model again")
-        _check_layout(plan.params[name], plan.op_axes, f"parameter `{name}`", tuple(p.shape))
+        shape = tuple(p.shape)
+        rows = plan.row_splits.get(name)
+        if rows is not None:
+            if sum(rows) != shape[0] or len(rows) != plan.params[name].num_shards(0):
+                raise PolyshardError(f"the plan splits parameter `{name}`'s {shape[0]} rows as {rows}, which is not "
+                                     f"one count per piece of its layout adding up to the table{made_for}")
+            shape = (len(rows), *shape[1:])  # its pieces are given, not cut evenly
+        _check_layout(plan.params[name], plan.op_axes, f"parameter `{name}`", shape)
     extra = sorted(set(plan.params) - set(params))
     if extra:
         raise PolyshardError(f"the plan lays out parameters this model does not have: {', '.join(extra[:3])}"

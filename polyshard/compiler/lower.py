@@ -15,6 +15,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from polyshard.compiler.ops import ShardedFunction, ShardedModule, VocabParallelCrossEntropy
 from polyshard.compiler.redistribute import redistribute_local, to_dtensor
+from polyshard.compiler.rows import RowSplitEmbedding, gather_rows, row_slice
 from polyshard.compiler.spatial import (
     SpatialBatchNorm2d, SpatialCrossEntropy, SpatialGlobalPool, SpatialWindow, Split,
 )
@@ -72,9 +73,12 @@ def shard_parameters(model: nn.Module, plan: Plan, mesh: Mesh) -> None:
         layout = plan.params[name]
         if layout.is_replicated:
             continue
-        layout.check_divides(p.shape, f"parameter `{name}`")
-        dm = mesh.device_mesh(layout.axes)
-        local = distribute_tensor(p.detach(), dm, layout.placements(), src_data_rank=None).to_local()
+        if name in plan.row_splits:
+            local = p.detach()[row_slice(plan.row_splits[name], mesh.piece_index(layout, 0))]
+        else:
+            layout.check_divides(p.shape, f"parameter `{name}`")
+            local = distribute_tensor(p.detach(), mesh.device_mesh(layout.axes), layout.placements(),
+                                      src_data_rank=None).to_local()
         new = nn.Parameter(local.clone(), requires_grad=p.requires_grad)
         for path in paths[id(p)]:
             owner, _, attr = path.rpartition(".")
@@ -119,6 +123,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
             _use_dtensor(gm, node, entry, in_layouts, mesh)
         elif entry.impl == "spatial":
             _use_spatial(gm, node, entry, mesh)
+        elif entry.impl == "rows":
+            _use_rows(gm, node, entry, plan, mesh)
         elif entry.impl == "vocab_ce":
             if op_key(node) == "cross_entropy_loss":  # aten's positional form: only ignore_index may differ
                 ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
@@ -181,6 +187,27 @@ def _use_dtensor(gm: fx.GraphModule, node: fx.Node, entry, in_layouts: list[Layo
     else:
         fn = getattr(node.target, PIN_ATTR).fn
         node.target = ShardedFunction(fn, in_layouts, entry.output, mesh, getattr(fn, "__name__", "fn"))
+
+
+def _use_rows(gm: fx.GraphModule, node: fx.Node, entry, plan: Plan, mesh: Mesh) -> None:
+    """A table split unevenly by rows: this rank's rows looked up, the pieces' lookups summed."""
+    weight = entry.params["weight"]
+    rows = plan.row_splits[f"{node.target}.weight"]
+    offset = row_slice(rows, mesh.piece_index(weight, 0)).start
+    name = "_rows_" + node.target.replace(".", "_")
+    gm.add_submodule(name, RowSplitEmbedding(gm.get_submodule(node.target), offset, entry.output, mesh,
+                                             weight.dims[0]))
+    node.target = name
+
+
+def whole_parameter(piece: torch.Tensor, name: str, plan: Plan, mesh: Mesh) -> torch.Tensor:
+    """Parameter ``name`` whole, from this rank's ``piece`` (every rank of its split takes part)."""
+    layout = plan.params[name]
+    if layout.is_replicated:
+        return piece.detach().clone()
+    if name in plan.row_splits:
+        return gather_rows(piece.detach(), plan.row_splits[name], mesh.group(layout.dims[0]))
+    return to_dtensor(piece.detach(), layout, layout.global_shape(piece.shape), mesh).full_tensor()
 
 
 def _use_spatial(gm: fx.GraphModule, node: fx.Node, entry, mesh: Mesh) -> None:

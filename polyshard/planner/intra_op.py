@@ -31,7 +31,7 @@ from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
 from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
 from polyshard.planner.plan import DTYPES, NodePlan, Plan
-from polyshard.planner.rules import RuleContext, decide_all
+from polyshard.planner.rules import RuleContext, decide_all, row_splits
 from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.transitions import transition_bytes
 
@@ -373,4 +373,5 @@ def _fill_params(gm: fx.GraphModule, plan: Plan, modules, op_axes: Axes) -> None
             plan.params.setdefault(listed.name_of[id(getattr(modules[node.target], pname))], layout)
     for name, p in listed.named:
         plan.params.setdefault(name, Layout.replicated(op_axes, p.ndim))
+    plan.row_splits.update(row_splits(gm, plan.nodes))
 

@@ -21,7 +21,7 @@ from polyshard.graph.params import parameters_of
 from polyshard.graph.regions import Recomputed
 from polyshard.layout import Layout
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD
-from polyshard.planner.cost.memory import STATES, MemoryEstimate, kept_copies, local_numel
+from polyshard.planner.cost.memory import STATES, MemoryEstimate, kept_copies, local_numel, param_numel
 from polyshard.planner.cost.overlap import OpCost
 from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
@@ -113,7 +113,7 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
                 own = [p for p in params if id(p) not in done]
                 done.update(id(p) for p in own)
                 if own:
-                    found.append(tuple(int(local_numel(p.shape, plan.params[listed.name_of[id(p)]])) for p in own))
+                    found.append(tuple(int(param_numel(plan, listed.name_of[id(p)], p.shape)) for p in own))
     span = tuple((p[0], p[-1]) if p else (s, s) for p, s in zip(paths, starts))
     share = 1 / (TRAIN_FLOPS_PER_FORWARD + (plan.recompute == "full"))
     return Units(span, starts, forward_share=share, groups=tuple(map(tuple, groups)),

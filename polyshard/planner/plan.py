@@ -64,7 +64,9 @@ class Plan:
       3: and parameters sharded); zero_threshold_bytes: smaller parameters stay whole;
     optimizer: "adamw", "sgd" or "lamb"; precision: "fp32", "bf16" or "fp16" (fp32 master weights);
     offload: optimizer state (and its step) kept on the "host" or on "disk" instead of the device;
-    model/global_batch: what it was made for, when a search made it; report: the search's figures."""
+    model/global_batch: what it was made for, when a search made it; report: the search's figures;
+    row_splits: a table split unevenly by rows (MindSpore's manual_split): its rows per piece, by parameter
+      name, the pieces in the order of the axes that split its dim 0."""
 
     op_axes: Axes
     params: dict[str, Layout] = field(default_factory=dict)
@@ -86,6 +88,7 @@ class Plan:
     model: str = ""
     global_batch: int = 0
     report: dict = field(default_factory=dict)
+    row_splits: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -110,6 +113,7 @@ class Plan:
             "mesh": [list(a) for a in self.mesh], "data_axes": list(self.data_axes),
             **{name: getattr(self, name) for name in _SETTINGS}, "stage_boundaries": list(self.stage_boundaries),
             "model": self.model, "global_batch": self.global_batch, "report": self.report,
+            "row_splits": {k: list(v) for k, v in self.row_splits.items()},
             "op_axes": [list(a) for a in self.op_axes],
             "params": {k: _layout_out(v) for k, v in self.params.items()},
             "nodes": {k: {"impl": n.impl, "inputs": {i: _layout_out(l) for i, l in n.inputs.items()},
@@ -142,6 +146,7 @@ class Plan:
                 **{name: raw[name] for name in _SETTINGS if name in raw},
                 stage_boundaries=tuple(raw.get("stage_boundaries", ())), model=raw.get("model", ""),
                 global_batch=int(raw.get("global_batch", 0)), report=raw.get("report", {}),
+                row_splits={k: tuple(int(r) for r in v) for k, v in raw.get("row_splits", {}).items()},
             )
         except PolyshardError:
             raise
@@ -149,9 +154,11 @@ class Plan:
             raise PolyshardError(f"not a polyshard plan: {type(exc).__name__}: {exc}") from exc
 
     def summary(self) -> str:
-        """One line per parameter: name, layout (per axis), e.g. ``blocks.0.mlp.fc.weight  tp=2:S(0)``."""
+        """One line per parameter: name, layout (per axis), e.g. ``blocks.0.mlp.fc.weight  tp=2:S(0)``, and the
+        rows per piece of a table split unevenly."""
         width = max((len(k) for k in self.params), default=0)
-        return "\n".join(f"{k:<{width}}  {v.describe() or 'R'}" for k, v in self.params.items())
+        rows = {k: f"  rows {'/'.join(map(str, r))}" for k, r in self.row_splits.items()}
+        return "\n".join(f"{k:<{width}}  {v.describe() or 'R'}{rows.get(k, '')}" for k, v in self.params.items())
 
 
 _CHOICES = {"recompute": RECOMPUTE_MODES, "recompute_comm": RECOMPUTE_COMMS, "schedule": SCHEDULES,

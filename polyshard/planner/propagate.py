@@ -13,7 +13,7 @@ from torch import fx
 from polyshard.errors import PolyshardError
 from polyshard.layout import Axes, Layout
 from polyshard.planner.plan import Plan
-from polyshard.planner.rules import RuleContext, decide
+from polyshard.planner.rules import RuleContext, decide, row_splits
 
 
 def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None], sequence: bool = False,
@@ -43,4 +43,5 @@ def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None], se
         plan.nodes[node.name] = decision
     for name, p in gm.named_parameters():
         plan.params.setdefault(name, Layout.replicated(op_axes, p.ndim))
+    plan.row_splits.update(row_splits(gm, plan.nodes))
     return plan

@@ -14,8 +14,7 @@ from torch.utils._pytree import tree_map
 
 from polyshard.cluster import Cluster
 from polyshard.compiler.check import check_plan
-from polyshard.compiler.lower import lower
-from polyshard.compiler.redistribute import to_dtensor
+from polyshard.compiler.lower import lower, whole_parameter
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import PIN_ATTR, batch_rows, capture, shape_of
 from polyshard.graph.export import SIGNATURE_KEY
@@ -89,15 +88,7 @@ class ParallelModule(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, on every rank (gathers split ones)."""
-        out = {}
-        for name, p in self.local_parameters().items():
-            layout = self.plan.params[name]
-            if layout.is_replicated:
-                out[name] = p.detach().clone()
-            else:
-                dt = to_dtensor(p.detach(), layout, layout.global_shape(p.shape), self.mesh)
-                out[name] = dt.full_tensor()
-        return out
+        return {name: whole_parameter(p, name, self.plan, self.mesh) for name, p in self.local_parameters().items()}
 
 
 def _piece(t: torch.Tensor, layout, mesh: Mesh) -> torch.Tensor:

@@ -22,8 +22,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._pytree import tree_map
 
 from polyshard.cluster import Cluster
-from polyshard.compiler.lower import lower
-from polyshard.compiler.redistribute import to_dtensor
+from polyshard.compiler.lower import lower, whole_parameter
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture, shape_of
 from polyshard.graph.export import SIGNATURE_KEY, CallSignature
@@ -322,11 +321,7 @@ class PipelineModule(nn.Module, Pausable):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's parameters whole (split ones gathered), on every rank, by their names in the plan."""
-        mine = {}
-        for name, p in self.local_parameters().items():
-            layout = self.plan.params[name]
-            mine[name] = (p.detach().clone() if layout.is_replicated else
-                          to_dtensor(p.detach(), layout, layout.global_shape(p.shape), self.mesh).full_tensor())
+        mine = {name: whole_parameter(p, name, self.plan, self.mesh) for name, p in self.local_parameters().items()}
         stages = [None] * self.mesh.pp
         dist.all_gather_object(stages, mine, group=self.pipe_group)
         return {k: v for part in stages for k, v in part.items()}

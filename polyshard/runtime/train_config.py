@@ -343,8 +343,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+_STRATEGY_KEYS = ("in_strategy", "out_strategy", "manual_split")
+
+
 def read_strategies(path: str) -> dict:
-    """A strategies file: module names or globs -> {in_strategy: ..., out_strategy: ...}."""
+    """A strategies file: module names or globs -> {in_strategy: ..., out_strategy: ..., manual_split: ...}."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -364,15 +367,15 @@ def read_strategies(path: str) -> dict:
     if not isinstance(raw, dict):
         raise PolyshardError(f"{path}: expected a mapping of module names to strategies, got a {type(raw).__name__}")
     for pattern, spec in raw.items():
-        if not isinstance(spec, dict) or "in_strategy" not in spec or set(spec) - {"in_strategy", "out_strategy"}:
-            raise PolyshardError(f"{path}: entry {pattern!r} needs in_strategy (and optionally out_strategy), "
-                                 f"got {spec!r}")
+        if not isinstance(spec, dict) or "in_strategy" not in spec or set(spec) - set(_STRATEGY_KEYS):
+            raise PolyshardError(f"{path}: entry {pattern!r} needs in_strategy (and optionally out_strategy, or an "
+                                 f"embedding's manual_split), got {spec!r}")
     return raw
 
 
 def apply_strategies(model: torch.nn.Module, path: str) -> list[str]:
-    """Pin strategies from YAML: ``module-name-or-glob: {in_strategy: [[1, 1], [2, 1]], out_strategy: ...}``;
-    each module is pinned by one entry."""
+    """Pin strategies from YAML: ``module-name-or-glob: {in_strategy: [[1, 1], [2, 1]], out_strategy: ...}``
+    (an embedding's rows split unevenly: ``manual_split: [10, 20, 30, 4]``); each module is pinned by one entry."""
     names = dict(model.named_modules())
     by: dict[str, str] = {}
     for pattern, spec in read_strategies(path).items():
@@ -387,7 +390,8 @@ def apply_strategies(model: torch.nn.Module, path: str) -> list[str]:
                                      "make the patterns disjoint")
             by[name] = str(pattern)
             try:
-                ps.shard(names[name], _tuples(spec["in_strategy"]), _tuples(spec.get("out_strategy")))
+                ps.shard(names[name], _tuples(spec["in_strategy"]), _tuples(spec.get("out_strategy")),
+                         _tuples(spec.get("manual_split")))
             except PolyshardError as exc:
                 raise PolyshardError(f"{path}: module {name}: {exc}") from exc
     return list(by)

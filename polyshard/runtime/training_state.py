@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyshard.compiler.lower import whole_parameter
 from polyshard.compiler.redistribute import to_dtensor
+from polyshard.compiler.rows import row_slice
 from polyshard.errors import PolyshardError
 from polyshard.runtime import checkpoint
 from polyshard.runtime.offload import OffloadedOptimizer
@@ -88,8 +90,8 @@ def load_state_dict(pm, opt, loaded: dict[str, torch.Tensor]) -> None:
     local = {}
     for name in pm.local_parameters():
         prefix = f"{OPTIM}{name}/"
-        state = {k[len(prefix):]: _local(v) for k, v in loaded.items() if k.startswith(prefix)}
-        local[name] = (_local(loaded[MODEL + name]), state)
+        state = {k[len(prefix):]: _local(pm, name, v) for k, v in loaded.items() if k.startswith(prefix)}
+        local[name] = (_local(pm, name, loaded[MODEL + name]), state)
     set_local_state(pm, opt, local)
     scaler = getattr(opt, "scaler", None)
     if scaler is not None and SCALER + "scale" in loaded:
@@ -104,7 +106,7 @@ def empty_state_dict(pm, saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) 
         layout = pm.plan.params[name]
         for key in [MODEL + name] + [k for k in saved if k.startswith(f"{OPTIM}{name}/")]:
             shape, dtype = saved[key]
-            if len(shape) and not layout.is_replicated:
+            if len(shape) and not layout.is_replicated and name not in pm.plan.row_splits:
                 local = torch.zeros(layout.local_shape(shape), dtype=dtype)
                 out[key] = to_dtensor(local, layout, shape, pm.mesh)
             else:
@@ -114,8 +116,12 @@ def empty_state_dict(pm, saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) 
 
 def global_shapes(pm) -> dict[str, tuple[int, ...]]:
     """Each of this rank's parameters' shape on one device."""
-    return {name: tuple(pm.plan.params[name].global_shape(_shape(pm, p)))
-            for name, p in pm.local_parameters().items()}
+    out = {}
+    for name, p in pm.local_parameters().items():
+        shape = tuple(pm.plan.params[name].global_shape(_shape(pm, p)))
+        rows = pm.plan.row_splits.get(name)
+        out[name] = (sum(rows), *shape[1:]) if rows else shape
+    return out
 
 
 def _shape(pm, p: nn.Parameter) -> torch.Size:
@@ -136,12 +142,17 @@ def _global(pm, name: str, piece: torch.Tensor) -> torch.Tensor:
     layout = pm.plan.params[name]
     if layout.is_replicated:
         return piece
+    if name in pm.plan.row_splits:  # pieces of uneven rows: saved whole, read back by rows (see _local)
+        return whole_parameter(piece, name, pm.plan, pm.mesh)
     if piece.storage_offset():  # DCP's async staging fails on a DTensor over a view at an offset (a bucket's)
         piece = piece.clone()
     return to_dtensor(piece, layout, layout.global_shape(piece.shape), pm.mesh)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def _local(pm, name: str, t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a loaded tensor of parameter ``name`` (a table split by rows was saved whole)."""
+    if name in pm.plan.row_splits and t.dim():
+        return t[row_slice(pm.plan.row_splits[name], pm.mesh.piece_index(pm.plan.params[name], 0))]
     return t.to_local() if hasattr(t, "to_local") else t
 
 

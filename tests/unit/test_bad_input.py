@@ -89,6 +89,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     text("no_in.yaml", "blocks.0.mlp.fc: {out_strategy: [[1, 1]]}\n")
     text("extra_key.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1], [2, 1]], in_stategy: [[1, 1]]}\n")
     text("nomatch.yaml", "decoder.*.fc: {in_strategy: [[1, 1], [2, 1]]}\n")
+    text("uneven.yaml", "model.model.embed_tokens: {in_strategy: [[1, 1], [2, 1]], manual_split: [100, 100]}\n")
     text("dupkey.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1], [2, 1]]}\n"
                         "blocks.0.mlp.fc: {in_strategy: [[1, 1], [1, 2]]}\n")
     text("overlap.yaml", "blocks.*.mlp.fc: {in_strategy: [[1, 1], [2, 1]]}\n"
@@ -205,6 +206,8 @@ CLI_CASES = [
     ("model-hf-missing-file", TRAIN + ["--model", "hf:/no/such/config.json"], ["/no/such/config.json"]),
     ("hf-strategies-no-match", TRAIN[:3] + ["--model", "hf:llama", "--strategies", "{nomatch.yaml}"],
      ["decoder.*.fc", "model."]),
+    ("hf-manual-split-short", TRAIN[:3] + ["--model", "hf:llama", "--mesh", "tp=2", "--strategies", "{uneven.yaml}"],
+     ["model.model.embed_tokens", "manual_split (100, 100) adds up to 200 rows", "256"]),
     ("hf-pp-more-than-layers", TRAIN[:2] + ["4"] + ["--model", "hf:gpt2", "--mesh", "pp=4"], ["pp=4", "hf:gpt2"]),
     ("model-shape-in-train", TRAIN + ["--model", "gpt:layers=0,hidden=32,heads=4,seq=16,vocab=64"], ["layers"]),
     ("plan-model-zero-layers", PLAN[:2] + ["gpt:layers=0,hidden=32,heads=4,seq=16,vocab=64"] + PLAN[3:],

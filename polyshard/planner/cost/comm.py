@@ -96,7 +96,7 @@ def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, floa
     sums into its output's layout: an all-reduce, or a reduce-scatter along the sequence. Whole
     weights of a module run on a split input (a norm under sequence parallel) sum their gradients
     over the split axes (few bytes; counted like the others)."""
-    if entry.impl != "dtensor" or node.op != "call_module":
+    if entry.impl not in ("dtensor", "rows") or node.op != "call_module":
         return {}
     module, weight, out = modules[node.target], entry.params.get("weight"), entry.output
     if weight is None or not isinstance(out, Layout):

@@ -49,6 +49,13 @@ def local_numel(shape, layout: Layout) -> float:
     return math.prod(shape) / layout.pieces
 
 
+def param_numel(plan: Plan, name: str, shape) -> float:
+    """Parameter ``name``'s elements on the rank holding most of it (a table split unevenly by rows: its
+    tallest piece)."""
+    rows = plan.row_splits.get(name)
+    return max(rows) * math.prod(shape[1:]) if rows else local_numel(shape, plan.params[name])
+
+
 def kept_copies(node: fx.Node, rc: Recomputed) -> float:
     """How many tensors of ``node``'s output size autograd keeps for it, in the linear bound the integer
     program uses: its output if a backward reads it, plus what a module captured as one op keeps inside;
@@ -93,7 +100,7 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
                 if id(p) not in seen and name in plan.params:
                     seen.add(id(p))
                     grads[node.name] = grads.get(node.name, 0.0) + \
-                        local_numel(p.shape, plan.params[name]) * itemsize * grad_share
+                        param_numel(plan, name, p.shape) * itemsize * grad_share
     last_of = {}  # a region's last node -> the bytes its recompute brings back
     for region in rc.regions:
         names = [n.name for n in gm.graph.nodes if n.name in region]
@@ -119,9 +126,9 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, data_world: int = 1, rows: i
     state_per_element = 4 * (STATES[plan.optimizer] + (plan.precision != "fp32"))  # fp32 moments and master
     listed = parameters_of(gm)
     params = dict(listed.named)
-    units = [[local_numel(p.shape, plan.params[name]) for _, name, p in listed.owned[n.target] if name in plan.params]
+    units = [[param_numel(plan, name, p.shape) for _, name, p in listed.owned[n.target] if name in plan.params]
              for n in gm.graph.nodes if n.op == "call_module"]
-    numel = sum(local_numel(params[name].shape, layout) for name, layout in plan.params.items() if name in params)
+    numel = sum(param_numel(plan, name, params[name].shape) for name in plan.params if name in params)
     held = state_bytes_per_rank([u for u in units if u] or [0], plan.zero, data_world, plan.zero_threshold_bytes,
                                 itemsize, optimizer_states=1, bucket_bytes=bucket_bytes,
                                 accumulating=plan.micro_batches > 1)

@@ -2,7 +2,8 @@
 their names through ``op_key``); any other op runs replicated (one warning).
 
 Each rule sees the layouts its inputs arrive in and answers with a Decision. Partial sums never
-leave a rule: the "dtensor" ops reduce them before handing their output on.
+leave a rule: the "dtensor" ops (and "rows", a table's lookup split unevenly) reduce them before handing their
+output on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from torch import fx, nn
 
 from polyshard.graph.capture import PIN_ATTR, is_conv1d, is_rms_norm, linear_dims, shape_of, shapes_of
 from polyshard.graph.ops import op_key
+from polyshard.graph.params import parameters_of
+from polyshard.errors import PolyshardError
 from polyshard.layout import Layout
 from polyshard.planner.rules.base import Decision, RuleContext
 from polyshard.planner.rules.spatial import SPATIAL_MODULES, upsample, cross_entropy as spatial_cross_entropy
@@ -467,6 +470,8 @@ def _pinned_module(node: fx.Node, module: nn.Module, pin, ctx: RuleContext) -> D
         spec = independent_spec([len(s) for s in shapes])
     if isinstance(module, (nn.Linear, nn.Embedding)):
         shapes.append(tuple(module.weight.shape))  # the strategy's last entry is the weight
+    if pin.manual_split is not None:  # the rows' pieces are given, not cut evenly: any count of pieces divides
+        shapes[-1] = (len(pin.manual_split) * ctx.num_devices, *shapes[-1][1:])
     layouts = pin_layouts(spec, pin.in_strategy, shapes, ctx.op_axes, node.target)
     params = {"weight": layouts[-1]} if len(layouts) > len(inputs) else {}
     if isinstance(module, nn.Linear) and module.bias is not None:
@@ -475,7 +480,46 @@ def _pinned_module(node: fx.Node, module: nn.Module, pin, ctx: RuleContext) -> D
         params.setdefault(name, Layout.replicated(layouts[0].axes, p.ndim))
     natural = output_layout(spec, layouts, node.target) if params.get("weight") is not None and spec.output else None
     out = pin_output_layout(pin.out_strategy, shape_of(node), natural, ctx.op_axes, node.target)
-    return Decision("dtensor", {n.name: l for n, l in zip(inputs, layouts)}, out, params=params)
+    if pin.manual_split is not None:
+        _check_manual_split(node.target, module, pin.manual_split, layouts)
+    impl = "rows" if pin.manual_split is not None else "dtensor"
+    return Decision(impl, {n.name: l for n, l in zip(inputs, layouts)}, out, params=params)
+
+
+def _check_manual_split(target: str, table: nn.Embedding, rows: tuple[int, ...], layouts: list[Layout]) -> None:
+    """An uneven split of a table's rows: one count per piece its strategy makes, adding up to the table,
+    and nothing else split the lookup would need to gather."""
+    ids, weight = layouts
+    pieces = weight.num_shards(0)
+    if pieces != len(rows):
+        raise PolyshardError(f"`{target}`: manual_split {rows} gives {len(rows)} pieces, but the strategy splits the "
+                             f"table's rows into {pieces}; give one row count per piece")
+    if sum(rows) != table.num_embeddings:
+        raise PolyshardError(f"`{target}`: manual_split {rows} adds up to {sum(rows)} rows; the table has "
+                             f"{table.num_embeddings}")
+    if weight.dims[1] or set(weight.dims[0]) & {a for d in ids.dims for a in d}:
+        raise PolyshardError(f"`{target}`: manual_split splits the table's rows only; keep its columns whole and "
+                             "the ids unsplit over the axes that split the rows")
+    if table.max_norm is not None or table.scale_grad_by_freq or table.sparse:
+        raise PolyshardError(f"`{target}`: manual_split takes a plain lookup; max_norm, scale_grad_by_freq and "
+                             "sparse gradients need the whole table")
+
+
+def row_splits(gm: fx.GraphModule, nodes: dict) -> dict[str, tuple[int, ...]]:
+    """The rows per piece of each table a pin splits unevenly (its node runs "rows"), by parameter name."""
+    listed = parameters_of(gm)
+    out = {}
+    for node in gm.graph.nodes:
+        if node.name not in nodes or nodes[node.name].impl != "rows":
+            continue
+        weight = gm.get_submodule(node.target).weight
+        sharers = sorted({n.target for n in gm.graph.nodes if n.op == "call_module" and n.target != node.target
+                          and any(p is weight for _, _, p in listed.owned[n.target])})
+        if sharers:
+            raise PolyshardError(f"`{node.target}`: manual_split splits a table that `{sharers[0]}` shares (tied "
+                                 "weights); untie them or split the table evenly")
+        out[listed.name_of[id(weight)]] = getattr(gm.get_submodule(node.target), PIN_ATTR).manual_split
+    return out
 
 
 def _pinned_function(node: fx.Node, fn, pin, ctx: RuleContext) -> Decision:
