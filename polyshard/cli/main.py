@@ -60,10 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default="", help="model name (see `polyshard models`; default: the --plan's, else "
                    "gpt-small), or "
                    "hf:FAMILY (e.g. hf:llama, a tiny transformers model), hf:CONFIG.json or hf:DIR with config.json "
-                   "and safetensors weights")
+                   "and safetensors weights, or an image model (unet-small segments, resnet-small classifies; "
+                   "images generated on the fly, split by height and width over h and w axes of --mesh)")
+    t.add_argument("--image-size", type=int, default=0, help="with an image model: square images of N pixels "
+                   "(default 64)")
     t.add_argument("--data", default="", help="a token file to train on: uint16 (or --data-dtype uint32) ids, as "
                    "nanoGPT's prepare.py writes; each data-parallel rank reads only its rows' windows (default: the "
-                   "pydoc corpus, byte tokens)")
+                   "pydoc corpus, byte tokens); with an image model, an (N, C, H, W) .npy of images beside "
+                   "NAME.labels.npy, of which a rank reads only its rows and tile")
     t.add_argument("--data-dtype", choices=["uint16", "uint32"], default="uint16", help="the --data file's id type "
                    "(default uint16)")
     t.add_argument("--tokenizer", default="", help="a tokenizer.json (or a folder with one, e.g. a transformers "
@@ -408,6 +412,11 @@ def _models(args) -> int:
 
     print(f"transformers models (the [hf] extra): hf:FAMILY, tiny ({', '.join(hf.TINY)}); real sizes, for planning: "
           f"{', '.join('hf:' + n for n in hf.shipped())}; or hf:CONFIG.json, hf:DIR (config.json + safetensors)")
+    from polyshard.models.vision import VISION
+
+    print("image models (train --image-size N): " + ", ".join(
+        f"{n} ({'a class per pixel' if v.per_pixel else 'a class per image'}, {v.classes} classes)"
+        for n, v in VISION.items()))
     return 0
 
 

@@ -21,4 +21,4 @@ def train_config(args: argparse.Namespace):
                        timeline=args.timeline, sequence_parallel=args.sequence_parallel, save_dir=args.save_dir,
                        save_every=args.save_every, keep=args.keep, async_save=args.async_save, resume=args.resume,
                        collective_timeout=args.collective_timeout, data=args.data, data_dtype=args.data_dtype,
-                       tokenizer=args.tokenizer)
+                       tokenizer=args.tokenizer, image_size=args.image_size)

@@ -64,13 +64,13 @@ def _swap(to_next: torch.Tensor, to_prev: torch.Tensor, group) -> tuple[torch.Te
     i = ranks.index(dist.get_rank())
     ops, from_prev, from_next = [], None, None
     if i + 1 < len(ranks):
-        from_next = torch.empty_like(to_prev)
+        from_next = to_prev.new_empty(to_prev.shape)  # contiguous, whatever the strips' strides
         if to_next.numel():
             ops.append(dist.P2POp(dist.isend, to_next.contiguous(), ranks[i + 1], group))
         if from_next.numel():
             ops.append(dist.P2POp(dist.irecv, from_next, ranks[i + 1], group))
     if i > 0:
-        from_prev = torch.empty_like(to_next)
+        from_prev = to_next.new_empty(to_next.shape)
         if to_prev.numel():
             ops.append(dist.P2POp(dist.isend, to_prev.contiguous(), ranks[i - 1], group))
         if from_prev.numel():

@@ -18,9 +18,11 @@ import yaml
 import polyshard as ps
 from polyshard import models
 from polyshard.cluster import parse_bytes
+from polyshard.data.images import open_images
 from polyshard.data.token_file import check_tokens, open_tokens, tokenized
 from polyshard.errors import PolyshardError
 from polyshard.mesh import PIPELINE_AXIS, check_mesh, check_roles, parse_mesh
+from polyshard.models.vision import DEFAULT_IMAGE_SIZE, VISION, build_vision, check_image_size
 from polyshard.planner.plan import Plan
 
 DEFAULT_MODEL = "gpt-small"
@@ -44,7 +46,9 @@ class TrainConfig:
     newest in save_dir) or a checkpoint directory to continue from; collective_timeout: seconds a
     collective waits for a silent rank before the run fails (0: torch's default); data: a token file to
     train on (default: the pydoc corpus), its ids of type data_dtype (uint16 or uint32), or with
-    tokenizer (a tokenizer.json, or a folder with one) a text file, tokenized once beside the metrics."""
+    tokenizer (a tokenizer.json, or a folder with one) a text file, tokenized once beside the metrics; for an
+    image model (polyshard.models.vision), an image array (default: images generated on the fly) of
+    image_size pixels a side (0: the default, 64)."""
 
     model: str = ""
     mesh: str = ""
@@ -73,6 +77,15 @@ class TrainConfig:
     data: str = ""
     data_dtype: str = "uint16"
     tokenizer: str = ""
+    image_size: int = 0
+
+    @property
+    def vision(self) -> bool:
+        return self.model in VISION
+
+    @property
+    def image_side(self) -> int:
+        return self.image_size or DEFAULT_IMAGE_SIZE
 
 
 def token_source(cfg: TrainConfig) -> tuple[str, str]:
@@ -85,6 +98,30 @@ def token_source(cfg: TrainConfig) -> tuple[str, str]:
 def model_name(cfg: TrainConfig, plan: Plan | None) -> str:
     """The model to train: the flag's, else the plan's, else the default."""
     return cfg.model or (plan.model if plan is not None else "") or DEFAULT_MODEL
+
+
+def build_model(cfg: TrainConfig, name: str, device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
+    """The model ``name`` as this run trains it (an image model at the run's image size)."""
+    if name in VISION:
+        return build_vision(name, cfg.image_side, device, seed)
+    return models.build(name, device=device, seed=seed)
+
+
+def check_images(path: str, name: str, size: int) -> None:
+    """An image set an image model can train on: RGB images of ``size`` pixels a side, labelled as it predicts."""
+    images, labels = open_images(path)
+    spec = VISION[name]
+    if images.shape[1:] != (3, size, size):
+        raise PolyshardError(f"--data {path!r} holds images of shape {images.shape[1:]}; {name} at --image-size "
+                             f"{size} takes (3, {size}, {size}): pass --image-size {images.shape[-1]} for square RGB "
+                             "images")
+    if (labels.ndim == 3) != spec.per_pixel:
+        raise PolyshardError(f"--data {path!r} has {'masks' if labels.ndim == 3 else 'a class per image'}; {name} "
+                             f"predicts {'a class per pixel' if spec.per_pixel else 'one class per image'}")
+    top = int(labels[:1024].max())
+    if top >= spec.classes or int(labels[:1024].min()) < 0:
+        raise PolyshardError(f"--data {path!r}: label {top} is outside {name}'s {spec.classes} classes (0 .. "
+                             f"{spec.classes - 1})")
 
 
 def load_plan(path: str, what: str = "--plan") -> Plan:
@@ -104,6 +141,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[dict[str, int], Pla
     plan = load_plan(cfg.plan) if cfg.plan else None
     _check_model_name(cfg, plan)
     shape = _check_mesh(cfg, plan, world_size)
+    _check_image_flags(cfg, shape)
     _check_numbers(cfg)
     settings = {**_plan_settings(plan), **dict(cfg.settings)}
     Plan(op_axes=(), **settings)  # each setting checked by the plan's own rules
@@ -132,13 +170,34 @@ def _check_model_name(cfg: TrainConfig, plan: Plan | None) -> None:
         config_dict(name[3:])  # names a family, a shipped config or a config.json, or says what does
     elif name.startswith("gpt:"):
         models.config(name)  # a shape: its own errors say which entry is wrong
-    elif name not in models.CONFIGS:
+    elif name not in models.CONFIGS and name not in VISION:
         raise PolyshardError(f"--model {name!r} is unknown; use a name `polyshard models` lists "
-                             f"({', '.join(models.CONFIGS)}), a shape such as "
+                             f"({', '.join([*models.CONFIGS, *VISION])}), a shape such as "
                              "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=256, or hf:<family or config.json>")
     if plan is not None and cfg.model and plan.model and cfg.model != plan.model:
         raise PolyshardError(f"--plan {cfg.plan!r} was made for {plan.model}, not --model {cfg.model}; leave out "
                              f"--model or plan {cfg.model} with `polyshard plan`")
+
+
+def _check_image_flags(cfg: TrainConfig, shape: dict[str, int]) -> None:
+    """An image model on what it supports: a mesh of dp, h and w (tp too), images it can halve on every tile."""
+    if not cfg.vision:
+        if cfg.image_size:
+            raise PolyshardError(f"--image-size sizes an image model's images; {cfg.model or 'the model'} reads "
+                                 f"tokens: use --model {' or '.join(VISION)}, or leave out --image-size")
+        if set(shape) & {"h", "w"}:
+            raise PolyshardError(f"the mesh's h and w axes split images by height and width; {cfg.model or 'the model'} "
+                                 f"reads tokens: use --model {' or '.join(VISION)}")
+        return
+    unsupported = [flag for flag, on in (("--plan", cfg.plan), ("--auto", cfg.auto), ("--memory-limit", cfg.memory_limit),
+                                         ("--tokenizer", cfg.tokenizer), ("--sequence-parallel", cfg.sequence_parallel),
+                                         ("a pp axis", shape.get(PIPELINE_AXIS, 1) > 1)) if on]
+    if unsupported:
+        raise PolyshardError(f"{cfg.model} trains on the --mesh given, its images laid out by its h and w axes; "
+                             f"{unsupported[0]} is for token models: leave it out")
+    if cfg.image_size < 0:
+        raise PolyshardError(f"--image-size must be a positive number of pixels, got {cfg.image_size}")
+    check_image_size(cfg.model, cfg.image_side, {a: n for a, n in shape.items() if a in ("h", "w") and n > 1})
 
 
 def _check_mesh(cfg: TrainConfig, plan: Plan | None, world_size: int) -> dict[str, int]:
@@ -239,7 +298,9 @@ def _check_paths(cfg: TrainConfig) -> None:
         raise PolyshardError(f"--strategies file {cfg.strategies!r} does not exist")
     if cfg.tokenizer and not cfg.data:
         raise PolyshardError("--tokenizer tokenizes the text file --data names: give --data")
-    if cfg.data:
+    if cfg.data and cfg.vision:
+        check_images(cfg.data, cfg.model, cfg.image_side)
+    elif cfg.data:
         open_tokens(*token_source(cfg))
 
 
@@ -306,8 +367,8 @@ def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | No
     from polyshard.planner.propagate import propagate
     from polyshard.planner.stages import block_paths
 
-    model = models.build(model_name(cfg, plan), device="meta")
-    if cfg.data:
+    model = build_model(cfg, model_name(cfg, plan), device="meta")
+    if cfg.data and not cfg.vision:
         check_tokens(open_tokens(*token_source(cfg)), cfg.data, model.cfg.vocab_size, model.cfg.seq_len)
     if cfg.strategies:
         apply_strategies(model, cfg.strategies)

@@ -24,15 +24,20 @@ from polyshard.planner.report import render
 from polyshard.planner.search import search
 from polyshard.data.ahead import Ahead
 from polyshard.data.corpus import TokenBatches, load_corpus
+from polyshard.data.images import ImageBatches, open_images
+from polyshard.data.synthetic_images import SyntheticImages
 from polyshard.data.token_file import open_tokens, out_of_vocabulary
 from polyshard.errors import PolyshardError
+from polyshard.models.vision import VISION
 from polyshard.optim import OPTIMIZER_CLASSES, build_optimizer
 from polyshard.runtime.offload import OffloadedOptimizer
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.resume import restore_run, resume_path, save_run
 from polyshard.runtime.stall import is_timeout, stalled
 from polyshard.runtime.timeline import draw_timeline
-from polyshard.runtime.train_config import TrainConfig, apply_strategies, check_config, model_name, token_source
+from polyshard.runtime.train_config import (
+    TrainConfig, apply_strategies, build_model, check_config, model_name, token_source,
+)
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
 
@@ -54,7 +59,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
     mesh = ps.init(shape, timeout=cfg.collective_timeout or None)
     lead = dist.get_rank() == 0
-    model = models.build(name, seed=cfg.seed)
+    model = build_model(cfg, name, seed=cfg.seed)
     pinned = apply_strategies(model, cfg.strategies) if cfg.strategies else []
     # without a pipeline, a plan's micro-batches are gradient accumulation, on top of --accum
     accum = cfg.accum * (plan.micro_batches if plan is not None and mesh.pp == 1 else 1)
@@ -65,7 +70,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     copies = "auto" if cfg.copies == "auto" else int(cfg.copies)
     settings = dict(cfg.settings)
     pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan,
-                        sequence_parallel=cfg.sequence_parallel,
+                        sequence_parallel=cfg.sequence_parallel, dataset_strategy=image_strategy(cfg, mesh),
                         **{k: settings.get(k) for k in ("recompute", "recompute_comm", "schedule", "micro_batches",
                                                         "virtual_stages")})
     pipelined = isinstance(pm, PipelineModule)
@@ -95,12 +100,9 @@ def train(cfg: TrainConfig) -> list[dict]:
         print("parameter layouts:\n" + pm.plan.summary())
     scratch = tempfile.TemporaryDirectory(prefix="polyshard-offload-") if not cfg.offload_dir else None
     opt = make_optimizer(pm, cfg.lr, cfg.offload_dir or scratch.name)
-    share = cfg.batch_size // mesh.num_data_shards  # this rank reads only its rows of each global batch
-    mine = slice(mesh.data_index * share, (mesh.data_index + 1) * share)
-    source = open_tokens(*token_source(cfg)) if cfg.data else load_corpus()
     reads = not pipelined or pm.reads_batch  # a middle pipeline stage reads nothing
-    batches = Ahead(TokenBatches(source, cfg.batch_size, model.cfg.seq_len, cfg.seed, rows=mine, read=reads))
-    tokens_per_step = cfg.batch_size * model.cfg.seq_len
+    batches = Ahead(batch_source(cfg, model, mesh, reads))
+    unit, per_step = ("images", cfg.batch_size) if cfg.vision else ("tokens", cfg.batch_size * model.cfg.seq_len)
     done, history = 0, []
     resumed = resume_path(cfg.resume, cfg.save_dir)
     if resumed is not None:
@@ -116,7 +118,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         t0 = time.perf_counter()
         x, y = next(batches)
         data_s = time.perf_counter() - t0
-        if cfg.data and int(y.max()) >= model.cfg.vocab_size:
+        if cfg.data and not cfg.vision and int(y.max()) >= model.cfg.vocab_size:
             raise PolyshardError(out_of_vocabulary(cfg.data, int(y.max()), model.cfg.vocab_size))
         try:
             loss_sum = train_step(pm, opt, x, y, accum, record=pipelined and bool(cfg.timeline) and step == cfg.steps)
@@ -130,17 +132,17 @@ def train(cfg: TrainConfig) -> list[dict]:
         if not math.isfinite(loss_sum.item()):
             raise PolyshardError(f"loss became {loss_sum.item()} at step {step}; lower --lr (now {cfg.lr})")
         step_s = time.perf_counter() - t0
-        record = {"step": step, "loss": round(loss_sum.item(), 6), "tokens_per_s": round(tokens_per_step / step_s, 1),
+        record = {"step": step, "loss": round(loss_sum.item(), 6), f"{unit}_per_s": round(per_step / step_s, 1),
                   "step_s": round(step_s, 4), "data_s": round(data_s, 4),
                   "elapsed_s": round(time.perf_counter() - start, 3), "peak_rss_bytes": peak_rss_bytes(), **comm_counts(pm)}
         history.append(record)
         bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        bar.set_postfix(loss=f"{record['loss']:.4f}", **{f"{unit[:3]}_s": f"{record[f'{unit}_per_s']:.0f}"})
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
         if lead and (step % cfg.log_every == 0 or step == cfg.steps):
-            bar.write(f"step {step:>5}  loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tokens/s")
+            bar.write(f"step {step:>5}  loss {record['loss']:.4f}  {record[f'{unit}_per_s']:.0f} {unit}/s")
         if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             if pending is not None:
                 _committed(pending.wait(), lead, bar)
@@ -166,6 +168,35 @@ def train(cfg: TrainConfig) -> list[dict]:
         scratch.cleanup()
     dist.barrier()
     return history
+
+
+def batch_source(cfg: TrainConfig, model, mesh, reads: bool = True):
+    """This rank's batches, seeded alike on every rank: its rows of each global batch and, of images split by
+    height and width, its tile; generated images by default, the pydoc corpus for token models."""
+    share = cfg.batch_size // mesh.num_data_shards
+    mine = slice(mesh.data_index * share, (mesh.data_index + 1) * share)
+    if not cfg.vision:
+        source = open_tokens(*token_source(cfg)) if cfg.data else load_corpus()
+        return TokenBatches(source, cfg.batch_size, model.cfg.seq_len, cfg.seed, rows=mine, read=reads)
+    tile = tuple(_tile(mesh, axis, cfg.image_side) for axis in ("h", "w"))
+    if cfg.data:
+        return ImageBatches(*open_images(cfg.data), cfg.batch_size, cfg.seed, rows=mine, tile=tile)
+    spec = VISION[cfg.model]
+    return SyntheticImages(cfg.image_side, spec.classes, cfg.batch_size, cfg.seed, spec.per_pixel, rows=mine, tile=tile)
+
+
+def image_strategy(cfg: TrainConfig, mesh) -> tuple | None:
+    """How an image model's inputs lie over the mesh's h and w axes (MindSpore's dataset strategy), if it has any."""
+    split = tuple(a if dict(mesh.axes).get(a, 1) > 1 else None for a in ("h", "w"))
+    if not cfg.vision or split == (None, None):
+        return None
+    return (None, None, *split), ((None, *split) if VISION[cfg.model].per_pixel else None)
+
+
+def _tile(mesh, axis: str, size: int) -> slice:
+    n = dict(mesh.axes).get(axis, 1)
+    i = mesh.coords().get(axis, 0)
+    return slice(i * size // n, (i + 1) * size // n)
 
 
 def train_step(pm: ps.ParallelModule | PipelineModule, opt, x: torch.Tensor, y: torch.Tensor, accum: int = 1,

@@ -58,3 +58,18 @@ def image_parity(model: str, mesh: str, strategy: tuple, steps: int = 3, batch: 
             "param_err": max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters()),
             "buffer_err": max(rel_err(buffers[k], b) for k, b in ref.named_buffers() if b.dtype.is_floating_point),
             "spatial": sorted(n for n, e in pm.plan.nodes.items() if e.impl == "spatial")}
+
+
+def train_images(root: str, mesh: str, model: str, steps: int = 3) -> list[float]:
+    """``polyshard train``'s losses for an image model on generated 32-pixel images (float64), on ``mesh``."""
+    from polyshard.runtime.train_config import TrainConfig
+    from polyshard.runtime.trainer import train
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = TrainConfig(model=model, mesh=mesh, steps=steps, batch_size=4, image_size=32, lr=1e-2, log_every=100,
+                          metrics=f"{root}/metrics.jsonl")
+        return [r["loss"] for r in train(cfg)]
+    finally:
+        torch.set_default_dtype(default)

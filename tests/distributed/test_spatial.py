@@ -38,3 +38,12 @@ def test_unet_upsampling_by_nearest_neighbours_keeps_the_split(pools):
     for r in results:
         assert r["loss_err"] < TOL and r["param_err"] < TOL and r["buffer_err"] < TOL, r
     assert {"up_0_1", "up_1_1"} <= set(results[0]["spatial"])  # the 1x1 convolutions after upsampling: on tiles
+
+
+@pytest.mark.parametrize("model,mesh", [("unet-small", "dp=2,h=2"), ("resnet-small", "h=2,w=2")])
+def test_polyshard_train_on_split_images_matches_one_process(pools, tmp_path, model, mesh):
+    """The command's own run: generated images, each rank making only its rows and tile, against one process."""
+    one = pools(1).run(cases.train_images, str(tmp_path / "one"), "", model)[0]
+    split = pools(4).run(cases.train_images, str(tmp_path / "split"), mesh, model)
+    assert all(s == pytest.approx(one, rel=1e-6) for s in split), (one, split)
+    assert one[-1] < one[0]

@@ -14,6 +14,7 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -97,6 +98,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     text("bool.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, true], [2, 1]]}\n")
     text("zero.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1], [0, 1]]}\n")
     text("negative.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1], [-2, 1]]}\n")
+    np.save(d / "gray.npy", np.zeros((2, 1, 64, 64), dtype=np.float32))
+    np.save(d / "gray.labels.npy", np.zeros((2, 64, 64), dtype=np.int64))
+    out["gray.npy"] = str(d / "gray.npy")
     text("axis.yaml", "blocks.0.mlp.fc: {in_strategy: [[null, null, null], [mp, null]]}\n")
     text("indivisible.yaml", "blocks.0.attn.q: {in_strategy: [[1, 1, 1], [3, 1]]}\n")
     text("too_many.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1, 1], [4, 1]]}\n")
@@ -208,6 +212,16 @@ CLI_CASES = [
      ["decoder.*.fc", "model."]),
     ("hf-manual-split-short", TRAIN[:3] + ["--model", "hf:llama", "--mesh", "tp=2", "--strategies", "{uneven.yaml}"],
      ["model.model.embed_tokens", "manual_split (100, 100) adds up to 200 rows", "256"]),
+    # image models
+    ("image-size-odd", TRAIN[:3] + ["--model", "unet-small", "--image-size", "30"], ["--image-size 30", "multiple of 4"]),
+    ("image-tile-odd", TRAIN[:3] + ["--model", "unet-small", "--mesh", "h=2", "--image-size", "36"],
+     ["tiles of 18 pixels", "multiple of 8"]),
+    ("image-size-token-model", TRAIN + ["--image-size", "64"], ["--image-size", "gpt-tiny reads tokens"]),
+    ("image-mesh-token-model", TRAIN + ["--mesh", "h=2"], ["h and w axes", "gpt-tiny reads tokens"]),
+    ("image-auto", TRAIN[:3] + ["--model", "resnet-small", "--auto"], ["resnet-small", "--auto is for token models"]),
+    ("image-pipeline", TRAIN[:3] + ["--model", "resnet-small", "--mesh", "pp=2"], ["a pp axis is for token models"]),
+    ("image-data-shape", TRAIN[:3] + ["--model", "unet-small", "--data", "{gray.npy}"],
+     ["gray.npy", "(1, 64, 64)", "(3, 64, 64)"]),
     ("hf-pp-more-than-layers", TRAIN[:2] + ["4"] + ["--model", "hf:gpt2", "--mesh", "pp=4"], ["pp=4", "hf:gpt2"]),
     ("model-shape-in-train", TRAIN + ["--model", "gpt:layers=0,hidden=32,heads=4,seq=16,vocab=64"], ["layers"]),
     ("plan-model-zero-layers", PLAN[:2] + ["gpt:layers=0,hidden=32,heads=4,seq=16,vocab=64"] + PLAN[3:],

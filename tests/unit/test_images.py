@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from polyshard.data.images import ImageBatches, open_images
+from polyshard.data.synthetic_images import SyntheticImages
 from polyshard.errors import PolyshardError
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
@@ -65,3 +66,21 @@ def test_what_cannot_be_an_image_set_is_refused(tmp_path, images, labels, messag
         np.save(tmp_path / "train.labels.npy", np.zeros(labels, dtype=np.int64))
     with pytest.raises(PolyshardError, match=message):
         open_images(str(tmp_path / "train.npy"))
+
+
+@pytest.mark.parametrize("per_pixel", [True, False])
+def test_generated_images_are_made_tile_by_tile_as_the_whole_image(per_pixel):
+    """Each rank computes only its rows and tile, and they are the whole batch's block; the same seed draws the
+    same images, and a saved position continues the sequence."""
+    whole = SyntheticImages(32, 3, 4, seed=7, per_pixel=per_pixel)
+    tile = SyntheticImages(32, 3, 4, seed=7, per_pixel=per_pixel, rows=slice(2, 4), tile=(slice(16, 32), slice(8, 24)))
+    for _ in range(2):
+        (x, y), (tx, ty) = next(whole), next(tile)
+        assert torch.equal(tx, x[2:4, :, 16:32, 8:24])
+        assert torch.equal(ty, y[2:4, 16:32, 8:24] if per_pixel else y[2:4])
+    assert set(y.unique().tolist()) <= {0, 1, 2} and (len(y.unique()) > 1)
+    saved = whole.position()
+    after = next(whole)
+    again = SyntheticImages(32, 3, 4, seed=7, per_pixel=per_pixel)
+    again.seek(saved)
+    assert all(torch.equal(a, b) for a, b in zip(next(again), after))
