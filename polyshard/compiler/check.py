@@ -102,7 +102,9 @@ def _check_node(node: fx.Node, entry: NodePlan, plan: Plan, modules: dict, canon
 
 def _check_rules(plan: Plan, gm: fx.GraphModule, modules: dict) -> None:
     """Each node's entry is a strategy the op rules offer for the layouts it takes its inputs in."""
-    ctx = RuleContext(plan.op_axes, modules, {}, {}, lambda msg: None, None)
+    inputs = {n.name: plan.nodes[n.name].output for n in gm.graph.nodes  # the inputs lie as the plan says
+              if n.op == "placeholder" and isinstance(plan.nodes[n.name].output, Layout)}
+    ctx = RuleContext(plan.op_axes, modules, {}, {}, lambda msg: None, None, inputs)
     for node in gm.graph.nodes:
         entry = plan.nodes[node.name]
         for inp in node.all_input_nodes:

@@ -44,6 +44,7 @@ from polyshard.planner.intra_op import IntraOpResult, Terms, program_terms, solv
 from polyshard.planner.pipeline import (BUCKET_BYTES, PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
                                         leanest_pipeline, level3_traffic, state_memory, unit_costs)
 from polyshard.planner.config import Fixed
+from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
 from polyshard.planner.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
 from polyshard.planner.rules.base import INPUT_LAYOUTS
@@ -169,7 +170,7 @@ def _paused_cycle_collection(fn):
 def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Cluster, global_batch: int,
            memory_limit_bytes: float | None = None, meshes=None, data_axes: tuple[str, ...] = ("dp",),
            fixed: Fixed = Fixed(), reserve_bytes: float | None = None,
-           pp_plan: bool = False, inputs: dict | None = None,
+           pp_plan: bool = False, dataset_strategy: Sequence | None = None,
            graph: fx.GraphModule | None = None) -> tuple[Plan, list[Candidate]]:
     """The best plan over ``meshes`` (default: every dp x pp x tp split) and every candidate's costs.
 
@@ -177,8 +178,9 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     ``data_axes``: the mesh axes that split the batch (``pp`` holds pipeline stages; the others split operators);
     ``fixed``: settings the plan must keep; ``reserve_bytes``: of the limit, what plans leave free
     (default :func:`default_reserve_bytes`); ``pp_plan``: stages may begin at every module a transformers
-    model's own pipeline plan names (:func:`pp_plan_units`), not only at its repeated blocks; ``inputs``:
-    layouts of the graph's inputs by placeholder name (a dataset strategy's, over the one mesh searched);
+    model's own pipeline plan names (:func:`pp_plan_units`), not only at its repeated blocks;
+    ``dataset_strategy``: per positional input, how its dims split (slice counts, or axis names: a mesh
+    without the axis keeps the dim whole), so the search weighs splitting images by height and width;
     ``graph``: the model already captured at ``example_row`` (:func:`capture`), so a second search skips it.
     """
     reserve = default_reserve_bytes(cluster) if reserve_bytes is None else reserve_bytes
@@ -187,9 +189,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         raise PolyshardError(f"the memory reserve of {format_bytes(reserve)} leaves nothing of the "
                              f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the reserve")
     gm = capture(model, example_row) if graph is None else graph
-    if inputs:
-        gm.meta[INPUT_LAYOUTS] = dict(inputs)
-    costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else ())
+    costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else (),
+                   dataset_strategy)
     candidates, plans, skipped = [], {}, []
     best_s = float("inf")
     allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks),
@@ -256,7 +257,7 @@ class _Costs:
     per (operator axes, recompute), and that plan's costs per unit per precision."""
 
     def __init__(self, gm, cluster: Cluster, data_axes: tuple[str, ...], global_batch: int, limit: float,
-                 fixed: Fixed = Fixed(), stage_units: Sequence[str] = ()):
+                 fixed: Fixed = Fixed(), stage_units: Sequence[str] = (), dataset_strategy: Sequence | None = None):
         self.gm, self.cluster, self.data_axes, self.batch, self.limit = gm, cluster, data_axes, global_batch, limit
         self.fixed = fixed
         self.narrowest = "bf16" if _fast_half(cluster) and fixed.allows(precision="bf16") else "fp32"
@@ -271,6 +272,7 @@ class _Costs:
         self.recomputed = functools.cache(functools.partial(recomputed, gm))
         self._units: dict[tuple, tuple[Plan, Units]] = {}
         self._memo: dict = {}  # what pipelined splits share (see Setup)
+        self.dataset_strategy = dataset_strategy
 
     def order(self, meshes) -> list:
         """Splits whose operator axes fill one node first (they are likely best, and bound the rest),
@@ -347,6 +349,8 @@ class _Costs:
         """The integer program on ``op_axes`` with rows left open: enumerated once, solved per row count."""
         key = (op_axes, recompute, offload)
         if key not in self._terms:
+            if self.dataset_strategy is not None:  # the inputs as they lie on these axes
+                self.gm.meta[INPUT_LAYOUTS] = input_layouts(self.gm, self.dataset_strategy, op_axes, absent_whole=True)
             self._terms[key] = program_terms(self.gm, op_axes, self.cluster,
                                              self.recomputed(recompute, self.recompute_comm), offload,
                                              self.narrowest, self.sequence)

@@ -24,7 +24,7 @@ from polyshard.planner.cost.overlap import choose_copies
 from polyshard.planner.config import Fixed
 from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
 from polyshard.planner.propagate import propagate
-from polyshard.planner.rules.einsum import pin_output_layout
+from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_pins
 from polyshard.planner.search import search as search_plan
 from polyshard.planner.stages import balanced_boundaries, pp_plan_units
@@ -146,9 +146,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
         example_inputs = model.example_inputs()
     gm = capture(model, example_inputs)
     if dataset_strategy is not None and (plan is not None or mesh.pp > 1):
-        raise PolyshardError("dataset_strategy lays out the inputs for propagation or the search; it does not "
-                             "combine with a given plan or a pipeline yet: drop one of them")
-    inputs = _input_layouts(gm, dataset_strategy, mesh)
+        raise PolyshardError("dataset_strategy lays out the inputs for propagation or the search (a plan lays out "
+                             "its own inputs); it does not combine with a given plan or a pipeline yet: drop one")
+    inputs = input_layouts(gm, dataset_strategy, mesh.op_axes)
     if tp_plan:
         _pin_tp_plan(model, gm, mesh)
     if pp_plan and mesh.pp == 1:
@@ -170,7 +170,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
             plan, _ = search_plan(model, row, cluster, batch_rows(example_inputs) * mesh.num_data_shards,
                                   memory_limit_bytes, meshes=[mesh.axes], data_axes=mesh.data_axes,
                                   fixed=Fixed(sp=1) if sequence_parallel else Fixed(), pp_plan=pp_plan,
-                                  inputs=inputs)
+                                  dataset_strategy=dataset_strategy)
         else:
             plan = propagate(gm, mesh.op_axes, warn, sequence_parallel, inputs)
     plan = dataclasses.replace(plan, mesh=mesh.axes, data_axes=mesh.data_axes)
@@ -194,28 +194,6 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
 
         return parallelize_pipeline(model, example_inputs, plan, mesh, bucket_bytes)
     return ParallelModule(lower(gm, plan, mesh), plan, mesh, bucket_bytes, marked_modules(model))
-
-
-def _input_layouts(gm: fx.GraphModule, strategy: Sequence | None, mesh: Mesh) -> dict[str, Layout]:
-    """The layouts a dataset strategy gives the graph's positional inputs, by placeholder name."""
-    if strategy is None:
-        return {}
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not isinstance(strategy, (tuple, list)) or len(strategy) > len(inputs):
-        raise PolyshardError(f"dataset_strategy must be a tuple with one entry per input (at most {len(inputs)}), "
-                             f"e.g. ((1, 1, 2, 2), None); got {strategy!r}")
-    out = {}
-    for i, (node, s) in enumerate(zip(inputs, strategy)):
-        if s is None:
-            continue
-        shape = shape_of(node)
-        if shape is None or len(s) != len(shape):
-            raise PolyshardError(f"dataset_strategy[{i}] {tuple(s)} has {len(s)} entries, but input `{node.name}` "
-                                 f"has shape {tuple(shape or ())}; give one per dim")
-        layout = pin_output_layout(tuple(s), shape, None, mesh.op_axes, f"dataset_strategy[{i}]")
-        layout.check_divides(shape, f"input `{node.name}` (dataset_strategy[{i}] {tuple(s)})")
-        out[node.name] = layout
-    return out
 
 
 def _pin_tp_plan(model: nn.Module, gm: fx.GraphModule, mesh: Mesh) -> None:

@@ -189,11 +189,10 @@ def _check_image_flags(cfg: TrainConfig, shape: dict[str, int]) -> None:
             raise PolyshardError(f"the mesh's h and w axes split images by height and width; {cfg.model or 'the model'} "
                                  f"reads tokens: use --model {' or '.join(VISION)}")
         return
-    unsupported = [flag for flag, on in (("--plan", cfg.plan), ("--auto", cfg.auto), ("--memory-limit", cfg.memory_limit),
-                                         ("--tokenizer", cfg.tokenizer), ("--sequence-parallel", cfg.sequence_parallel),
+    unsupported = [flag for flag, on in (("--tokenizer", cfg.tokenizer), ("--sequence-parallel", cfg.sequence_parallel),
                                          ("a pp axis", shape.get(PIPELINE_AXIS, 1) > 1)) if on]
     if unsupported:
-        raise PolyshardError(f"{cfg.model} trains on the --mesh given, its images laid out by its h and w axes; "
+        raise PolyshardError(f"{cfg.model} trains on images split by height and width over h and w axes; "
                              f"{unsupported[0]} is for token models: leave it out")
     if cfg.image_size < 0:
         raise PolyshardError(f"--image-size must be a positive number of pixels, got {cfg.image_size}")

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 import polyshard as ps
-from polyshard import models
 from polyshard.cluster import Cluster, parse_bytes
 from polyshard.planner.config import Fixed
 from polyshard.planner.report import render
@@ -28,7 +27,7 @@ from polyshard.data.images import ImageBatches, open_images
 from polyshard.data.synthetic_images import SyntheticImages
 from polyshard.data.token_file import open_tokens, out_of_vocabulary
 from polyshard.errors import PolyshardError
-from polyshard.models.vision import VISION
+from polyshard.models.vision import VISION, check_image_size
 from polyshard.optim import OPTIMIZER_CLASSES, build_optimizer
 from polyshard.runtime.offload import OffloadedOptimizer
 from polyshard.runtime.pipeline import PipelineModule
@@ -49,11 +48,12 @@ def train(cfg: TrainConfig) -> list[dict]:
     shape, plan = check_config(cfg, world)
     name = model_name(cfg, plan)
     if cfg.auto or cfg.memory_limit:  # --auto: every mesh; --memory-limit alone: the mesh given
-        meta = models.build(name, device="meta")
+        meta = build_model(cfg, name, device="meta")
         limit = parse_bytes(cfg.memory_limit) if cfg.memory_limit else None
+        meshes = [tuple(shape.items())] if not cfg.auto else image_meshes(cfg, world) if cfg.vision else None
         plan, _ = search(meta, meta.example_inputs(1), Cluster.from_env(), cfg.batch_size // cfg.accum, limit,
-                         meshes=None if cfg.auto else [tuple(shape.items())],
-                         fixed=Fixed(sp=1) if cfg.sequence_parallel else Fixed())
+                         meshes=meshes, fixed=Fixed(sp=1) if cfg.sequence_parallel else Fixed(),
+                         dataset_strategy=IMAGE_STRATEGY[VISION[name].per_pixel] if cfg.vision else None)
         plan, shape = dataclasses.replace(plan, model=name), dict(plan.mesh)
     if plan is not None and cfg.settings:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
@@ -70,7 +70,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     copies = "auto" if cfg.copies == "auto" else int(cfg.copies)
     settings = dict(cfg.settings)
     pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan,
-                        sequence_parallel=cfg.sequence_parallel, dataset_strategy=image_strategy(cfg, mesh),
+                        sequence_parallel=cfg.sequence_parallel,
+                        dataset_strategy=image_strategy(cfg, mesh) if plan is None else None,  # a plan has its own
                         **{k: settings.get(k) for k in ("recompute", "recompute_comm", "schedule", "micro_batches",
                                                         "virtual_stages")})
     pipelined = isinstance(pm, PipelineModule)
@@ -185,12 +186,34 @@ def batch_source(cfg: TrainConfig, model, mesh, reads: bool = True):
     return SyntheticImages(cfg.image_side, spec.classes, cfg.batch_size, cfg.seed, spec.per_pixel, rows=mine, tile=tile)
 
 
+# an image model's inputs by axis names (MindSpore's dataset strategy): images split by height and width over
+# the mesh's h and w axes, and masks (a class per pixel) alike; by whether its labels are masks
+IMAGE_STRATEGY = {True: ((None, None, "h", "w"), (None, "h", "w")), False: ((None, None, "h", "w"), None)}
+
+
 def image_strategy(cfg: TrainConfig, mesh) -> tuple | None:
-    """How an image model's inputs lie over the mesh's h and w axes (MindSpore's dataset strategy), if it has any."""
-    split = tuple(a if dict(mesh.axes).get(a, 1) > 1 else None for a in ("h", "w"))
-    if not cfg.vision or split == (None, None):
+    """How an image model's inputs lie over the mesh, if it splits images at all."""
+    if not cfg.vision or all(dict(mesh.axes).get(a, 1) == 1 for a in ("h", "w")):
         return None
-    return (None, None, *split), ((None, *split) if VISION[cfg.model].per_pixel else None)
+    axes = dict(mesh.axes)
+    return tuple(None if s is None else tuple(d if d is None or axes.get(d, 1) > 1 else None for d in s)
+                 for s in IMAGE_STRATEGY[VISION[cfg.model].per_pixel])
+
+
+def image_meshes(cfg: TrainConfig, world: int) -> list[tuple[tuple[str, int], ...]]:
+    """Every dp x h x w split of ``world`` processes the run can take: dp divides the batch, and every tile
+    is one the model can halve as often as it halves the image."""
+    out = []
+    for h in (n for n in range(1, world + 1) if world % n == 0):
+        for w in (n for n in range(1, world // h + 1) if world // h % n == 0):
+            dp = world // h // w
+            try:
+                check_image_size(cfg.model, cfg.image_side, {"h": h, "w": w})
+            except PolyshardError:
+                continue
+            if cfg.batch_size % (dp * cfg.accum) == 0:
+                out.append((("dp", dp), ("h", h), ("w", w)))
+    return out
 
 
 def _tile(mesh, axis: str, size: int) -> slice:

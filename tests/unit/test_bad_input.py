@@ -218,7 +218,6 @@ CLI_CASES = [
      ["tiles of 18 pixels", "multiple of 8"]),
     ("image-size-token-model", TRAIN + ["--image-size", "64"], ["--image-size", "gpt-tiny reads tokens"]),
     ("image-mesh-token-model", TRAIN + ["--mesh", "h=2"], ["h and w axes", "gpt-tiny reads tokens"]),
-    ("image-auto", TRAIN[:3] + ["--model", "resnet-small", "--auto"], ["resnet-small", "--auto is for token models"]),
     ("image-pipeline", TRAIN[:3] + ["--model", "resnet-small", "--mesh", "pp=2"], ["a pp axis is for token models"]),
     ("image-data-shape", TRAIN[:3] + ["--model", "unet-small", "--data", "{gray.npy}"],
      ["gray.npy", "(1, 64, 64)", "(3, 64, 64)"]),

@@ -8,12 +8,11 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.halo import halo, lines_up
 from polyshard.layout import Layout
-from polyshard.mesh import Mesh
 from polyshard.models.resnet import ResNet
 from polyshard.planner.cost.comm import node_comm_bytes
 from polyshard.planner.cost.compute import forward_flops
 from polyshard.planner.propagate import propagate
-from polyshard.runtime.parallel import _input_layouts
+from polyshard.planner.dataset import input_layouts
 
 AXES = (("h", 2), ("w", 2))
 
@@ -38,8 +37,7 @@ def test_windows_that_do_not_line_up_with_the_tiles(size, shards, window):
 def _plan(model, strategy, warned, image: int = 32):
     x = torch.zeros(2, 3, image, image)
     gm = capture(model, (x, torch.zeros(2, dtype=torch.long)))
-    mesh = Mesh(AXES, (), "cpu", 0)
-    return propagate(gm, AXES, warned.append, inputs=_input_layouts(gm, strategy, mesh))
+    return propagate(gm, AXES, warned.append, inputs=input_layouts(gm, strategy, AXES))
 
 
 def test_a_resnet_keeps_its_images_split_to_the_pooling():
@@ -92,8 +90,7 @@ def test_upsampling_keeps_the_split_only_by_nearest_neighbours(mode, kept):
         up[0].mode = mode
     x = torch.zeros(2, 3, 32, 32)
     gm = capture(model, (x, torch.zeros(2, 32, 32, dtype=torch.long)))
-    mesh = Mesh(AXES, (), "cpu", 0)
-    plan = propagate(gm, AXES, lambda _: None, inputs=_input_layouts(gm, ((1, 1, 2, 2), (1, 2, 2)), mesh))
+    plan = propagate(gm, AXES, lambda _: None, inputs=input_layouts(gm, ((1, 1, 2, 2), (1, 2, 2)), AXES))
     assert (not plan.nodes["up_0_0"].output.is_replicated) == kept
 
 
@@ -124,7 +121,7 @@ def test_interpolate_keeps_the_split_only_by_a_whole_nearest_factor(how, kept):
     x = torch.randn(2, 3, 32, 32)
     gm = capture(_Interpolating(**how), (x, torch.zeros(2)))
     plan = propagate(gm, AXES, lambda _: None,
-                     inputs=_input_layouts(gm, ((1, 1, 2, 2), None), Mesh(AXES, (), "cpu", 0)))
+                     inputs=input_layouts(gm, ((1, 1, 2, 2), None), AXES))
     node = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.interpolate)
     assert (not plan.nodes[node.name].output.is_replicated) == kept
     if kept:  # each tile upsampled alone is its block of the whole image upsampled
