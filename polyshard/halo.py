@@ -10,6 +10,9 @@ reaches ``padding`` rows before it and ``kernel - stride - padding`` after it.
 from __future__ import annotations
 
 SPLIT_DIMS = (2, 3)  # height and width of NCHW images
+# Bilinear upsampling by a whole factor (align_corners=False) blends each output pixel from the input pixels
+# either side of it: a tile reaches one row before it and one after (the image's edges clamp to themselves).
+BILINEAR_HALO = (1, 1)
 
 
 def halo(size: int, shards: int, kernel: int, stride: int, padding: int) -> tuple[int, int, int]:

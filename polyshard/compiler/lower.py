@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from torch.distributed.tensor import distribute_tensor
 
@@ -17,14 +18,15 @@ from polyshard.compiler.ops import ShardedFunction, ShardedModule, VocabParallel
 from polyshard.compiler.redistribute import redistribute_local, to_dtensor
 from polyshard.compiler.rows import RowSplitEmbedding, gather_rows, row_slice
 from polyshard.compiler.spatial import (
-    SpatialBatchNorm2d, SpatialCrossEntropy, SpatialGlobalPool, SpatialWindow, Split,
+    SpatialBatchNorm2d, SpatialCrossEntropy, SpatialGlobalPool, SpatialUpsample, SpatialWindow, Split,
 )
 from polyshard.graph.capture import PIN_ATTR, shape_of
 from polyshard.graph.ops import op_key
-from polyshard.halo import SPLIT_DIMS, halo, pair
+from polyshard.halo import BILINEAR_HALO, SPLIT_DIMS, halo, pair
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
 from polyshard.planner.plan import Plan
+from polyshard.planner.rules.spatial import upsampling
 
 
 class Redistribute:
@@ -217,11 +219,24 @@ def _use_spatial(gm: fx.GraphModule, node: fx.Node, entry, mesh: Mesh) -> None:
     layout, shape = entry.inputs[x.name], shape_of(x)
     split = {d: layout.dims[d] for d in SPLIT_DIMS if layout.dims[d]}
     axes = tuple(a for d in split.values() for a in d)
+    module = gm.get_submodule(node.target) if node.op == "call_module" else None
+    if isinstance(module, nn.Upsample) or op_key(node) is F.interpolate:  # bilinear, by a whole factor
+        _, factor = upsampling(node, module)
+        lo, hi = BILINEAR_HALO
+        splits = tuple(Split(d, mesh.group(a), lo, hi, shape[d] // layout.num_shards(d) * factor[d - 2])
+                       for d, a in split.items())
+        wrapped = SpatialUpsample(factor, splits)
+        if module is None:  # F.interpolate: its size and mode are the wrapper's now
+            node.target, node.args, node.kwargs = wrapped, (x,), {}
+            return
+        name = "_spatial_" + node.name
+        gm.add_submodule(name, wrapped)
+        node.target = name
+        return
     if node.op != "call_module":  # a per-pixel cross-entropy
         node.target = SpatialCrossEntropy(mesh.group(axes), node.kwargs.get("ignore_index", -100))
         node.kwargs = {}
         return
-    module = gm.get_submodule(node.target)
     if isinstance(module, nn.ConvTranspose2d):
         splits = tuple(Split(d, mesh.group(a), 0, 0, shape[d] // layout.num_shards(d) * pair(module.stride)[d - 2])
                        for d, a in split.items())

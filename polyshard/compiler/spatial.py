@@ -267,6 +267,32 @@ class SpatialBatchNorm2d(nn.Module):
         return y
 
 
+class SpatialUpsample(nn.Module):
+    """Bilinear upsampling by a whole ``factor`` on a tile: one row (and column) from each neighbour, or at the
+    image's edges the tile's own edge again (the whole image's interpolation clamps there), height first so
+    corners come along; then the grown tile upsampled and cut back to the tile's own output rows. Bilinear
+    backward needs no input values, so nothing but shapes is kept."""
+
+    def __init__(self, factor: tuple[int, int], splits: tuple[Split, ...]):
+        super().__init__()
+        self.factor, self.splits = factor, splits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for s in self.splits:
+            before, after = _Strips.apply(x, s.dim, s.lo, s.hi, s.group, 0.0)
+            ranks = dist.get_process_group_ranks(s.group)
+            if ranks[0] == dist.get_rank():
+                before = x.narrow(s.dim, 0, s.lo)
+            if ranks[-1] == dist.get_rank():
+                after = x.narrow(s.dim, x.size(s.dim) - s.hi, s.hi)
+            x = torch.cat([before, x, after], s.dim)
+        y = F.interpolate(x, scale_factor=self.factor, mode="bilinear", align_corners=False)
+        for s in self.splits:
+            f = self.factor[s.dim - 2]
+            y = y.narrow(s.dim, f * s.lo, s.out)
+        return y
+
+
 class SpatialCrossEntropy:
     """Mean cross-entropy of per-pixel logits split into tiles: the tiles' summed losses over all counted
     pixels (those not ``ignore_index``); the loss replicated."""

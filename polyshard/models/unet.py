@@ -14,7 +14,7 @@ def _double_conv(c_in: int, c_out: int) -> nn.Sequential:
 
 class UNet(nn.Module):
     """``widths`` per level, top first; ``classes`` per pixel; ``up``: "transposed" (2x2 transposed
-    convolutions) or "nearest" (nearest-neighbour upsampling, then a 1x1 convolution)."""
+    convolutions), "nearest" or "bilinear" (upsampling so, then a 1x1 convolution)."""
 
     def __init__(self, widths: tuple[int, ...] = (8, 16, 32), classes: int = 3, image_size: int = 32,
                  channels: int = 3, up: str = "transposed"):
@@ -23,7 +23,7 @@ class UNet(nn.Module):
         self.down = nn.ModuleList(_double_conv(a, b) for a, b in zip((channels,) + widths[:-1], widths))
         self.pool = nn.MaxPool2d(2)
         self.up = nn.ModuleList(nn.ConvTranspose2d(b, a, 2, 2) if up == "transposed" else
-                                nn.Sequential(nn.Upsample(scale_factor=2), nn.Conv2d(b, a, 1))
+                                nn.Sequential(nn.Upsample(scale_factor=2, mode=up), nn.Conv2d(b, a, 1))
                                 for a, b in zip(widths[-2::-1], widths[:0:-1]))
         self.merge = nn.ModuleList(_double_conv(2 * a, a) for a in widths[-2::-1])
         self.head = nn.Conv2d(widths[0], classes, 1)

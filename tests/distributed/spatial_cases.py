@@ -17,14 +17,15 @@ from tests.distributed.cases import rel_err
 
 def image_parity(model: str, mesh: str, strategy: tuple, steps: int = 3, batch: int = 8, image: int = 32,
                  search: bool = False) -> dict:
-    """AdamW steps in float64 of ``model`` ("resnet": a classifier; "unet", "unet-nearest": per-pixel classes,
-    upsampling by transposed convolutions or nearest neighbours) on ``mesh``
+    """AdamW steps in float64 of ``model`` ("resnet": a classifier; "unet", "unet-nearest", "unet-bilinear":
+    per-pixel classes, upsampling by transposed convolutions, nearest neighbours or bilinear) on ``mesh``
     with the images laid out by ``strategy`` (and a UNet's masks alike), against one device: every loss,
     every parameter and batch norm's running statistics. ``search``: the cost model's plan, not the rules'."""
     ps.init(mesh)
     m = ps.current_mesh()
     torch.manual_seed(0)
-    build = {"resnet": ResNet, "unet": UNet, "unet-nearest": lambda **kw: UNet(up="nearest", **kw)}[model]
+    build = {"resnet": ResNet, "unet": UNet, "unet-nearest": lambda **kw: UNet(up="nearest", **kw),
+             "unet-bilinear": lambda **kw: UNet(up="bilinear", **kw)}[model]
     ref = build(image_size=image).double()
     par = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(1)

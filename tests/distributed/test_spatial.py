@@ -33,11 +33,16 @@ def test_unet_on_split_images_trains_as_one_device(pools, mesh, strategy):
     assert len(spatial) == 26 and {"up_0", "up_1", "cross_entropy"} <= set(spatial), spatial
 
 
-def test_unet_upsampling_by_nearest_neighbours_keeps_the_split(pools):
-    results = pools(4).run(cases.image_parity, "unet-nearest", "h=2,w=2", (1, 1, 2, 2))
+@pytest.mark.parametrize("up", ["nearest", "bilinear"])
+def test_unet_upsampling_by_a_whole_factor_keeps_the_split(pools, up):
+    """Nearest neighbours make each tile's block alone; bilinear takes a row from each neighbour (at the image's
+    edges, its own edge again)."""
+    results = pools(4).run(cases.image_parity, f"unet-{up}", "h=2,w=2", (1, 1, 2, 2))
     for r in results:
         assert r["loss_err"] < TOL and r["param_err"] < TOL and r["buffer_err"] < TOL, r
-    assert {"up_0_1", "up_1_1"} <= set(results[0]["spatial"])  # the 1x1 convolutions after upsampling: on tiles
+    spatial = set(results[0]["spatial"])
+    assert {"up_0_1", "up_1_1"} <= spatial  # the 1x1 convolutions after upsampling: on tiles
+    assert ({"up_0_0", "up_1_0"} <= spatial) == (up == "bilinear")  # the upsampling's own halo
 
 
 @pytest.mark.parametrize("model,mesh", [("unet-small", "dp=2,h=2"), ("resnet-small", "h=2,w=2")])

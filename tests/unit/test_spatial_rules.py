@@ -9,7 +9,7 @@ from polyshard.graph.capture import capture
 from polyshard.halo import halo, lines_up
 from polyshard.layout import Layout
 from polyshard.models.resnet import ResNet
-from polyshard.planner.cost.comm import node_comm_bytes
+from polyshard.planner.cost.comm import node_comm_bytes, own_bytes
 from polyshard.planner.cost.compute import forward_flops
 from polyshard.planner.propagate import propagate
 from polyshard.planner.dataset import input_layouts
@@ -81,8 +81,8 @@ def test_the_cost_model_counts_a_tile_s_products_and_its_halo():
     assert forward_flops(stem, plan, modules) == 2 * (2 * 8 * 16 * 16) * (3 * 3 * 3)
 
 
-@pytest.mark.parametrize("mode,kept", [("nearest", True), ("bilinear", False)])
-def test_upsampling_keeps_the_split_only_by_nearest_neighbours(mode, kept):
+@pytest.mark.parametrize("mode,kept", [("nearest", True), ("bilinear", True), ("bicubic", False)])
+def test_upsampling_keeps_the_split_by_nearest_neighbours_or_bilinear(mode, kept):
     from polyshard.models.unet import UNet
 
     model = UNet(up="nearest")
@@ -92,6 +92,10 @@ def test_upsampling_keeps_the_split_only_by_nearest_neighbours(mode, kept):
     gm = capture(model, (x, torch.zeros(2, 32, 32, dtype=torch.long)))
     plan = propagate(gm, AXES, lambda _: None, inputs=input_layouts(gm, ((1, 1, 2, 2), (1, 2, 2)), AXES))
     assert (not plan.nodes["up_0_0"].output.is_replicated) == kept
+    assert plan.nodes["up_0_0"].impl == ("spatial" if mode == "bilinear" else "local")
+    up = next(n for n in gm.graph.nodes if n.name == "up_0_0")  # (2, 32, 8, 8) in tiles of 4 x 4
+    sent = own_bytes(up, plan.nodes[up.name], dict(gm.named_modules()), 4, "gloo")  # its halo, moves aside
+    assert sent == ({"h": 2 * (2 * 32 * 4) * 4, "w": 2 * (2 * 32 * 6) * 4} if mode == "bilinear" else {})
 
 
 def test_the_search_enumerates_each_layer_of_a_sequential_by_its_own_kind():
@@ -116,14 +120,21 @@ class _Interpolating(nn.Module):
 
 
 @pytest.mark.parametrize("how,kept", [(dict(scale_factor=2), True), (dict(scale_factor=2, mode="nearest"), True),
-                                      (dict(size=(64, 64)), False), (dict(scale_factor=2, mode="bilinear"), False)])
-def test_interpolate_keeps_the_split_only_by_a_whole_nearest_factor(how, kept):
+                                      (dict(size=(64, 64)), False), (dict(scale_factor=2, mode="bilinear"), True),
+                                      (dict(scale_factor=2, mode="bilinear", align_corners=True), False),
+                                      (dict(scale_factor=2, mode="bicubic"), False)])
+def test_interpolate_keeps_the_split_by_a_whole_factor(how, kept):
     x = torch.randn(2, 3, 32, 32)
     gm = capture(_Interpolating(**how), (x, torch.zeros(2)))
     plan = propagate(gm, AXES, lambda _: None,
                      inputs=input_layouts(gm, ((1, 1, 2, 2), None), AXES))
     node = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.interpolate)
     assert (not plan.nodes[node.name].output.is_replicated) == kept
-    if kept:  # each tile upsampled alone is its block of the whole image upsampled
-        whole = torch.nn.functional.interpolate(x, **how)
+    whole = torch.nn.functional.interpolate(x, **how)
+    if kept and how.get("mode") == "bilinear":  # a tile grown by a row each side (at the image's edge, its own
+        below = torch.cat([x[:, :, 15:16], x[:, :, 16:], x[:, :, 31:32]], 2)  # edge again), upsampled, cut back
+        grown = torch.cat([below[..., :1], below[..., :16], below[..., 16:17]], 3)
+        tile = torch.nn.functional.interpolate(grown, **how)[:, :, 2:-2, 2:-2]
+        torch.testing.assert_close(tile, whole[:, :, 32:, :32], rtol=1e-6, atol=1e-6)  # the kernel's own rounding
+    elif kept:  # each tile upsampled alone is its block of the whole image upsampled
         assert torch.equal(torch.nn.functional.interpolate(x[:, :, 16:, :16], **how), whole[:, :, 32:, :32])

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 
+import torch.nn.functional as F
 from torch import fx, nn
 
 from polyshard.cluster import Cluster, Link
 from polyshard.graph.capture import linear_dims, shape_of
-from polyshard.halo import SPLIT_DIMS, halo, pair
+from polyshard.graph.ops import op_key
+from polyshard.halo import BILINEAR_HALO, SPLIT_DIMS, halo, pair
 from polyshard.layout import Axes, Layout
 from polyshard.planner.plan import Plan
 from polyshard.transitions import transition_bytes, wire_bytes
@@ -68,9 +70,11 @@ def halo_bytes(node, entry, modules, itemsize: int, backend: str) -> dict[str, f
     """Bytes a window op on an image split by height and width sends its neighbours, per axis: the rows
     before its tile's end to the next rank, those after its start to the previous one (polyshard.halo);
     batch norm all-reduces two values per channel and global pooling its pooled output."""
-    if entry.impl != "spatial" or node.op != "call_module":
+    module = modules[node.target] if node.op == "call_module" else None
+    bilinear = entry.impl == "spatial" and (isinstance(module, nn.Upsample) or op_key(node) is F.interpolate)
+    if entry.impl != "spatial" or (module is None and not bilinear):
         return {}
-    module, x = modules[node.target], node.args[0]
+    x = node.args[0]
     layout, shape = entry.inputs[x.name], shape_of(x)
     out: dict[str, float] = {}
     if isinstance(module, (nn.BatchNorm2d, nn.AdaptiveAvgPool2d)):
@@ -78,13 +82,15 @@ def halo_bytes(node, entry, modules, itemsize: int, backend: str) -> dict[str, f
             values = shape[1] * (2 if isinstance(module, nn.BatchNorm2d) else shape[0])
             out[axis] = wire_bytes("all_reduce", values * itemsize, layout.axis_sizes[axis], backend)
         return out
-    if not hasattr(module, "padding") or isinstance(module, nn.ConvTranspose2d):
+    if not bilinear and (not hasattr(module, "padding") or isinstance(module, nn.ConvTranspose2d)):
         return out
     local = list(layout.local_shape(shape))
-    kernel, stride, padding = (pair(getattr(module, k)) for k in ("kernel_size", "stride", "padding"))
+    if not bilinear:
+        kernel, stride, padding = (pair(getattr(module, k)) for k in ("kernel_size", "stride", "padding"))
     for d in SPLIT_DIMS:
         for axis in layout.dims[d]:
-            before, after, _ = halo(shape[d], layout.num_shards(d), kernel[d - 2], stride[d - 2], padding[d - 2])
+            before, after = BILINEAR_HALO if bilinear else \
+                halo(shape[d], layout.num_shards(d), kernel[d - 2], stride[d - 2], padding[d - 2])[:2]
             rows = max(before, 0) + max(after, 0)
             out[axis] = out.get(axis, 0.0) + rows * math.prod(local) / local[d] * itemsize
             local[d] += rows  # the width's halo runs on the tile grown by the height's

@@ -3,8 +3,8 @@
 A window op (Conv2d, MaxPool2d) keeps its input's split where every tile's windows line up with its
 output tile (polyshard.halo); lowering then exchanges the halo (polyshard.compiler.spatial). Other
 windows gather the image first. Channels stay whole. A transposed convolution whose kernel equals its
-stride, and nearest-neighbour upsampling by a whole factor, need no halo; a per-pixel cross-entropy adds
-up its tiles' losses.
+stride, and nearest-neighbour upsampling by a whole factor, need no halo; bilinear upsampling by a whole
+factor needs one row each side; a per-pixel cross-entropy adds up its tiles' losses.
 """
 
 from __future__ import annotations
@@ -52,19 +52,30 @@ def transposed(node: fx.Node, module: nn.ConvTranspose2d, ctx: RuleContext) -> D
 
 
 def upsample(node: fx.Node, module: nn.Upsample | None, ctx: RuleContext) -> Decision:
-    """Nearest-neighbour upsampling by a whole factor (an ``nn.Upsample``, or ``F.interpolate`` when
-    ``module`` is None): each pixel makes its own block, so a tile makes its output tile. Other modes blend
-    neighbours, and a fixed output size is the whole image's: gathered."""
+    """Upsampling by a whole factor (an ``nn.Upsample``, or ``F.interpolate`` when ``module`` is None):
+    nearest-neighbour makes each pixel's own block, so a tile makes its output tile; bilinear (corners not
+    aligned) blends each output pixel from its input neighbours, one row past the tile each side. Other
+    modes, and a fixed output size (the whole image's), gather."""
     x = node.args[0]
     src = ctx.layout(x)
-    given = vars(module) if module is not None else dict(zip(("input", "size", "scale_factor", "mode"), node.args))
+    mode, factor = upsampling(node, module)
+    need = _only(src, SPLIT_DIMS if mode in ("nearest", "bilinear") else ())
+    return Decision("spatial" if mode == "bilinear" and not need.is_replicated else "local", {x.name: need}, need)
+
+
+def upsampling(node: fx.Node, module: nn.Upsample | None) -> tuple[str, tuple[int, int]]:
+    """(mode, whole factor per dim) of an upsampling a tile can make alone or with a one-row halo; mode ""
+    for any other (a fixed size, a fractional factor, aligned corners, antialiasing, another mode)."""
+    given = vars(module) if module is not None else dict(zip(("input", "size", "scale_factor", "mode",
+                                                                  "align_corners"), node.args))
     given = given | ({} if module is not None else node.kwargs)
     factor = given.get("scale_factor")
-    factor = factor if isinstance(factor, (tuple, list)) else (factor,) * 2
-    whole = given.get("mode", "nearest") != "nearest" or given.get("size") is not None or \
-        any(f is None or f != int(f) for f in factor)
-    need = _only(src, () if whole else SPLIT_DIMS)
-    return Decision("local", {x.name: need}, need)
+    factor = tuple(factor) if isinstance(factor, (tuple, list)) else (factor,) * 2
+    mode = given.get("mode", "nearest")
+    if given.get("size") is not None or any(f is None or f != int(f) for f in factor) or given.get("antialias") \
+            or (mode == "bilinear" and given.get("align_corners")) or mode not in ("nearest", "bilinear"):
+        return "", (1, 1)
+    return mode, tuple(int(f) for f in factor)
 
 
 def cross_entropy(node: fx.Node, ctx: RuleContext) -> Decision | None:
