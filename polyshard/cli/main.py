@@ -65,13 +65,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--image-size", type=int, default=0, help="with an image model: square images of N pixels "
                    "(default 64)")
     t.add_argument("--data", default="", help="a token file to train on: uint16 (or --data-dtype uint32) ids, as "
-                   "nanoGPT's prepare.py writes; each data-parallel rank reads only its rows' windows (default: the "
-                   "pydoc corpus, byte tokens); with an image model, an (N, C, H, W) .npy of images beside "
+                   "nanoGPT's prepare.py writes, or a folder `datasets` saved (its input_ids rows end to end); each "
+                   "data-parallel rank reads only its rows' windows (default: the pydoc corpus, byte tokens); with an image model, an (N, C, H, W) .npy of images beside "
                    "NAME.labels.npy, of which a rank reads only its rows and tile")
     t.add_argument("--data-dtype", choices=["uint16", "uint32"], default="uint16", help="the --data file's id type "
                    "(default uint16)")
     t.add_argument("--tokenizer", default="", help="a tokenizer.json (or a folder with one, e.g. a transformers "
-                   "model's): --data is then a text file, tokenized once into runs/data/ beside the metrics")
+                   "model's): --data is then a text file (or a saved dataset's text rows), tokenized once into "
+                   "runs/data/ beside the metrics")
     t.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
     t.add_argument("--batch-size", type=int, default=8, help="global batch rows per step (default 8)")
     t.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps per step (default 1)")

@@ -1,5 +1,6 @@
 """Token files as nanoGPT's prepare scripts write them: a flat array of uint16 or uint32 ids, read by memmap;
-and text files tokenized into one by a local tokenizer.json."""
+`datasets` datasets saved to disk (their input_ids, polyshard.data.saved_dataset); and text files (or a
+saved dataset's text rows) tokenized into a token file by a local tokenizer.json."""
 
 from __future__ import annotations
 
@@ -10,18 +11,22 @@ from pathlib import Path
 
 import numpy as np
 
+from polyshard.data.saved_dataset import ChunkedTokens, is_saved_dataset, saved_texts, saved_tokens
 from polyshard.errors import PolyshardError
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 SCANNED = 1 << 22  # tokens checked against the vocabulary before launch, from each end of the file
 
 
-def open_tokens(path: str, dtype: str = "uint16") -> np.memmap:
-    """The file's tokens, mapped (nothing read until a window is); refuses what cannot be a token file."""
+def open_tokens(path: str, dtype: str = "uint16") -> np.memmap | ChunkedTokens:
+    """The file's tokens, mapped (nothing read until a window is), or a saved dataset's input_ids; refuses
+    what cannot be a token file."""
+    if is_saved_dataset(path):
+        return saved_tokens(path)
     p = Path(path)
     if not p.is_file():
         raise PolyshardError(f"--data {path!r} is not a file; give a token file (uint16 or uint32 ids, as "
-                             "nanoGPT's prepare.py writes)")
+                             "nanoGPT's prepare.py writes) or a folder `datasets` saved")
     if dtype not in DTYPES:
         raise PolyshardError(f"--data-dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     size, item = p.stat().st_size, np.dtype(DTYPES[dtype]).itemsize
@@ -52,9 +57,10 @@ def tokenized(text_path: str, tokenizer_path: str, folder: str) -> tuple[str, st
     """A text file tokenized once into a token file in ``folder`` (named by a hash of both inputs, so a
     rerun finds it); returns (its path, its dtype)."""
     text, tokenizer = Path(text_path), _tokenizer_file(tokenizer_path)
-    if not text.is_file():
-        raise PolyshardError(f"--data {text_path!r} is not a file; give a UTF-8 text file to tokenize")
-    stamp = tuple((p.stat().st_size, p.stat().st_mtime_ns) for p in (text, tokenizer))
+    if not text.is_file() and not is_saved_dataset(text_path):
+        raise PolyshardError(f"--data {text_path!r} is not a file; give a UTF-8 text file to tokenize, or a "
+                             "folder `datasets` saved with a text column")
+    stamp = tuple((p.stat().st_size, p.stat().st_mtime_ns) for p in (*_sources(text), tokenizer))
     return _tokenized(text.resolve(), tokenizer.resolve(), Path(folder), stamp)
 
 
@@ -62,19 +68,26 @@ def tokenized(text_path: str, tokenizer_path: str, folder: str) -> tuple[str, st
 def _tokenized(text: Path, tokenizer: Path, folder: Path, stamp: tuple) -> tuple[str, str]:
     """:func:`tokenized`, once per process for unchanged files (``stamp``: their sizes and times)."""
     digest = hashlib.sha256(tokenizer.read_bytes())
-    with open(text, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
+    for source in _sources(text):
+        with open(source, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
     vocab = _load_tokenizer(tokenizer).get_vocab_size()
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     out = folder / f"{text.stem}-{digest.hexdigest()[:16]}.{dtype}.bin"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        ids = _load_tokenizer(tokenizer).encode(text.read_text(encoding="utf-8")).ids
+        content = "\n".join(saved_texts(str(text))) if text.is_dir() else text.read_text(encoding="utf-8")
+        ids = _load_tokenizer(tokenizer).encode(content).ids
         tmp = out.with_suffix(".tmp")
         np.asarray(ids, dtype=DTYPES[dtype]).tofile(tmp)
         os.replace(tmp, out)  # whole or absent: another process may be reading the folder
     return str(out), dtype
+
+
+def _sources(text: Path) -> list[Path]:
+    """The files a text's tokens come from: the text file, or a saved dataset's Arrow files."""
+    return sorted(text.glob("*.arrow")) if text.is_dir() else [text]
 
 
 def _tokenizer_file(path: str) -> Path:
