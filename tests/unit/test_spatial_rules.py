@@ -59,6 +59,15 @@ def test_a_window_that_does_not_line_up_gathers_the_image_and_says_so():
     assert any("`stem.0` (Conv2d, kernel 5, stride 2, padding 1) does not line up" in w for w in warned)
 
 
+def test_a_kernel_larger_than_a_tile_is_refused_with_the_fix():
+    model = ResNet(image_size=8)
+    model.stem[0] = nn.Conv2d(3, 8, 7, 1, 3, bias=False)  # reaches 3 rows past a tile of 2
+    with pytest.raises(PolyshardError, match=r"`stem.0` \(Conv2d, kernel 7\) reaches 3 rows past a tile of dim 2, and "
+                       r"the input images of shape \(2, 3, 8, 8\) in 4 tiles gives each 2; split dim 2 into fewer "
+                       r"tiles \(at most 2\) or use larger images"):
+        _plan(model, ((1, 1, 4, 1), None), [], 8)
+
+
 @pytest.mark.parametrize("strategy,image,message", [
     (((1, 1, 2),), 32,
      r"dataset_strategy\[0\] \(1, 1, 2\) has 3 entries, but input `images` has shape \(2, 3, 32, 32\)"),

@@ -12,7 +12,8 @@ from __future__ import annotations
 from torch import fx, nn
 
 from polyshard.graph.capture import shape_of
-from polyshard.halo import SPLIT_DIMS, lines_up, pair
+from polyshard.errors import PolyshardError
+from polyshard.halo import SPLIT_DIMS, halo, lines_up, pair
 from polyshard.layout import Layout
 from polyshard.planner.rules.base import Decision, RuleContext
 
@@ -25,6 +26,14 @@ def window(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
                                                                             "dilation"))
     plain = not isinstance(module.padding, str) and not getattr(module, "ceil_mode", False) and \
         getattr(module, "padding_mode", "zeros") == "zeros"
+    for d in (d for d in SPLIT_DIMS if plain and src.dims[d]):
+        tile, reach = shape[d] // src.num_shards(d), halo(shape[d], src.num_shards(d), kernel[d - 2], stride[d - 2],
+                                                           padding[d - 2])[:2]
+        if max(reach) > tile:
+            raise PolyshardError(f"`{node.target}` ({type(module).__name__}, kernel {kernel[d - 2]}) reaches "
+                                 f"{max(reach)} rows past a tile of dim {d}, and the input {x.name} of shape "
+                                 f"{tuple(shape)} in {src.num_shards(d)} tiles gives each {tile}; split dim {d} "
+                                 f"into fewer tiles (at most {shape[d] // max(reach)}) or use larger images")
     kept = [d for d in SPLIT_DIMS if plain and src.dims[d] and lines_up(
         shape[d], src.num_shards(d), kernel[d - 2], stride[d - 2], padding[d - 2], dilation[d - 2])]
     for d in (d for d in SPLIT_DIMS if src.dims[d] and d not in kept):
