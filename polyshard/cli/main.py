@@ -66,8 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                    "(default 64)")
     t.add_argument("--data", default="", help="a token file to train on: uint16 (or --data-dtype uint32) ids, as "
                    "nanoGPT's prepare.py writes, or a folder `datasets` saved (its input_ids rows end to end); each "
-                   "data-parallel rank reads only its rows' windows (default: the pydoc corpus, byte tokens); with an image model, an (N, C, H, W) .npy of images beside "
-                   "NAME.labels.npy, of which a rank reads only its rows and tile")
+                   "data-parallel rank reads only its rows' windows (default: the pydoc corpus, byte tokens); with "
+                   "an image model, an (N, C, H, W) .npy of images beside NAME.labels.npy, or a folder of image "
+                   "files (ROOT/CLASS/FILE, or ROOT/images/ beside ROOT/masks/), of which a rank reads only its rows "
+                   "and tile")
     t.add_argument("--data-dtype", choices=["uint16", "uint32"], default="uint16", help="the --data file's id type "
                    "(default uint16)")
     t.add_argument("--tokenizer", default="", help="a tokenizer.json (or a folder with one, e.g. a transformers "

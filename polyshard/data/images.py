@@ -1,7 +1,7 @@
 """Images (and per-pixel or per-image labels) from arrays on disk, each rank reading only its piece.
 
 An image set is a ``.npy`` array of N images (N, C, H, W) with a label array beside it: (N,) classes or
-(N, H, W) masks. Both are memory-mapped, so nothing is read until a batch asks for it; each batch draws
+(N, H, W) masks; or a folder of image files, decoded file by file and cropped to a rank's tile. Both are memory-mapped, so nothing is read until a batch asks for it; each batch draws
 its images seeded (the same on every rank), and a rank reads only its rows (data parallel) and, of each
 image, only its tile (a dataset strategy splitting height and width): a window of the mapping, not the
 whole image then a slice.
@@ -15,11 +15,15 @@ import numpy as np
 import torch
 
 from polyshard.data.draws import SeededDraws
+from polyshard.data.image_folder import is_image_folder, open_image_folder
 from polyshard.errors import PolyshardError
 
 
 def open_images(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """The images at ``path`` (N, C, H, W) and their labels (``<stem>.labels.npy`` beside it), mapped."""
+    """The images at ``path`` (N, C, H, W) and their labels (``<stem>.labels.npy`` beside it), mapped; or a
+    folder of image files (polyshard.data.image_folder), read as the same arrays, lazily."""
+    if is_image_folder(path):
+        return open_image_folder(path)
     images_path = Path(path)
     labels_path = images_path.with_name(images_path.stem + ".labels.npy")
     for p in (images_path, labels_path):

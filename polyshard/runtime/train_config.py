@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 
@@ -118,8 +119,9 @@ def check_images(path: str, name: str, size: int) -> None:
     if (labels.ndim == 3) != spec.per_pixel:
         raise PolyshardError(f"--data {path!r} has {'masks' if labels.ndim == 3 else 'a class per image'}; {name} "
                              f"predicts {'a class per pixel' if spec.per_pixel else 'one class per image'}")
-    top = int(labels[:1024].max())
-    if top >= spec.classes or int(labels[:1024].min()) < 0:
+    sample = np.asarray(labels[0] if labels.ndim == 3 else labels[:1024])  # one mask, or the first classes
+    top = int(sample.max())
+    if top >= spec.classes or int(sample.min()) < 0:
         raise PolyshardError(f"--data {path!r}: label {top} is outside {name}'s {spec.classes} classes (0 .. "
                              f"{spec.classes - 1})")
 

@@ -84,3 +84,53 @@ def test_generated_images_are_made_tile_by_tile_as_the_whole_image(per_pixel):
     again = SyntheticImages(32, 3, 4, seed=7, per_pixel=per_pixel)
     again.seek(saved)
     assert all(torch.equal(a, b) for a, b in zip(next(again), after))
+
+
+def _folder(tmp_path, masks: bool) -> tuple[str, np.ndarray, np.ndarray]:
+    """A folder of PNG files (and the arrays they hold): classes in subfolders, or images/ beside masks/."""
+    from PIL import Image
+
+    g = np.random.default_rng(1)
+    pixels = g.integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
+    labels = g.integers(0, 3, (6, 16, 16) if masks else (6,))
+    root = tmp_path / "set"
+    for i, image in enumerate(pixels):
+        folder = root / ("images" if masks else f"class{labels[i]}")
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / f"{i:02d}.png")
+        if masks:
+            (root / "masks").mkdir(exist_ok=True)
+            Image.fromarray(labels[i].astype(np.uint8)).save(root / "masks" / f"{i:02d}.png")
+    if not masks:  # the folders list images class by class
+        order = np.argsort(labels, kind="stable")
+        pixels, labels = pixels[order], labels[order]
+    return str(root), pixels.transpose(0, 3, 1, 2).astype(np.float32) / 127.5 - 1.0, labels
+
+
+@pytest.mark.parametrize("masks", [True, False])
+def test_an_image_folder_reads_as_its_arrays_a_tile_at_a_time(tmp_path, masks):
+    """Files decoded one by one and cropped to the rank's tile: the same batches as the arrays they hold."""
+    path, pixels, labels = _folder(tmp_path, masks)
+    images, found = open_images(path)
+    assert images.shape == (6, 3, 16, 16) and found.shape == labels.shape
+    tile = (slice(8, 16), slice(0, 8))
+    folder = ImageBatches(images, found, 4, seed=2, rows=slice(2, 4), tile=tile)
+    arrays = ImageBatches(pixels, labels, 4, seed=2, rows=slice(2, 4), tile=tile)
+    for _ in range(2):
+        (x, y), (ax, ay) = next(folder), next(arrays)
+        assert x.shape == (2, 3, 8, 8) and torch.allclose(x, ax) and torch.equal(y, ay)
+
+
+def test_an_image_folder_that_does_not_hold_an_image_set_is_refused(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PolyshardError, match="holds no class folders"):
+        open_images(str(tmp_path / "empty"))
+    root = tmp_path / "mixed" / "cats"
+    root.mkdir(parents=True)
+    Image.new("RGB", (16, 16)).save(root / "a.png")
+    Image.new("RGB", (8, 16)).save(root / "b.png")
+    images, labels = open_images(str(tmp_path / "mixed"))
+    with pytest.raises(PolyshardError, match="b.png is RGB 8x16; every image is RGB 16x16"):
+        next(ImageBatches(images, labels, 8, seed=0))
