@@ -45,7 +45,7 @@ from polyshard.calibrate import calibrate, message_sizes  # noqa: E402
 from polyshard.cluster import Cluster  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
-from polyshard.planner.plan import Plan  # noqa: E402
+from polyshard.plan import Plan  # noqa: E402
 from polyshard.planner.stages import block_paths  # noqa: E402
 from polyshard.planner.search import mesh_candidates, search  # noqa: E402
 from polyshard.runtime.data_parallel import GradientSync  # noqa: E402

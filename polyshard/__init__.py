@@ -4,7 +4,7 @@ from polyshard.api import shard
 from polyshard.errors import PolyshardError
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh, current_mesh, init
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.runtime import comm
 from polyshard.runtime.fusion import comm_fusion
 from polyshard.runtime.parallel import ParallelModule, micro_batch_interleaved, parallelize

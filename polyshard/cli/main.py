@@ -16,7 +16,7 @@ from polyshard.cli.launch import (ERRORS_ENV, check_nodes, launch, reach_rendezv
 from polyshard.cli.ps import add_parser as add_ps
 from polyshard.cli.train_args import train_config
 from polyshard.errors import PolyshardError
-from polyshard.planner.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
+from polyshard.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
                                    ZERO_LEVELS)
 
 

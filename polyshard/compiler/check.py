@@ -10,7 +10,7 @@ from torch import fx
 
 from polyshard.errors import PolyshardError
 from polyshard.layout import Axes, Layout, refine
-from polyshard.planner.plan import NodePlan, Plan
+from polyshard.plan import NodePlan, Plan
 from polyshard.planner.rules import RuleContext, decide_all
 
 IMPLS = ("local", "dtensor", "vocab_ce", "spatial", "rows")

@@ -25,7 +25,7 @@ from polyshard.graph.ops import op_key
 from polyshard.halo import BILINEAR_HALO, SPLIT_DIMS, halo, pair
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.planner.rules.spatial import upsampling
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from polyshard.graph.ops import op_key
-from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, check_choice
+from polyshard.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, check_choice
 
 RECOMPUTE_ATTR = "_polyshard_recompute"
 _VIEWS = {"view", "transpose", "reshape", "permute", "contiguous"}

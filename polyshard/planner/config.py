@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from polyshard.errors import PolyshardError
-from polyshard.planner.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES, ZERO_LEVELS,
+from polyshard.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES, ZERO_LEVELS,
                                    check_choice)
 
 

@@ -30,7 +30,7 @@ from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
 from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
-from polyshard.planner.plan import DTYPES, NodePlan, Plan
+from polyshard.plan import DTYPES, NodePlan, Plan
 from polyshard.planner.rules import RuleContext, decide_all, row_splits
 from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.transitions import transition_bytes

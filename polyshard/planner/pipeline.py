@@ -25,7 +25,7 @@ from polyshard.planner.cost.memory import STATES, MemoryEstimate, kept_copies, l
 from polyshard.planner.cost.overlap import OpCost
 from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
-from polyshard.planner.plan import DTYPES, Plan
+from polyshard.plan import DTYPES, Plan
 from polyshard.planner.schedules import schedule_actions, simulate
 from polyshard.planner.stages import even_partition, min_max_partition
 

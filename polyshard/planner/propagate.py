@@ -12,7 +12,7 @@ from torch import fx
 
 from polyshard.errors import PolyshardError
 from polyshard.layout import Axes, Layout
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.planner.rules import RuleContext, decide, row_splits
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from polyshard.cluster import format_bytes
 from polyshard.models.gpt import GPTConfig, flops_per_token
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 
 
 def chosen_row(report: dict) -> dict | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from polyshard.errors import PolyshardError
-from polyshard.planner.plan import SCHEDULES, check_choice
+from polyshard.plan import SCHEDULES, check_choice
 
 
 @dataclass(frozen=True)

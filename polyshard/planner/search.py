@@ -46,7 +46,7 @@ from polyshard.planner.pipeline import (BUCKET_BYTES, PipelineCost, Setup, Units
 from polyshard.planner.config import Fixed
 from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
-from polyshard.planner.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
+from polyshard.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
 from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.planner.stages import assign_chunks, block_paths, pp_plan_agreement, pp_plan_units
 from polyshard.transitions import wire_bytes

@@ -15,7 +15,7 @@ from polyshard.graph.capture import shape_of
 from polyshard.graph.regions import Recomputed
 from polyshard.planner.cost.compute import forward_flops
 from polyshard.planner.cost.memory import kept_copies, local_numel
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.planner.propagate import propagate
 
 # load(part, starts, ends) -> each unit range's load as part ``part`` (inf where the part may not hold it)

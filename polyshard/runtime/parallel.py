@@ -22,7 +22,7 @@ from polyshard.layout import Layout
 from polyshard.mesh import Mesh, current_mesh
 from polyshard.planner.cost.overlap import choose_copies
 from polyshard.planner.config import Fixed
-from polyshard.planner.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
+from polyshard.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
 from polyshard.planner.propagate import propagate
 from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_pins

@@ -29,7 +29,7 @@ from polyshard.graph.export import SIGNATURE_KEY, CallSignature
 from polyshard.graph.regions import marked_modules
 from polyshard.mesh import Mesh
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_seconds, op_overhead
-from polyshard.planner.plan import DTYPES, NodePlan, Plan
+from polyshard.plan import DTYPES, NodePlan, Plan
 from polyshard.planner.stages import assign_chunks, balanced_boundaries
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync, Pausable
 from polyshard.runtime.recompute import apply_recompute

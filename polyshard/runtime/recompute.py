@@ -16,7 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from polyshard.errors import PolyshardError
 from polyshard.graph.regions import RECOMPUTE_ATTR, Region, recompute_regions
-from polyshard.planner.plan import RECOMPUTE_COMMS, check_choice
+from polyshard.plan import RECOMPUTE_COMMS, check_choice
 
 Target = TypeVar("Target", bound=Callable)
 

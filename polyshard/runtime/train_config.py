@@ -24,7 +24,7 @@ from polyshard.data.token_file import check_tokens, open_tokens, tokenized
 from polyshard.errors import PolyshardError
 from polyshard.mesh import PIPELINE_AXIS, check_mesh, check_roles, parse_mesh
 from polyshard.models.vision import DEFAULT_IMAGE_SIZE, VISION, build_vision, check_image_size
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 
 DEFAULT_MODEL = "gpt-small"
 

@@ -33,7 +33,7 @@ from torch import fx, nn
 from polyshard.errors import PolyshardError
 from polyshard.optim import Lamb, NormSpec, build_optimizer
 from polyshard.planner.cost.zero_memory import padded
-from polyshard.planner.plan import ZERO_LEVELS
+from polyshard.plan import ZERO_LEVELS
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, Pausable
 from polyshard.runtime.fusion import CommStats, fusion_groups, plan_buckets
 from polyshard.runtime.pipeline import PipelineModule

@@ -306,7 +306,7 @@ def manual_pipeline() -> dict:
 def plan_from_json_parity(edit: bool) -> dict:
     """A plan written to JSON (and optionally edited by hand) runs, with parity."""
     from polyshard.graph.capture import capture
-    from polyshard.planner.plan import Plan
+    from polyshard.plan import Plan
     from polyshard.planner.propagate import propagate
 
     ps.init("tp=2")

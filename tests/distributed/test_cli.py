@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 
 
 def polyshard(*args, cwd=None):

@@ -24,7 +24,7 @@ from polyshard.cli import main as cli
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.planner.propagate import propagate
 
 BEFORE_LAUNCH_S = 5.0

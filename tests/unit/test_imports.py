@@ -66,3 +66,17 @@ def test_planning_and_capture_never_import_torch_distributed():
                 modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                     [a.name for a in node.names] if isinstance(node, ast.Import) else []
                 assert not any(m.startswith("torch.distributed") for m in modules), path
+
+
+VOCABULARY = ("errors", "layout", "plan", "transitions", "halo", "pin", "cluster", "mesh")
+
+
+def test_each_layer_imports_only_those_below_it():
+    """Capture (graph/) sits under planning, compiling and running, and the shared vocabulary (layouts, the
+    Plan, meshes) under everything: neither imports a layer above it."""
+    graph = _imports()
+    above_graph = {m for n, found in graph.items() if n.startswith("polyshard.graph") for m in found
+                   if m.split(".")[1] in ("planner", "compiler", "runtime", "cli")}
+    assert above_graph == set()
+    for name in VOCABULARY:
+        assert {m.split(".")[1] for m in graph[f"polyshard.{name}"]} <= set(VOCABULARY), name

@@ -12,7 +12,7 @@ from polyshard.graph.capture import capture
 from polyshard.models.recsys import ClickModel, RecsysConfig, click_batch
 from polyshard.planner.cost.comm import node_comm_bytes
 from polyshard.planner.cost.memory import estimate_memory
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.planner.propagate import propagate
 
 TP4 = (("tp", 4),)

@@ -6,7 +6,7 @@ import pytest
 
 from polyshard import models
 from polyshard.cli.main import main
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.planner.report import chosen_row
 
 SHAPE = "gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1024"

@@ -9,7 +9,7 @@ import polyshard as ps
 from polyshard import models
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.planner.propagate import propagate
 
 

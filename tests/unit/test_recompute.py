@@ -13,7 +13,7 @@ import polyshard as ps
 from polyshard import models
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.runtime.recompute import apply_recompute
 
 

@@ -9,7 +9,7 @@ from polyshard.cluster import Cluster, parse_bytes
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.planner.cost.memory import estimate_memory
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.planner.propagate import propagate
 from polyshard.planner.report import render
 from polyshard.planner.config import Fixed

@@ -10,7 +10,7 @@ from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.planner.pipeline import Setup, Units, best_pipeline, cost_pipeline, state_memory
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.planner.report import render
 from polyshard.planner.config import Fixed
 from polyshard.planner.search import mesh_candidates, search

@@ -17,7 +17,7 @@ from polyshard.graph.capture import linear_dims, shape_of
 from polyshard.graph.ops import op_key
 from polyshard.halo import BILINEAR_HALO, SPLIT_DIMS, halo, pair
 from polyshard.layout import Axes, Layout
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 from polyshard.transitions import transition_bytes, wire_bytes
 
 

@@ -25,7 +25,7 @@ from polyshard.graph.ops import is_shape_op, op_key
 from polyshard.layout import Layout
 from polyshard.cluster import Cluster
 from polyshard.graph.regions import Recomputed
-from polyshard.planner.plan import NodePlan, Plan
+from polyshard.plan import NodePlan, Plan
 
 TRAIN_FLOPS_PER_FORWARD = 3
 _PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.baddbmm,

@@ -19,7 +19,7 @@ from polyshard.graph.saved import KEPT_INSIDE, needs_grad, saved
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.layout import Layout
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 
 STATES = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 optimizer state tensors per parameter (SGD: momentum)
 

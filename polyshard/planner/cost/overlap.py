@@ -22,7 +22,7 @@ from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes
 from polyshard.graph.regions import recomputed
 from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
 from polyshard.planner.cost.repeat import costed_as
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 
 @dataclass(frozen=True)
 class OpCost:

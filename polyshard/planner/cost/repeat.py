@@ -8,7 +8,7 @@ from polyshard.graph.capture import shape_of
 from polyshard.graph.twins import twins
 from polyshard.layout import Layout
 from polyshard.planner.cost.comm import first_to_take
-from polyshard.planner.plan import Plan
+from polyshard.plan import Plan
 
 
 def costed_as(gm: fx.GraphModule, plan: Plan) -> dict[str, str]:

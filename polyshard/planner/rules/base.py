@@ -9,7 +9,7 @@ from typing import Any, Callable
 from torch import fx, nn
 
 from polyshard.layout import Axes, Layout
-from polyshard.planner.plan import NodePlan as Decision
+from polyshard.plan import NodePlan as Decision
 
 
 INPUT_LAYOUTS = "polyshard_input_layouts"  # a captured graph's meta: its inputs' layouts, by placeholder name
