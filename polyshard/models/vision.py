@@ -40,6 +40,28 @@ def build_vision(name: str, image_size: int, device: str | torch.device = "cpu",
         return spec.build(image_size=image_size, **spec.options, **labels)
 
 
+def dataset_strategy(name: str) -> tuple:
+    """How the image model ``name``'s inputs split, by axis names (MindSpore's dataset strategy): images by
+    height and width over the mesh's h and w axes, and masks (a class per pixel) alike."""
+    return (None, None, "h", "w"), ((None, "h", "w") if VISION[name].per_pixel else None)
+
+
+def image_meshes(name: str, image_size: int, world: int, batch: int) -> list[tuple[tuple[str, int], ...]]:
+    """Every dp x h x w split of ``world`` devices the model can train on: dp divides the ``batch``, and every
+    tile is one the model can halve as often as it halves the image."""
+    out = []
+    for h in (n for n in range(1, world + 1) if world % n == 0):
+        for w in (n for n in range(1, world // h + 1) if world // h % n == 0):
+            dp = world // h // w
+            try:
+                check_image_size(name, image_size, {"h": h, "w": w})
+            except PolyshardError:
+                continue
+            if batch % dp == 0:
+                out.append((("dp", dp), ("h", h), ("w", w)))
+    return out
+
+
 def check_image_size(name: str, image_size: int, splits: dict[str, int]) -> None:
     """Refuse an image size the model or the mesh's height and width splits (``{"h": 2}``) cannot take: each
     tile must be whole pixels the model can halve as often as it halves the image."""

@@ -27,7 +27,7 @@ from polyshard.data.images import ImageBatches, open_images
 from polyshard.data.synthetic_images import SyntheticImages
 from polyshard.data.token_file import open_tokens, out_of_vocabulary
 from polyshard.errors import PolyshardError
-from polyshard.models.vision import VISION, check_image_size
+from polyshard.models.vision import VISION, dataset_strategy, image_meshes
 from polyshard.optim import OPTIMIZER_CLASSES, build_optimizer
 from polyshard.runtime.offload import OffloadedOptimizer
 from polyshard.runtime.pipeline import PipelineModule
@@ -50,10 +50,11 @@ def train(cfg: TrainConfig) -> list[dict]:
     if cfg.auto or cfg.memory_limit:  # --auto: every mesh; --memory-limit alone: the mesh given
         meta = build_model(cfg, name, device="meta")
         limit = parse_bytes(cfg.memory_limit) if cfg.memory_limit else None
-        meshes = [tuple(shape.items())] if not cfg.auto else image_meshes(cfg, world) if cfg.vision else None
+        meshes = [tuple(shape.items())] if not cfg.auto else \
+            image_meshes(name, cfg.image_side, world, cfg.batch_size // cfg.accum) if cfg.vision else None
         plan, _ = search(meta, meta.example_inputs(1), Cluster.from_env(), cfg.batch_size // cfg.accum, limit,
                          meshes=meshes, fixed=Fixed(sp=1) if cfg.sequence_parallel else Fixed(),
-                         dataset_strategy=IMAGE_STRATEGY[VISION[name].per_pixel] if cfg.vision else None)
+                         dataset_strategy=dataset_strategy(name) if cfg.vision else None)
         plan, shape = dataclasses.replace(plan, model=name), dict(plan.mesh)
     if plan is not None and cfg.settings:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
@@ -186,34 +187,13 @@ def batch_source(cfg: TrainConfig, model, mesh, reads: bool = True):
     return SyntheticImages(cfg.image_side, spec.classes, cfg.batch_size, cfg.seed, spec.per_pixel, rows=mine, tile=tile)
 
 
-# an image model's inputs by axis names (MindSpore's dataset strategy): images split by height and width over
-# the mesh's h and w axes, and masks (a class per pixel) alike; by whether its labels are masks
-IMAGE_STRATEGY = {True: ((None, None, "h", "w"), (None, "h", "w")), False: ((None, None, "h", "w"), None)}
-
-
 def image_strategy(cfg: TrainConfig, mesh) -> tuple | None:
     """How an image model's inputs lie over the mesh, if it splits images at all."""
     if not cfg.vision or all(dict(mesh.axes).get(a, 1) == 1 for a in ("h", "w")):
         return None
     axes = dict(mesh.axes)
     return tuple(None if s is None else tuple(d if d is None or axes.get(d, 1) > 1 else None for d in s)
-                 for s in IMAGE_STRATEGY[VISION[cfg.model].per_pixel])
-
-
-def image_meshes(cfg: TrainConfig, world: int) -> list[tuple[tuple[str, int], ...]]:
-    """Every dp x h x w split of ``world`` processes the run can take: dp divides the batch, and every tile
-    is one the model can halve as often as it halves the image."""
-    out = []
-    for h in (n for n in range(1, world + 1) if world % n == 0):
-        for w in (n for n in range(1, world // h + 1) if world // h % n == 0):
-            dp = world // h // w
-            try:
-                check_image_size(cfg.model, cfg.image_side, {"h": h, "w": w})
-            except PolyshardError:
-                continue
-            if cfg.batch_size % (dp * cfg.accum) == 0:
-                out.append((("dp", dp), ("h", h), ("w", w)))
-    return out
+                 for s in dataset_strategy(cfg.model))
 
 
 def _tile(mesh, axis: str, size: int) -> slice:

@@ -4,21 +4,18 @@ when it does not (MindSpore's dataset strategy over h and w axes, chosen by the 
 import math
 
 from polyshard.cluster import Cluster
-from polyshard.models.vision import build_vision
+from polyshard.models.vision import build_vision, dataset_strategy, image_meshes
 from polyshard.planner.config import Fixed
 from polyshard.planner.search import search
-from polyshard.runtime.train_config import TrainConfig
-from polyshard.runtime.trainer import IMAGE_STRATEGY, image_meshes
 
 CLUSTER = Cluster.load("1x8xA100-80G")
 
 
 def _search(limit=None, whole_only=False, fixed=Fixed()):
-    cfg = TrainConfig(model="unet-small", image_size=256, batch_size=4, auto=True)
-    model = build_vision(cfg.model, cfg.image_side, "meta")
-    meshes = [m for m in image_meshes(cfg, 4) if not whole_only or _tiles(m) == 1]
-    return search(model, model.example_inputs(1), CLUSTER, cfg.batch_size, limit, meshes=meshes, fixed=fixed,
-                  dataset_strategy=IMAGE_STRATEGY[True], reserve_bytes=0)
+    model = build_vision("unet-small", 256, "meta")
+    meshes = [m for m in image_meshes("unet-small", 256, 4, 4) if not whole_only or _tiles(m) == 1]
+    return search(model, model.example_inputs(1), CLUSTER, 4, limit, meshes=meshes, fixed=fixed,
+                  dataset_strategy=dataset_strategy("unet-small"), reserve_bytes=0)
 
 
 def _tiles(mesh) -> int:
