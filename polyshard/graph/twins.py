@@ -63,7 +63,3 @@ def stripped(node: fx.Node) -> str:
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     return re.sub(r"\d+", "#", target)
 
-
-def fed_alike(node: fx.Node, twin: fx.Node, table: dict[str, fx.Node]) -> bool:
-    """Every input of ``node`` is its twin's input's twin: nothing reaches it from outside its block."""
-    return all(table.get(a.name) is b for a, b in zip(node.all_input_nodes, twin.all_input_nodes))
