@@ -31,7 +31,7 @@ import polyshard as ps
 from polyshard import models
 from polyshard.data.corpus import TokenBatches, load_corpus
 from polyshard.runtime import training_state
-from polyshard.runtime.trainer import make_optimizer, train_step
+from polyshard.train.trainer import make_optimizer, train_step
 
 GIB = 1 << 30
 

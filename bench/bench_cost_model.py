@@ -46,10 +46,10 @@ from polyshard.cluster import Cluster  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
 from polyshard.plan import Plan  # noqa: E402
-from polyshard.planner.stages import block_paths  # noqa: E402
+from polyshard.graph.stage_cuts import block_paths  # noqa: E402
 from polyshard.planner.search import mesh_candidates, search  # noqa: E402
 from polyshard.runtime.data_parallel import GradientSync  # noqa: E402
-from polyshard.runtime.trainer import make_optimizer, train_step  # noqa: E402
+from polyshard.train.trainer import make_optimizer, train_step  # noqa: E402
 
 LR = 1e-3
 PICK_TOLERANCE = 0.05  # the pick passes if its measured time is within 5% of the fastest

@@ -31,7 +31,7 @@ from polyshard.graph.capture import capture
 from polyshard.planner.cost.memory import estimate_memory
 from polyshard.planner.search import search
 from polyshard.runtime.memory_probe import step_peak_bytes
-from polyshard.runtime.trainer import make_optimizer
+from polyshard.train.trainer import make_optimizer
 
 SETTINGS = [("none", "none"), ("selective", "none"), ("full", "none"), ("none", "host"), ("none", "disk"),
             ("full", "disk")]

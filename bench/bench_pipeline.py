@@ -33,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import polyshard as ps  # noqa: E402
 from polyshard import models  # noqa: E402
+from polyshard.cluster import Cluster  # noqa: E402
+from polyshard.planner.stages import predict_timings  # noqa: E402
 from polyshard.runtime.timeline import bubble_fraction, draw_timeline  # noqa: E402
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -140,7 +142,9 @@ def main() -> None:
     for i in range(args.record):
         systems["polyshard"].step(*batches[i % len(batches)], record=True)
         recorded.append(systems["polyshard"].pm.gather_timings())
-    predicted = systems["polyshard"].pm.predicted_timings()
+    pm = systems["polyshard"].pm
+    with torch.device("meta"):
+        predicted = predict_timings(models.GPT(cfg), batches[0], pm.plan, pp, mesh.cluster or Cluster.from_env())
     if not lead:
         return
     os.makedirs(os.path.dirname(args.timeline) or ".", exist_ok=True)

@@ -1,17 +1,18 @@
 """polyshard: train one PyTorch model across many devices, combining every kind of parallelism."""
 
-from polyshard.api import shard
+from polyshard.api import compile, parallelize, plan, shard  # noqa: A004
 from polyshard.errors import PolyshardError
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh, current_mesh, init
 from polyshard.plan import Plan
 from polyshard.runtime import comm
 from polyshard.runtime.fusion import comm_fusion
-from polyshard.runtime.parallel import ParallelModule, micro_batch_interleaved, parallelize
-from polyshard.runtime.pipeline import PipelineModule, pipeline_stage
+from polyshard.graph.stage_cuts import pipeline_stage
+from polyshard.runtime.parallel import ParallelModule, micro_batch_interleaved
+from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.ps import PSResult, train_ps
-from polyshard.runtime.recompute import recompute
+from polyshard.compiler.recompute import recompute
 from polyshard.runtime.training_state import load, save
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
-__all__ = ["comm", "comm_fusion", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "load", "micro_batch_interleaved", "parallelize", "pipeline_stage", "PipelineModule", "PSResult", "recompute", "save", "setup_zero", "shard", "train_ps", "ZeroOptimizer"]
+__all__ = ["comm", "comm_fusion", "compile", "Layout", "Mesh", "ParallelModule", "Plan", "PolyshardError", "current_mesh", "init", "load", "micro_batch_interleaved", "parallelize", "pipeline_stage", "PipelineModule", "plan", "PSResult", "recompute", "save", "setup_zero", "shard", "train_ps", "ZeroOptimizer"]

@@ -1,15 +1,25 @@
-"""The semi-auto entry point: ``shard`` pins a strategy on a module or a function."""
+"""The entry points: ``shard`` pins a strategy; ``plan`` decides; ``compile`` builds this rank's share;
+``parallelize`` does both."""
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar
+from typing import Mapping, Sequence, TypeVar
 
 from torch import nn
 
+from polyshard.compiler.eager import ShardedCallable
 from polyshard.errors import PolyshardError
-from polyshard.graph.capture import PIN_ATTR
+from polyshard.graph.capture import PIN_ATTR, capture, example_inputs_of
+from polyshard.mesh import Mesh, current_mesh
 from polyshard.pin import Strategy, make_pin
-from polyshard.runtime.eager import ShardedCallable
+from polyshard.plan import Plan
+from polyshard.planner.check import check_plan
+from polyshard.planner.plan_model import plan_captured, plan_model
+from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
+from polyshard.runtime.parallel import ParallelModule, compile_captured
+from polyshard.runtime.pipeline import PipelineModule
+
+plan = plan_model
 
 T = TypeVar("T")
 
@@ -40,3 +50,60 @@ def shard(target: T, in_strategy: Strategy, out_strategy: Sequence | None = None
 
 
 __all__ = ["shard"]
+
+
+def compile(model: nn.Module, plan: Plan, example_inputs: Sequence | Mapping | None = None,  # noqa: A001
+            mesh: Mesh | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelModule | PipelineModule:
+    """This rank's share of ``model`` as ``plan`` (from :func:`plan`, or edited by hand) lays it out, checked
+    against the model first; ``bucket_bytes``: the data-parallel gradient buckets' size."""
+    mesh = mesh or current_mesh()
+    example_inputs = example_inputs_of(model, example_inputs)
+    gm = capture(model, example_inputs)
+    check_plan(plan, gm, mesh.axes)
+    return compile_captured(model, gm, example_inputs, plan, mesh, bucket_bytes)
+
+
+def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = None, mesh: Mesh | None = None,
+                plan: Plan | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                copies: int | str | None = None, search: bool = False,
+                memory_limit_bytes: float | None = None, recompute: str | None = None,
+                recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
+                virtual_stages: int | None = None, sequence_parallel: bool = False,
+                tp_plan: bool = False, pp_plan: bool = False,
+                dataset_strategy: Sequence | None = None,
+                settings: Mapping[str, object] | None = None) -> ParallelModule | PipelineModule:
+    """Split ``model`` over the mesh, :func:`compile` of :func:`plan` (the model captured once): pinned ops keep
+    their strategies, the others follow the op rules.
+
+    ``example_inputs`` (one rank's batch; shapes matter, not values): the positional arguments, or a
+    mapping of keyword arguments (``{"input_ids": ..., "labels": ...}`` for a transformers model, which
+    is then called as written and returns its own output); by default the model's ``example_inputs()``.
+    A given ``plan`` (e.g. edited by hand) is used instead of propagation and completed (copies, stage cuts).
+    ``copies``: interleaved batch slices (multi-copy parallel); "auto" lets the cost model choose;
+    by default the plan's, or what :func:`micro_batch_interleaved` set on the model.
+    ``search``: choose every op's strategy by the cost model's integer program (pins kept) instead
+    of the rules' defaults, and recompute and offload where memory needs them, under
+    ``memory_limit_bytes`` per device (default: the device's memory).
+    ``recompute`` ("none", "selective", "full") and ``recompute_comm`` ("keep", "recompute"): see
+    :class:`Plan`; by default the plan's. Modules marked by :func:`polyshard.recompute` are recomputed too.
+    A mesh with a ``pp`` axis gives a :class:`~polyshard.runtime.pipeline.PipelineModule`, run by the
+    plan's (or these) ``schedule``, ``micro_batches`` and ``virtual_stages``.
+    ``sequence_parallel``: row-parallel products reduce-scatter along the sequence instead of
+    all-reducing, so norms, dropout and residual adds run on a slice of it (Megatron's sequence parallel).
+    ``tp_plan``: pin the modules a transformers model's own tensor-parallel plan names (its ``_tp_plan``:
+    colwise, rowwise, ...) over the operator axes; the other ops follow the rules (or the search).
+    ``pp_plan``: pipeline stages may begin at every module a transformers model's own pipeline plan names
+    (its ``_pp_plan``: the embedding, each decoder layer, the final norm, the head), not only at its layers.
+    ``dataset_strategy`` (MindSpore's): per positional input, how its dims split over the operator axes,
+    as slice counts (``(1, 1, 2, 2)``: an image by height and width on h=2, w=2) or axis names
+    (``(None, None, "h", "w")``), or None for whole; each rank is then called with its piece
+    (:meth:`ParallelModule.local_batch` cuts them). Convolutions, pooling and batch norm keep the split.
+    ``settings``: other :class:`Plan` fields to set as given (``optimizer``, ``zero``, ``precision``, ``offload``, ...).
+    """
+    mesh = mesh or current_mesh()
+    example_inputs = example_inputs_of(model, example_inputs)
+    gm = capture(model, example_inputs)
+    made = plan_captured(model, gm, example_inputs, mesh, plan, copies, search, memory_limit_bytes, recompute,
+                         recompute_comm, schedule, micro_batches, virtual_stages, sequence_parallel, tp_plan,
+                         pp_plan, dataset_strategy, settings)
+    return compile_captured(model, gm, example_inputs, made, mesh, bucket_bytes)

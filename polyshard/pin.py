@@ -8,6 +8,8 @@ from typing import Any, Callable, Sequence
 
 from polyshard.errors import PolyshardError
 
+COPIES_ATTR = "_polyshard_copies"  # set by micro_batch_interleaved: the copies a model asks to be split into
+
 Strategy = Sequence[Sequence[Any]]
 
 

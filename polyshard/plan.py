@@ -7,24 +7,80 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from polyshard.errors import PolyshardError
 from polyshard.layout import Axes, Layout
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-RECOMPUTE_COMMS = ("keep", "recompute")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+class Choice(str, Enum):
+    """One of an option's values: it compares, prints and goes to JSON as its string, so "full" and
+    ``Recompute.FULL`` are the same setting."""
+
+    __str__, __format__, __repr__ = str.__str__, str.__format__, str.__repr__
+
+
+class Recompute(Choice):
+    """Activations run again in backward instead of kept: none; the attention cores; every block."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class RecomputeComm(Choice):
+    """In recomputed regions, keep the results of collectives, or communicate again in backward."""
+
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+
+
+class Schedule(Choice):
+    """The order a pipeline stage runs its micro-batches' forwards and backwards in."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+class Optimizer(Choice):
+    """The update rule the optimizer step runs."""
+
+    ADAMW = "adamw"
+    SGD = "sgd"
+    LAMB = "lamb"
+
+
+class Precision(Choice):
+    """The compute dtype; master weights stay fp32."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class Offload(Choice):
+    """Where the optimizer state (and its step) lives instead of the device."""
+
+    NONE = "none"
+    HOST = "host"
+    DISK = "disk"
+
+
+RECOMPUTE_MODES = tuple(Recompute)
+RECOMPUTE_COMMS = tuple(RecomputeComm)
+SCHEDULES = tuple(Schedule)
 ZERO_LEVELS = (0, 1, 2, 3)
-OPTIMIZERS = ("adamw", "sgd", "lamb")
-PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = tuple(Optimizer)
+PRECISIONS = tuple(Precision)
 DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}  # precision -> (dtype, bytes)
-OFFLOADS = ("none", "host", "disk")
+OFFLOADS = tuple(Offload)
 
 
 def check_choice(what: str, value: Any, allowed: tuple) -> None:
-    """Raise a PolyshardError naming ``what`` unless ``value`` is one of ``allowed``."""
-    if type(value) is not type(allowed[0]) or value not in allowed:
+    """Raise a PolyshardError naming ``what`` unless ``value`` is one of ``allowed`` (a string for a Choice)."""
+    kind = str if isinstance(allowed[0], str) else int
+    if type(value) is bool or not isinstance(value, kind) or value not in allowed:
         raise PolyshardError(f"{what} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
@@ -74,17 +130,17 @@ class Plan:
     mesh: Axes = ()
     data_axes: tuple[str, ...] = ()
     copies: int = 1
-    recompute: str = "none"
-    recompute_comm: str = "keep"
+    recompute: Recompute = Recompute.NONE
+    recompute_comm: RecomputeComm = RecomputeComm.KEEP
     stage_boundaries: tuple[str, ...] = ()
-    schedule: str = "1f1b"
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     micro_batches: int = 1
     virtual_stages: int = 1
     zero: int = 0
     zero_threshold_bytes: int = 64 * 1024
-    optimizer: str = "adamw"
-    precision: str = "fp32"
-    offload: str = "none"
+    optimizer: Optimizer = Optimizer.ADAMW
+    precision: Precision = Precision.FP32
+    offload: Offload = Offload.NONE
     model: str = ""
     global_batch: int = 0
     report: dict = field(default_factory=dict)
@@ -103,6 +159,8 @@ class Plan:
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
             check_choice(name, getattr(self, name), allowed)
+            if isinstance(allowed[0], Choice):
+                object.__setattr__(self, name, type(allowed[0])(getattr(self, name)))
         for name in ("copies", "micro_batches", "virtual_stages"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise PolyshardError(f"{name} must be a positive integer; got {getattr(self, name)!r}")

@@ -87,7 +87,7 @@ def _parse(parser: argparse.ArgumentParser, command: str, flags: list[str]) -> a
 
 
 def _train_job(args: argparse.Namespace) -> list[dict]:
-    from polyshard.runtime.train_config import check_config
+    from polyshard.train.config import check_config
 
     train = _parse(args.parser, "train", args.flags)
     world = args.nodes * args.procs_per_node

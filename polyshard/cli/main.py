@@ -185,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
-    from polyshard.runtime.train_config import check_against_model, check_config, token_source
+    from polyshard.train.config import check_against_model, check_config, token_source
 
     cfg = train_config(args)
     in_torchrun = under_torchrun()
@@ -210,7 +210,7 @@ def _train(args) -> int:
             rest += ["--data", data, "--data-dtype", dtype]
         return launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + rest,
                        nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous, max_restarts=args.max_restarts)
-    from polyshard.runtime.trainer import train
+    from polyshard.train.trainer import train
 
     train(cfg)
     import torch.distributed as dist
@@ -267,7 +267,7 @@ def _plan(args) -> int:
     start = time.perf_counter()
     model = models.build(args.model, device="meta", seq_len=args.seq_len)
     if args.pin:
-        from polyshard.runtime.train_config import apply_strategies
+        from polyshard.train.config import apply_strategies
 
         apply_strategies(model, args.pin)
     graph = capture(model, model.example_inputs(1))
@@ -315,7 +315,7 @@ def _check_reserve(limit: int, reserve: int | None, default: int) -> None:
 
 def _explain(args) -> int:
     from polyshard.planner.report import render
-    from polyshard.runtime.train_config import load_plan
+    from polyshard.train.config import load_plan
 
     if args.layouts < 0:
         raise PolyshardError(f"--layouts must be 0 or more, got {args.layouts}")
@@ -332,7 +332,7 @@ def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
     (default: the cluster the plan was made for), drawn into ``path``."""
     import math
 
-    from polyshard.planner.schedules import schedule_actions, simulate
+    from polyshard.schedule import schedule_actions, simulate
     from polyshard.runtime.timeline import draw_timeline
 
     pp = dict(plan.mesh).get("pp", 1)
@@ -348,7 +348,7 @@ def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
     else:
         from polyshard import models
         from polyshard.cluster import Cluster
-        from polyshard.runtime.pipeline import predict_timings
+        from polyshard.planner.stages import predict_timings
 
         if plan.global_batch < 1:
             raise PolyshardError("--timeline needs the plan's model and global batch (plans from `polyshard plan` "

@@ -11,7 +11,7 @@ PLAN_FLAGS = ("recompute", "recompute_comm", "offload", "zero", "optimizer", "pr
 
 def train_config(args: argparse.Namespace):
     """The TrainConfig that parsed ``train`` flags describe."""
-    from polyshard.runtime.train_config import TrainConfig
+    from polyshard.train.config import TrainConfig
 
     settings = tuple((name, getattr(args, name)) for name in PLAN_FLAGS if getattr(args, name) is not None)
     return TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size, accum=args.accum,

@@ -144,6 +144,16 @@ def batch_rows(example: Sequence | Mapping) -> int:
     return tensors[0].size(0)
 
 
+def example_inputs_of(model: nn.Module, example_inputs: Sequence | Mapping | None) -> Sequence | Mapping:
+    """``example_inputs`` if given, else the model's own ``example_inputs()``."""
+    if example_inputs is not None:
+        return example_inputs
+    if not hasattr(model, "example_inputs"):
+        raise PolyshardError(f"{type(model).__name__} has no example_inputs(); pass example_inputs=(batch tensors...) "
+                             "so polyshard can read the shapes")
+    return model.example_inputs()
+
+
 def capture(model: nn.Module, example_inputs: Sequence | Mapping) -> fx.GraphModule:
     """An fx graph of ``model`` whose nodes carry ``meta["tensor_meta"]`` (shape, dtype).
 

@@ -26,7 +26,7 @@ from polyshard.planner.cost.overlap import OpCost
 from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
 from polyshard.plan import DTYPES, Plan
-from polyshard.planner.schedules import schedule_actions, simulate
+from polyshard.schedule import schedule_actions, simulate
 from polyshard.planner.stages import even_partition, min_max_partition
 
 BUCKET_BYTES = 25 * 2**20  # the gradient bucket a stage holds without optimizer parallel (as estimate_memory)

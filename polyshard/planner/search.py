@@ -48,7 +48,8 @@ from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
 from polyshard.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
 from polyshard.planner.rules.base import INPUT_LAYOUTS
-from polyshard.planner.stages import assign_chunks, block_paths, pp_plan_agreement, pp_plan_units
+from polyshard.graph.stage_cuts import assign_chunks, block_paths
+from polyshard.planner.stages import pp_plan_agreement, pp_plan_units
 from polyshard.transitions import wire_bytes
 
 # A split whose plan fills at most this share of the memory limit is not tried with recompute or offload.

@@ -4,28 +4,27 @@ default cuts both use it)."""
 
 from __future__ import annotations
 
-import bisect
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_map
 
 from polyshard.errors import PolyshardError
-from polyshard.graph.capture import shape_of
+from polyshard.cluster import Cluster
+from polyshard.graph.capture import capture, shape_of
 from polyshard.graph.regions import Recomputed
-from polyshard.planner.cost.compute import forward_flops
+from polyshard.graph.stage_cuts import assign_chunks, block_paths, check_boundary_count, first_nodes
+from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_flops, forward_seconds, op_overhead
 from polyshard.planner.cost.memory import kept_copies, local_numel
-from polyshard.plan import Plan
+from polyshard.plan import DTYPES, Plan
 from polyshard.planner.propagate import propagate
+from polyshard.schedule import ActionTime, schedule_actions, simulate
 
 # load(part, starts, ends) -> each unit range's load as part ``part`` (inf where the part may not hold it)
 Load = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
-
-
-def block_paths(gm: fx.GraphModule) -> list[str]:
-    """The model's repeated blocks (outermost children of a ModuleList: paths ending in an index), in run order."""
-    paths = [p for p in _first_node(gm) if p.rpartition(".")[2].isdigit()]
-    return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
 
 
 def model_pp_plan(model: nn.Module) -> dict[str, tuple] | None:
@@ -45,7 +44,7 @@ def pp_plan_units(model: nn.Module, gm: fx.GraphModule) -> list[str]:
     if not pp_plan:
         raise PolyshardError(f"pp_plan asked for, but {type(model).__name__} carries no pipeline plan "
                              "(transformers models have one in `_pp_plan`)")
-    runs = _first_node(gm)
+    runs = first_nodes(gm)
     units = []
     for path in pp_plan:
         if path in runs:
@@ -64,29 +63,6 @@ def pp_plan_agreement(model: nn.Module, gm: fx.GraphModule, boundaries: Sequence
     named = pp_plan_units(model, gm)
     return {"cuts": list(boundaries), "departures": [b for b in boundaries if b not in named],
             "not_considered": [u for u in named[1:] if u not in units]}
-
-
-def _first_node(gm: fx.GraphModule) -> dict[str, int]:
-    """Each module path that runs in ``gm``, with the index of its first node."""
-    first: dict[str, int] = {}
-    for i, node in enumerate(gm.graph.nodes):
-        for path, _ in node.meta.get("nn_module_stack", {}).values():
-            first.setdefault(path, i)
-    return first
-
-
-def assign_chunks(gm: fx.GraphModule, boundaries: Sequence[str]) -> dict[str, int]:
-    """Each computing node's chunk: chunk k runs from the first node of ``boundaries[k-1]`` on."""
-    first, nodes = _first_node(gm), list(gm.graph.nodes)
-    missing = [b for b in boundaries if b not in first]
-    if missing:
-        raise PolyshardError(f"stage boundaries {missing} are not modules that run in {type(gm).__name__}; "
-                             f"blocks are: {', '.join(block_paths(gm)) or 'none'}")
-    starts = [first[b] for b in boundaries]
-    if any(a >= b for a, b in zip(starts, starts[1:])):
-        raise PolyshardError(f"stage boundaries {list(boundaries)} are not in the order the model runs them")
-    return {n.name: bisect.bisect_right(starts, i) for i, n in enumerate(nodes)
-            if n.op not in ("placeholder", "get_attr", "output")}
 
 
 def even_partition(units: int, parts: int) -> list[int]:
@@ -161,3 +137,35 @@ def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = Non
     _, cuts = min_max_partition(lambda k, i, j: np.maximum(share_flops(k, i, j), share_memory(k, i, j)),
                                 len(blocks), stages)
     return tuple(blocks[i] for i in cuts)
+
+
+def chunk_seconds(gm: fx.GraphModule, plan: Plan, cluster: Cluster) -> tuple[list[float], list[float]]:
+    """Predicted forward and backward seconds of each chunk the plan's stage boundaries cut ``gm`` into: its
+    ops' compute plus their fixed costs, backward doing the work twice over (as the cost model counts them)."""
+    modules = dict(gm.named_modules())
+    dtype, itemsize = DTYPES[plan.precision]
+    back = TRAIN_FLOPS_PER_FORWARD - 1
+    chunks = len(plan.stage_boundaries) + 1
+    chunk_of = assign_chunks(gm, plan.stage_boundaries)
+    forward, backward = [0.0] * chunks, [0.0] * chunks
+    for node in gm.graph.nodes:
+        c = chunk_of.get(node.name)
+        if c is not None:
+            seconds, entry = forward_seconds(node, plan, modules, cluster, dtype, itemsize), plan.nodes[node.name]
+            forward[c] += seconds + op_overhead(entry, cluster, 1)
+            backward[c] += back * seconds + op_overhead(entry, cluster, back)
+    return forward, backward
+
+
+def predict_timings(model: nn.Module, example_inputs, plan: Plan, pp: int, cluster: Cluster) -> list[ActionTime]:
+    """The plan's schedule simulated with the cost model's per-chunk times on one micro-batch of
+    ``example_inputs``, without any process (``model`` may live on the meta device); a plan without stage
+    cuts is cut into balanced ones first, as :func:`polyshard.plan` cuts it."""
+    micro = tree_map(lambda t: t[:t.size(0) // plan.micro_batches] if isinstance(t, torch.Tensor) else t,
+                     example_inputs)
+    gm = capture(model, micro)
+    if not plan.stage_boundaries:
+        plan = replace(plan, stage_boundaries=balanced_boundaries(gm, pp * plan.virtual_stages, plan))
+    check_boundary_count(plan.stage_boundaries, pp, plan.virtual_stages)
+    actions = schedule_actions(plan.schedule, pp, plan.micro_batches, plan.virtual_stages)
+    return simulate(actions, *chunk_seconds(gm, plan, cluster))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from polyshard.errors import PolyshardError
-from polyshard.planner.cost.zero_memory import FIRST_BUCKET_BYTES, cut_buckets
+from polyshard.buckets import FIRST_BUCKET_BYTES, cut_buckets
 
 FUSION_ATTR = "_polyshard_fusion"
 

@@ -1,229 +1,32 @@
-"""Pipeline parallel: the captured graph cut into chunks at module boundaries; each rank lowers and
-runs only its own chunks (tensor parallel inside its stage) under a schedule of micro-batches.
+"""Pipeline parallel: each rank runs only its own chunks of the plan's stages (tensor parallel inside its
+stage) under a schedule of micro-batches.
 
-A value a chunk needs from an earlier chunk is sent rank to rank along ``pp`` (its local shape is
-known from the captured graph, so no handshake); graph inputs are read from the batch every rank
-is given; sizes and other non-tensor values are computed again where they are used. A parameter
-used by two stages (a tied embedding) has a copy on each, whose gradients are summed every step.
+A value a chunk needs from an earlier chunk is sent rank to rank along ``pp``. A parameter used by two
+stages (a tied embedding) has a copy on each, whose gradients are summed every step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.utils._pytree import tree_map
 
-from polyshard.cluster import Cluster
-from polyshard.compiler.lower import lower, whole_parameter
+from polyshard.compiler.lower import whole_parameter
+from polyshard.compiler.stages import Split, build_chunk, micro_batches, pipeline_split
 from polyshard.errors import PolyshardError
-from polyshard.graph.capture import capture, shape_of
 from polyshard.graph.export import SIGNATURE_KEY, CallSignature
 from polyshard.graph.regions import marked_modules
 from polyshard.mesh import Mesh
-from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_seconds, op_overhead
-from polyshard.plan import DTYPES, NodePlan, Plan
-from polyshard.planner.stages import assign_chunks, balanced_boundaries
+from polyshard.plan import Plan
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync, Pausable
-from polyshard.runtime.recompute import apply_recompute
-from polyshard.runtime.schedules import Action, ActionTime, check_schedule, schedule_actions, simulate
-
-STAGE_ATTR = "_polyshard_stage"
-
-
-def pipeline_stage(module: nn.Module, k: int) -> nn.Module:
-    """Mark ``module`` as the first of pipeline stage ``k`` (stages count from 0, so k >= 1);
-    :func:`polyshard.parallelize` cuts the model there when the mesh has a ``pp`` axis."""
-    if type(k) is not int or k < 1:
-        raise PolyshardError(f"pipeline_stage(k={k!r}): k is the stage the module begins, an integer >= 1 "
-                             "(stage 0 begins with the model)")
-    setattr(module, STAGE_ATTR, k)
-    return module
-
-
-def stage_boundaries_of(model: nn.Module) -> tuple[str, ...]:
-    """The module paths marked by :func:`pipeline_stage`, in stage order (empty when none)."""
-    marks = {name: getattr(m, STAGE_ATTR) for name, m in model.named_modules() if hasattr(m, STAGE_ATTR)}
-    if sorted(marks.values()) != list(range(1, len(marks) + 1)):
-        raise PolyshardError(f"pipeline_stage marks {marks}: mark each of stages 1..{len(marks)} exactly once")
-    return tuple(sorted(marks, key=marks.__getitem__))
-
-
-@dataclass(frozen=True)
-class Edge:
-    """A value chunk ``src`` sends to chunk ``dst``: the producing node, this rank's piece's shape
-    and dtype (what the receiver allocates), and whether a gradient goes back."""
-
-    name: str
-    src: int
-    dst: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    grad: bool
-
-
-@dataclass(frozen=True)
-class Split:
-    """A graph cut into chunks. inputs: per chunk, the graph inputs it reads (by position);
-    copied: per chunk, the nodes of earlier chunks it computes again (sizes, attributes);
-    edges: values sent between chunks; tied: each parameter used by several chunks, by chunk,
-    with its name there; canonical: a parameter's name in the model for each name it goes by."""
-
-    chunk_of: dict[str, int]
-    inputs: tuple[tuple[int, ...], ...]
-    copied: tuple[frozenset[str], ...]
-    edges: tuple[Edge, ...]
-    tied: dict[str, dict[int, str]]
-    canonical: dict[str, str]
-    loss_dtype: torch.dtype
-
-    @property
-    def chunks(self) -> int:
-        return len(self.inputs)
-
-    def received(self, chunk: int) -> list[int]:
-        return [k for k, e in enumerate(self.edges) if e.dst == chunk]
-
-    def sent(self, chunk: int) -> list[int]:
-        return [k for k, e in enumerate(self.edges) if e.src == chunk]
-
-
-def split_graph(gm: fx.GraphModule, plan: Plan, boundaries: Sequence[str]) -> Split:
-    """Cut ``gm`` (laid out by ``plan``) before each boundary module."""
-    chunk_of = assign_chunks(gm, boundaries)
-    chunks = len(boundaries) + 1
-    nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    output, loss = nodes[-1], loss_node(gm)
-    if loss is None:
-        raise PolyshardError(f"pipeline stages need {type(gm).__name__}.forward to return the loss "
-                             "(one 0-dim tensor), so the last stage can start backward from it")
-    inputs, copied, received = [], [], []
-    for c in range(chunks):
-        own = [n for n in nodes if chunk_of.get(n.name) == c] + ([output] if c == chunks - 1 else [])
-        needs = _external_needs(own, chunk_of, c)
-        inputs.append(tuple(i for i, p in enumerate(placeholders) if p in needs))
-        copied.append(frozenset(n.name for n in needs if n.op != "placeholder" and _recomputable(n)))
-        received.append([n for n in nodes if n in needs and n.op != "placeholder" and not _recomputable(n)])
-    edges = tuple(_edge(n, chunk_of[n.name], c, plan) for c, values in enumerate(received) for n in values)
-    canonical, tied = _parameter_uses(gm, chunk_of, copied)
-    return Split(chunk_of, tuple(inputs), tuple(copied), edges, tied, canonical, loss.meta["tensor_meta"].dtype)
-
-
-def loss_node(gm: fx.GraphModule) -> fx.Node | None:
-    """The value a pipeline trains on: the graph's output if a 0-dim tensor, else the first such among its
-    outputs (a transformers model returns its loss with the logits, which stages do not hand on)."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-    values = out if isinstance(out, (tuple, list)) else [out]
-    return next((v for v in values if isinstance(v, fx.Node) and shape_of(v) == ()), None)
-
-
-def _recomputable(node: fx.Node) -> bool:
-    """Values a chunk computes again rather than receives: attributes, and sizes and other non-tensors."""
-    return node.op == "get_attr" or (node.op in ("call_function", "call_method") and shape_of(node) is None)
-
-
-def _external_needs(own: list[fx.Node], chunk_of: dict[str, int], c: int) -> set[fx.Node]:
-    """The nodes outside chunk ``c`` its nodes read, with what the recomputed ones read in turn."""
-    needs: set[fx.Node] = set()
-    todo = [i for n in own for i in n.all_input_nodes if chunk_of.get(i.name) != c]
-    while todo:
-        n = todo.pop()
-        if n in needs:
-            continue
-        needs.add(n)
-        if n.op != "placeholder" and _recomputable(n):
-            todo.extend(n.all_input_nodes)
-        elif n.op != "placeholder" and shape_of(n) is None:
-            raise PolyshardError(f"`{n.name}` ({n.target}) hands a non-tensor value from stage chunk "
-                                 f"{chunk_of[n.name]} to chunk {c}; move the stage boundary so both are in one")
-    return needs
-
-
-def _edge(node: fx.Node, src: int, dst: int, plan: Plan) -> Edge:
-    meta = node.meta["tensor_meta"]
-    layout = plan.nodes[node.name].output
-    return Edge(node.name, src, dst, tuple(layout.local_shape(meta.shape)), meta.dtype,
-                bool(meta.requires_grad) and meta.dtype.is_floating_point)
-
-
-def _parameter_uses(gm: fx.GraphModule, chunk_of: dict[str, int],
-                    copied: list[frozenset[str]]) -> tuple[dict[str, str], dict[str, dict[int, str]]]:
-    """Each parameter name's canonical name, and the parameters that several chunks use."""
-    first = {id(p): name for name, p in reversed(list(gm.named_parameters()))}
-    canonical = {name: first[id(p)] for name, p in gm.named_parameters(remove_duplicate=False)}
-    uses: dict[str, dict[int, str]] = {}
-    for node in gm.graph.nodes:
-        users = {chunk_of[node.name]} if node.name in chunk_of else {c for c, names in enumerate(copied)
-                                                                       if node.name in names}
-        if node.op == "call_module":
-            names = [f"{node.target}.{n}" for n, _ in gm.get_submodule(node.target).named_parameters()]
-        else:
-            names = [node.target] if node.op == "get_attr" and node.target in canonical else []
-        for name, c in ((name, c) for name in names for c in users):
-            uses.setdefault(canonical[name], {}).setdefault(c, name)
-    return canonical, {name: by_chunk for name, by_chunk in uses.items() if len(by_chunk) > 1}
-
-
-def build_chunk(gm: fx.GraphModule, plan: Plan, split: Split, c: int, mesh: Mesh) -> fx.GraphModule:
-    """Chunk ``c`` lowered for this rank: ``(*graph inputs it reads, *values it receives)`` -> the
-    values it sends (the last chunk: the loss)."""
-    graph = fx.Graph()
-    entries: dict[str, NodePlan] = {}
-    env: dict[fx.Node, fx.Node] = {}
-    nodes = {n.name: n for n in gm.graph.nodes}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i in split.inputs[c]:
-        env[placeholders[i]] = graph.placeholder(placeholders[i].name)
-        entries[env[placeholders[i]].name] = plan.nodes[placeholders[i].name]
-    for k in split.received(c):
-        name = split.edges[k].name
-        env[nodes[name]] = graph.placeholder(name)
-        entries[env[nodes[name]].name] = NodePlan("local", {}, plan.nodes[name].output)
-    for node in gm.graph.nodes:
-        if node.name in split.copied[c] or split.chunk_of.get(node.name) == c:
-            env[node] = graph.node_copy(node, env.__getitem__)
-            entries[env[node].name] = plan.nodes[node.name]
-    if c == split.chunks - 1:
-        out = graph.output(env[loss_node(gm)])
-        entries[out.name] = plan.nodes["output"]
-    else:
-        out = graph.output(tuple(env[nodes[split.edges[k].name]] for k in split.sent(c)))
-        entries[out.name] = NodePlan("local", {}, None)
-    module = fx.GraphModule(gm, graph, class_name=f"{type(gm).__name__}Chunk{c}")
-    params = {name: plan.params[split.canonical[name]] for name, _ in module.named_parameters()}
-    return lower(module, replace(plan, nodes=entries, params=params), mesh)
-
-
-def chunk_seconds(gm: fx.GraphModule, plan: Plan, split: Split, cluster: Cluster) -> tuple[list[float], list[float]]:
-    """Predicted forward and backward seconds of each chunk: its ops' compute plus their fixed costs,
-    backward doing the work twice over (as the cost model counts them)."""
-    modules = dict(gm.named_modules())
-    dtype, itemsize = DTYPES[plan.precision]
-    back = TRAIN_FLOPS_PER_FORWARD - 1
-    forward, backward = [0.0] * split.chunks, [0.0] * split.chunks
-    for node in gm.graph.nodes:
-        c = split.chunk_of.get(node.name)
-        if c is not None:
-            seconds, entry = forward_seconds(node, plan, modules, cluster, dtype, itemsize), plan.nodes[node.name]
-            forward[c] += seconds + op_overhead(entry, cluster, 1)
-            backward[c] += back * seconds + op_overhead(entry, cluster, back)
-    return forward, backward
-
-
-def micro_batches(t: torch.Tensor, m: int) -> tuple[torch.Tensor, ...]:
-    """``t``'s rows in ``m`` equal micro-batches."""
-    if t.size(0) % m:
-        raise PolyshardError(f"micro_batches={m} does not divide the batch of {t.size(0)} rows; "
-                             f"use a batch that is a multiple of {m}")
-    return t.chunk(m)
+from polyshard.compiler.recompute import apply_recompute
+from polyshard.schedule import Action, ActionTime, schedule_actions
 
 
 class PipelineModule(nn.Module, Pausable):
@@ -235,13 +38,13 @@ class PipelineModule(nn.Module, Pausable):
         return self.mesh.local_rows(*tensors)
 
     def __init__(self, chunks: dict[int, fx.GraphModule], split: Split, plan: Plan, mesh: Mesh,
-                 seconds: tuple[list[float], list[float]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  recompute_paths: dict[str, str] | None = None, signature: CallSignature | None = None):
         super().__init__()
         self.signature = signature  # how keyword calls map to the graph's inputs (captured by export)
         self.chunks = nn.ModuleDict({str(c): apply_recompute(m, plan.recompute, plan.recompute_comm, recompute_paths)
                                      for c, m in chunks.items()})
-        self.split, self.plan, self.mesh, self.seconds = split, plan, mesh, seconds
+        self.split, self.plan, self.mesh = split, plan, mesh
         self._names = {id(p): split.canonical[n] for m in chunks.values() for n, p in m.named_parameters()}
         self.actions = schedule_actions(plan.schedule, mesh.pp, plan.micro_batches, plan.virtual_stages)[mesh.stage]
         self.data_group = mesh.data_group()
@@ -325,11 +128,6 @@ class PipelineModule(nn.Module, Pausable):
         stages = [None] * self.mesh.pp
         dist.all_gather_object(stages, mine, group=self.pipe_group)
         return {k: v for part in stages for k, v in part.items()}
-
-    def predicted_timings(self) -> list[ActionTime]:
-        """The schedule simulated with the cost model's per-chunk times (what :attr:`timings` predicts)."""
-        actions = schedule_actions(self.plan.schedule, self.mesh.pp, self.plan.micro_batches, self.plan.virtual_stages)
-        return simulate(actions, *self.seconds)
 
     def gather_timings(self) -> list[ActionTime] | None:
         """The recorded :attr:`timings` of every stage of this rank's pipeline, on its first stage
@@ -420,48 +218,12 @@ class _Step:
         self.sends.clear()
 
 
-def pipeline_split(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan,
-                   pp: int) -> tuple[fx.GraphModule, Split, tuple[str, ...]]:
-    """One micro-batch of ``model`` captured and cut into pp x virtual_stages chunks: at the plan's
-    stage boundaries, else the modules marked by :func:`pipeline_stage`, else balanced ones; returns the
-    cuts it made too. Needs no process group."""
-    check_schedule(plan.schedule, pp, plan.micro_batches, plan.virtual_stages)
-    micro = tree_map(lambda t: micro_batches(t, plan.micro_batches)[0] if isinstance(t, torch.Tensor) else t,
-                     example_inputs)
-    gm = capture(model, micro)
-    chunks = pp * plan.virtual_stages
-    boundaries = plan.stage_boundaries or stage_boundaries_of(model) or balanced_boundaries(gm, chunks, plan)
-    if len(boundaries) != chunks - 1:
-        raise PolyshardError(f"{len(boundaries)} stage boundaries {list(boundaries)} make {len(boundaries) + 1} "
-                             f"stages; pp={pp} x virtual_stages={plan.virtual_stages} needs {chunks}, "
-                             f"so {chunks - 1} boundaries")
-    split = split_graph(gm, plan, boundaries)
-    for name, by_chunk in split.tied.items():
-        if len({c % pp for c in by_chunk}) < len(by_chunk):
-            raise PolyshardError(f"parameter `{name}` is used by chunks {sorted(by_chunk)}, two of them on one "
-                                 "stage; move the boundaries so each stage uses it in one chunk")
-    return gm, split, tuple(boundaries)
-
-
-def predict_timings(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan, pp: int,
-                    cluster: Cluster) -> list[ActionTime]:
-    """The plan's schedule simulated with the cost model's per-chunk times, without any process
-    (for planning and explaining; ``model`` may live on the meta device)."""
-    gm, split, _ = pipeline_split(model, example_inputs, plan, pp)
-    actions = schedule_actions(plan.schedule, pp, plan.micro_batches, plan.virtual_stages)
-    return simulate(actions, *chunk_seconds(gm, plan, split, cluster))
-
-
-def parallelize_pipeline(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan, mesh: Mesh,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PipelineModule:
-    """The pipeline path of :func:`polyshard.parallelize` (see :func:`pipeline_split` for the cuts);
-    each rank builds only its own chunks."""
+def compile_pipeline(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan, mesh: Mesh,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PipelineModule:
+    """The pipeline path of :func:`polyshard.compile`: each rank builds only its own chunks."""
     if plan.copies != 1:
         raise PolyshardError(f"copies={plan.copies} (multi-copy interleave) does not combine with pipeline "
                              "stages; micro-batches already overlap the stages' work: use copies=1")
-    gm, split, boundaries = pipeline_split(model, example_inputs, plan, mesh.pp)
-    plan = dataclasses.replace(plan, stage_boundaries=boundaries)
-    seconds = chunk_seconds(gm, plan, split, mesh.cluster or Cluster.from_env())
+    gm, split = pipeline_split(model, example_inputs, plan, mesh.pp)
     mine = {c: build_chunk(gm, plan, split, c, mesh) for c in range(mesh.stage, split.chunks, mesh.pp)}
-    return PipelineModule(mine, split, plan, mesh, seconds, bucket_bytes, marked_modules(model),
-                          gm.meta.get(SIGNATURE_KEY))
+    return PipelineModule(mine, split, plan, mesh, bucket_bytes, marked_modules(model), gm.meta.get(SIGNATURE_KEY))

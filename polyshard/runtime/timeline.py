@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from polyshard.errors import PolyshardError
-from polyshard.runtime.schedules import ActionTime
+from polyshard.schedule import ActionTime
 
 COLORS = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#9bd3a8")}  # per kind: even, odd chunks
 LABELLED_ACTIONS = 400

@@ -22,7 +22,6 @@ whole, fuse by comm_fusion group, or run on the pieces of a lowered tensor-paral
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
@@ -32,7 +31,7 @@ from torch import fx, nn
 
 from polyshard.errors import PolyshardError
 from polyshard.optim import Lamb, NormSpec, build_optimizer
-from polyshard.planner.cost.zero_memory import padded
+from polyshard.buckets import padded
 from polyshard.plan import ZERO_LEVELS
 from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, Pausable
 from polyshard.runtime.fusion import CommStats, fusion_groups, plan_buckets
@@ -420,8 +419,8 @@ def setup_zero(pm, level: int | None = None, optimizer: str | Callable | None = 
     The returned optimizer replaces ``pm``'s gradient sync (a ParallelModule's ``pm.grad_sync``, a pipeline's
     per-chunk ``grad_syncs``), so ``pm.no_sync()`` keeps working. On a pipeline it covers this rank's chunks,
     each chunk a part of its own, and tied copies get buckets of their own, summed over stages before the step.
-    Arguments left None come from ``pm.plan`` (zero, optimizer, precision, zero_threshold_bytes), which records
-    what runs.
+    Arguments left None come from ``pm.plan`` (zero, optimizer, precision, zero_threshold_bytes); the plan is
+    left as it is.
     """
     plan = pm.plan
     level = plan.zero if level is None else level
@@ -439,8 +438,6 @@ def setup_zero(pm, level: int | None = None, optimizer: str | Callable | None = 
         if pm.grad_sync is not None:
             pm.grad_sync.remove()
         pm.grad_sync = opt if group is not None else None
-    pm.plan = dataclasses.replace(plan, zero=level, precision=precision, zero_threshold_bytes=threshold_bytes,
-                                  optimizer=optimizer if isinstance(optimizer, str) else plan.optimizer)
     return opt
 
 

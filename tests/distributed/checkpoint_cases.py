@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from polyshard.runtime.checkpoint import read_full, step_dir
-from polyshard.runtime.train_config import TrainConfig
-from polyshard.runtime.trainer import train
+from polyshard.train.config import TrainConfig
+from polyshard.train.trainer import train
 from polyshard.runtime.training_state import MODEL
 
 

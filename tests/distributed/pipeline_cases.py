@@ -13,6 +13,8 @@ from torch import nn
 
 import polyshard as ps
 from polyshard import models
+from polyshard.cluster import Cluster
+from polyshard.planner.stages import predict_timings
 from tests.distributed.cases import _batch, _optimizer, rel_err
 
 
@@ -154,6 +156,7 @@ def recorded_timings(schedule: str = "1f1b", micro_batches: int = 4) -> dict:
     x, y = _batch(model, 8, seed=0)
     pm = ps.parallelize(model, example_inputs=(x, y), schedule=schedule, micro_batches=micro_batches)
     pm.train_step(x, y, record=True)
-    result = {"measured": pm.gather_timings(), "predicted": pm.predicted_timings(), "actions": pm.actions}
+    predicted = predict_timings(_gpt(4, torch.float32, True), (x, y), pm.plan, 2, Cluster.from_env())
+    result = {"measured": pm.gather_timings(), "predicted": predicted, "actions": pm.actions}
     del pm
     return result

@@ -63,8 +63,8 @@ def image_parity(model: str, mesh: str, strategy: tuple, steps: int = 3, batch: 
 
 def train_images(root: str, mesh: str, model: str, steps: int = 3) -> list[float]:
     """``polyshard train``'s losses for an image model on generated 32-pixel images (float64), on ``mesh``."""
-    from polyshard.runtime.train_config import TrainConfig
-    from polyshard.runtime.trainer import train
+    from polyshard.train.config import TrainConfig
+    from polyshard.train.trainer import train
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import polyshard as ps
-from polyshard.compiler.check import check_plan
+from polyshard.planner.check import check_plan
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.models.recsys import ClickModel, RecsysConfig, click_batch

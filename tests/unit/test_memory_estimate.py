@@ -14,7 +14,7 @@ from polyshard.planner.cost.memory import estimate_memory
 from polyshard.planner.propagate import propagate
 from polyshard.planner.search import search
 from polyshard.runtime.memory_probe import step_peak_bytes
-from polyshard.runtime.trainer import make_optimizer
+from polyshard.train.trainer import make_optimizer
 
 ROWS = 8
 

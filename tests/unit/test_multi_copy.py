@@ -12,7 +12,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.planner.cost.overlap import OpCost, choose_copies, step_seconds
 from polyshard.planner.propagate import propagate
-from polyshard.runtime.interleave import interleave, merge_outputs
+from polyshard.compiler.interleave import interleave, merge_outputs
 
 
 def test_interleaved_graph_equals_the_model_on_uneven_slices():

@@ -13,9 +13,10 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.mesh import Mesh
 from polyshard.planner.propagate import propagate
-from polyshard.runtime.pipeline import (balanced_boundaries, micro_batches, pipeline_split, predict_timings,
-                                        split_graph, stage_boundaries_of)
-from polyshard.runtime.schedules import Action, schedule_actions, simulate
+from polyshard.compiler.stages import micro_batches, pipeline_split, split_graph
+from polyshard.graph.stage_cuts import stage_boundaries_of
+from polyshard.planner.stages import balanced_boundaries, predict_timings
+from polyshard.schedule import Action, schedule_actions, simulate
 from polyshard.runtime.timeline import bubble_fraction, draw_timeline
 
 
@@ -203,16 +204,18 @@ def test_timeline_png(tmp_path):
         draw_timeline(path)
 
 
-def test_predicted_timings_need_no_processes():
+def test_plan_cuts_stages_and_predicts_timings_without_processes():
     with torch.device("meta"):
         model = models.GPT(dataclasses.replace(models.CONFIGS["gpt-tiny"], num_layers=4))
     example = model.example_inputs(8)
-    plan = propagate(capture(model, example), (), print)
-    plan = dataclasses.replace(plan, schedule="gpipe", micro_batches=4)
+    pipe = Mesh(axes=(("pp", 2),), data_axes=(), device_type="cpu", rank=0, pipeline_axis="pp")
+    unstaged = dataclasses.replace(propagate(capture(model, example), (), print), schedule="gpipe", micro_batches=4)
+    with pytest.raises(PolyshardError, match="no stage boundaries to cut pp=2 stages at"):
+        pipeline_split(model, example, unstaged, 2)
+    plan = ps.plan(model, example, pipe, schedule="gpipe", micro_batches=4)
+    assert plan.stage_boundaries == ("blocks.2",)
+    assert pipeline_split(model, example, plan, 2)[1].chunks == 2
     times = predict_timings(model, example, plan, 2, Cluster.preset("1xA100-80G"))
-    cuts = pipeline_split(model, example, plan, 2)[2]
-    assert cuts == ("blocks.2",) and plan.stage_boundaries == ()  # the plan is left as it was
-    plan = dataclasses.replace(plan, stage_boundaries=cuts)
     assert sorted((t.stage, t.kind, t.micro) for t in times) == sorted(
         (s, k, i) for s in range(2) for k in "FB" for i in range(4))
     assert 0.2 <= bubble_fraction(times) < 0.5  # (p-1)/(m+p-1) = 0.2 for equal stages; the head makes stage 1 longer

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from polyshard.errors import PolyshardError
-from polyshard.planner.ps_placement import place
+from polyshard.runtime.ps.placement import place
 from polyshard.runtime.ps.spec import embedding_tables
 from polyshard.runtime.ps.wire import to_wire
 from polyshard.runtime.ps.worker import RemoteEmbedding

@@ -14,7 +14,7 @@ from polyshard import models
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.plan import Plan
-from polyshard.runtime.recompute import apply_recompute
+from polyshard.compiler.recompute import apply_recompute
 
 
 def _batch(seed: int, rows: int = 4):

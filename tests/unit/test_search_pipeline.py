@@ -15,7 +15,7 @@ from polyshard.planner.report import render
 from polyshard.planner.config import Fixed
 from polyshard.planner.search import mesh_candidates, search
 from polyshard.planner.stages import even_partition, min_max_partition, sum_load
-from polyshard.runtime.pipeline import pipeline_split
+from polyshard.compiler.stages import pipeline_split
 
 MiB = 2**20
 
@@ -152,7 +152,7 @@ def test_a_model_that_fits_only_pipelined_gets_a_consistent_pipeline_plan():
     assert len(plan.stage_boundaries) == pp * plan.virtual_stages - 1
     assert (64 // dp) % plan.micro_batches == 0
     assert all(s.memory.total_bytes <= limit for s in chosen.pipeline.stages)
-    _, split, _ = pipeline_split(model, model.example_inputs(64 // dp), plan, pp)  # the runtime cuts where it says
+    _, split = pipeline_split(model, model.example_inputs(64 // dp), plan, pp)  # the runtime cuts where it says
     assert split.chunks == pp * plan.virtual_stages
 
 

@@ -1,6 +1,6 @@
 """What `polyshard train` tells its user about the files it writes."""
 
-from polyshard.runtime.trainer import _open_metrics
+from polyshard.train.trainer import _open_metrics
 
 
 def test_replacing_an_earlier_runs_metrics_is_said(tmp_path, capsys):

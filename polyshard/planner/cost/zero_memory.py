@@ -1,7 +1,7 @@
 """Bytes one rank holds at each optimizer-parallel (ZeRO) level, and how gradients are cut into buckets.
 
-The runtime (polyshard.runtime.zero) cuts its buckets with :func:`cut_buckets`, so the prediction here and
-the tensors it allocates follow one definition. Per rank, with P the bytes of the parameters that are
+The runtime (polyshard.runtime.zero) cuts its buckets with :func:`polyshard.buckets.cut_buckets`, as this
+prediction does, so the two follow one definition. Per rank, with P the bytes of the parameters that are
 sharded (each at least ``threshold_bytes``), W those that stay whole, N ranks, k optimizer states:
 
     level  params        grads         optimizer
@@ -17,38 +17,10 @@ outlives a step: the all-reduced gradient buffer becomes the gradient, level 3's
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
+from polyshard.buckets import cut_buckets, padded
 from polyshard.errors import PolyshardError
-
-FIRST_BUCKET_BYTES = 2**20  # a small first bucket starts communication early in backward (as DDP does)
-
-
-def cut_buckets(sizes_bytes: Sequence[int], keys: Sequence[Hashable], bucket_bytes: int,
-                first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
-    """Indices of tensors (given in backward order) cut into buckets of about ``bucket_bytes``.
-
-    A bucket holds tensors of one key only (a fusion group, a dtype, sharded or not); the first bucket
-    closed is small so the first collective starts early. Order within a bucket follows the input.
-    """
-    if bucket_bytes < 1:
-        raise PolyshardError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    out: list[list[int]] = []
-    open_buckets: dict[Hashable, tuple[list[int], list[int]]] = {}
-    for i, (size, key) in enumerate(zip(sizes_bytes, keys)):
-        members, total = open_buckets.setdefault(key, ([], [0]))
-        members.append(i)
-        total[0] += size
-        if total[0] >= (min(first_bucket_bytes, bucket_bytes) if not out else bucket_bytes):
-            out.append(members)
-            del open_buckets[key]
-    return out + [members for members, _ in open_buckets.values()]
-
-
-def padded(numel: int, world: int) -> int:
-    """Elements of a flat bucket of ``numel`` once padded so ``world`` ranks get equal shards."""
-    return -(-numel // world) * world
-
 
 def state_bytes_per_rank(param_numels: Sequence[int | Sequence[int]], level: int, world: int,
                          threshold_bytes: int, itemsize: int = 4, optimizer_states: int = 2,

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from polyshard.planner.ps_placement import Placement, place
+from polyshard.runtime.ps.placement import Placement, place
 
 MODES = ("sync", "async")
 

@@ -12,29 +12,34 @@ import resource
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-import polyshard as ps
+from polyshard.api import parallelize
 from polyshard.cluster import Cluster, parse_bytes
 from polyshard.planner.config import Fixed
 from polyshard.planner.report import render
 from polyshard.planner.search import search
+from polyshard.planner.stages import predict_timings
+from polyshard.schedule import ActionTime
 from polyshard.data.ahead import Ahead
 from polyshard.data.corpus import TokenBatches, load_corpus
 from polyshard.data.images import ImageBatches, open_images
 from polyshard.data.synthetic_images import SyntheticImages
 from polyshard.data.token_file import open_tokens, out_of_vocabulary
 from polyshard.errors import PolyshardError
+from polyshard.mesh import init
 from polyshard.models.vision import VISION, dataset_strategy, image_meshes
 from polyshard.optim import OPTIMIZER_CLASSES, build_optimizer
 from polyshard.runtime.offload import OffloadedOptimizer
+from polyshard.runtime.parallel import ParallelModule
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.resume import restore_run, resume_path, save_run
 from polyshard.runtime.stall import is_timeout, stalled
 from polyshard.runtime.timeline import draw_timeline
-from polyshard.runtime.train_config import (
+from polyshard.train.config import (
     TrainConfig, apply_strategies, build_model, check_config, model_name, token_source,
 )
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
@@ -58,7 +63,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         plan, shape = dataclasses.replace(plan, model=name), dict(plan.mesh)
     if plan is not None and cfg.settings:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
-    mesh = ps.init(shape, timeout=cfg.collective_timeout or None)
+    mesh = init(shape, timeout=cfg.collective_timeout or None)
     lead = dist.get_rank() == 0
     model = build_model(cfg, name, seed=cfg.seed)
     pinned = apply_strategies(model, cfg.strategies) if cfg.strategies else []
@@ -70,13 +75,11 @@ def train(cfg: TrainConfig) -> list[dict]:
                              f"accumulated micro-batches per data-parallel rank")
     copies = "auto" if cfg.copies == "auto" else int(cfg.copies)
     settings = dict(cfg.settings)
-    pm = ps.parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan,
+    pm = parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan,
                         sequence_parallel=cfg.sequence_parallel,
                         dataset_strategy=image_strategy(cfg, mesh) if plan is None else None,  # a plan has its own
-                        **{k: settings.get(k) for k in ("recompute", "recompute_comm", "schedule", "micro_batches",
-                                                        "virtual_stages")})
+                        settings=settings)
     pipelined = isinstance(pm, PipelineModule)
-    pm.plan = dataclasses.replace(pm.plan, **settings)
     if lead:
         if cfg.auto or cfg.memory_limit:
             print(render(pm.plan, layouts=0))
@@ -158,7 +161,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     batches.close()
     bar.close()
     if pipelined and cfg.timeline:
-        draw_measured_timeline(pm, cfg.timeline)
+        draw_measured_timeline(pm, cfg.timeline, lambda: predicted_timings(cfg, name, pm.plan, micro, mesh))
     if lead and isinstance(opt, OffloadedOptimizer):
         print(f"where training state lives (rank 0, {pm.plan.offload} offload):\n{opt.ledger()}")
     if metrics_file:
@@ -202,7 +205,7 @@ def _tile(mesh, axis: str, size: int) -> slice:
     return slice(i * size // n, (i + 1) * size // n)
 
 
-def train_step(pm: ps.ParallelModule | PipelineModule, opt, x: torch.Tensor, y: torch.Tensor, accum: int = 1,
+def train_step(pm: ParallelModule | PipelineModule, opt, x: torch.Tensor, y: torch.Tensor, accum: int = 1,
                record: bool = False) -> torch.Tensor:
     """One optimizer step on this rank's rows in ``accum`` accumulated micro-steps (gradients synced in
     the last); returns this rank's mean loss. ``record``: a pipeline keeps the last micro-step's timings."""
@@ -221,7 +224,7 @@ def train_step(pm: ps.ParallelModule | PipelineModule, opt, x: torch.Tensor, y: 
     return loss_sum
 
 
-def make_optimizer(pm: ps.ParallelModule, lr: float, offload_dir: str) -> torch.optim.Optimizer | ZeroOptimizer:
+def make_optimizer(pm: ParallelModule, lr: float, offload_dir: str) -> torch.optim.Optimizer | ZeroOptimizer:
     """The plan's optimizer over this rank's parameters: plain torch when nothing else is asked; with
     optimizer parallel, mixed precision or LAMB, polyshard's ZeroOptimizer (it takes over the data-
     parallel sync); with offload, its state and step on the host or disk."""
@@ -239,7 +242,7 @@ def make_optimizer(pm: ps.ParallelModule, lr: float, offload_dir: str) -> torch.
     return build_optimizer(plan.optimizer, pm.parameters(), lr=lr)
 
 
-def comm_counts(pm: ps.ParallelModule | PipelineModule) -> dict[str, int]:
+def comm_counts(pm: ParallelModule | PipelineModule) -> dict[str, int]:
     """Collectives the gradient syncs issued since the last call, and their bytes, by kind."""
     syncs = pm.grad_syncs.values() if isinstance(pm, PipelineModule) else [pm.grad_sync]
     out: dict[str, int] = {}
@@ -249,15 +252,23 @@ def comm_counts(pm: ps.ParallelModule | PipelineModule) -> dict[str, int]:
     return out
 
 
-def draw_measured_timeline(pm: PipelineModule, path: str) -> None:
-    """The last step's schedule as each stage ran it, beside the cost model's, into the PNG ``path``
-    (drawn on rank 0; every rank takes part in gathering the timings)."""
+def draw_measured_timeline(pm: PipelineModule, path: str, predicted: Callable[[], list[ActionTime]]) -> None:
+    """The last step's schedule as each stage ran it, beside the cost model's (``predicted``), into the PNG
+    ``path`` (drawn on rank 0; every rank takes part in gathering the timings)."""
     measured = pm.gather_timings()
     if dist.get_rank() == 0:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        bubbles = draw_timeline(path, predicted=pm.predicted_timings(), measured=measured,
+        bubbles = draw_timeline(path, predicted=predicted(), measured=measured,
                                 title=f"{pm.plan.schedule}, {pm.mesh.pp} stages, {pm.plan.micro_batches} micro-batches")
         print(f"timeline: {path} (bubble: measured {bubbles['measured']:.1%}, predicted {bubbles['predicted']:.1%})")
+
+
+def predicted_timings(cfg: TrainConfig, name: str, plan, micro: int, mesh) -> list[ActionTime]:
+    """The cost model's schedule for ``plan``, on the model built again on the meta device."""
+    meta = build_model(cfg, name, device="meta")
+    if cfg.strategies:
+        apply_strategies(meta, cfg.strategies)
+    return predict_timings(meta, meta.example_inputs(micro), plan, mesh.pp, mesh.cluster or Cluster.from_env())
 
 
 def peak_rss_bytes() -> int:

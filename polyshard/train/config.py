@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import yaml
 
-import polyshard as ps
 from polyshard import models
+from polyshard.api import shard
 from polyshard.cluster import parse_bytes
 from polyshard.data.images import open_images
 from polyshard.data.token_file import check_tokens, open_tokens, tokenized
@@ -363,10 +363,10 @@ def _plan_settings(plan: Plan | None) -> dict:
 def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | None) -> None:
     """On the meta device, before launch: pins fit the model, ``plan`` (the --plan file's) fits its graph,
     stages fit its blocks."""
-    from polyshard.compiler.check import check_plan
+    from polyshard.planner.check import check_plan
     from polyshard.graph.capture import capture
     from polyshard.planner.propagate import propagate
-    from polyshard.planner.stages import block_paths
+    from polyshard.graph.stage_cuts import block_paths
 
     model = build_model(cfg, model_name(cfg, plan), device="meta")
     if cfg.data and not cfg.vision:
@@ -452,7 +452,7 @@ def apply_strategies(model: torch.nn.Module, path: str) -> list[str]:
                                      "make the patterns disjoint")
             by[name] = str(pattern)
             try:
-                ps.shard(names[name], _tuples(spec["in_strategy"]), _tuples(spec.get("out_strategy")),
+                shard(names[name], _tuples(spec["in_strategy"]), _tuples(spec.get("out_strategy")),
                          _tuples(spec.get("manual_split")))
             except PolyshardError as exc:
                 raise PolyshardError(f"{path}: module {name}: {exc}") from exc

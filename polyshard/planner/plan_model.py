@@ -1,0 +1,131 @@
+"""polyshard.plan: every decision for one model on one mesh, made once, in one process, before anything runs.
+
+Propagation or the search lays out each op; then come the copies to interleave, the recompute and schedule
+settings asked for, and a pipeline's stage cuts. Compiling and running read the Plan and change nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Mapping, Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_map
+
+from polyshard.cluster import Cluster
+from polyshard.errors import PolyshardError
+from polyshard.graph.capture import PIN_ATTR, batch_rows, capture, example_inputs_of, shape_of
+from polyshard.graph.stage_cuts import check_boundary_count, stage_boundaries_of
+from polyshard.mesh import Mesh, current_mesh
+from polyshard.pin import COPIES_ATTR, tp_plan_pins
+from polyshard.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
+from polyshard.planner.check import check_plan
+from polyshard.planner.config import Fixed
+from polyshard.planner.cost.overlap import choose_copies
+from polyshard.planner.dataset import input_layouts
+from polyshard.planner.propagate import propagate
+from polyshard.planner.search import search as search_plan
+from polyshard.planner.stages import balanced_boundaries, pp_plan_units
+from polyshard.schedule import check_schedule
+
+
+def plan_model(model: nn.Module, example_inputs: Sequence | Mapping | None = None, mesh: Mesh | None = None,
+               plan: Plan | None = None, copies: int | str | None = None, search: bool = False,
+               memory_limit_bytes: float | None = None, recompute: str | None = None,
+               recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
+               virtual_stages: int | None = None, sequence_parallel: bool = False, tp_plan: bool = False,
+               pp_plan: bool = False, dataset_strategy: Sequence | None = None,
+               settings: Mapping[str, object] | None = None) -> Plan:
+    """The Plan :func:`polyshard.compile` runs: the arguments are :func:`polyshard.parallelize`'s (see there)."""
+    mesh = mesh or current_mesh()
+    example_inputs = example_inputs_of(model, example_inputs)
+    return plan_captured(model, capture(model, example_inputs), example_inputs, mesh, plan, copies, search,
+                         memory_limit_bytes, recompute, recompute_comm, schedule, micro_batches, virtual_stages,
+                         sequence_parallel, tp_plan, pp_plan, dataset_strategy, settings)
+
+
+def plan_captured(model: nn.Module, gm: fx.GraphModule, example_inputs: Sequence | Mapping, mesh: Mesh,
+                  plan: Plan | None = None, copies: int | str | None = None, search: bool = False,
+                  memory_limit_bytes: float | None = None, recompute: str | None = None,
+                  recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
+                  virtual_stages: int | None = None, sequence_parallel: bool = False, tp_plan: bool = False,
+                  pp_plan: bool = False, dataset_strategy: Sequence | None = None,
+                  settings: Mapping[str, object] | None = None) -> Plan:
+    """:func:`plan_model` on ``gm``, ``model`` captured on ``example_inputs`` (the caller lowers it next)."""
+    if recompute is not None:
+        check_choice("recompute", recompute, RECOMPUTE_MODES)
+    if recompute_comm is not None:
+        check_choice("recompute_comm", recompute_comm, RECOMPUTE_COMMS)
+    if dataset_strategy is not None and (plan is not None or mesh.pp > 1):
+        raise PolyshardError("dataset_strategy lays out the inputs for propagation or the search (a plan lays out "
+                             "its own inputs); it does not combine with a given plan or a pipeline yet: drop one")
+    inputs = input_layouts(gm, dataset_strategy, mesh.op_axes)
+    if tp_plan:
+        _pin_tp_plan(model, gm, mesh)
+    if pp_plan and mesh.pp == 1:
+        raise PolyshardError(f"pp_plan=True needs a pipeline axis to cut stages for; the mesh {mesh} has no pp")
+    if plan is not None:
+        check_plan(plan, gm, mesh.axes)
+    elif search:
+        cluster = mesh.cluster or Cluster.from_env()
+        row = tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, example_inputs)
+        plan, _ = search_plan(model, row, cluster, batch_rows(example_inputs) * mesh.num_data_shards,
+                              memory_limit_bytes, meshes=[mesh.axes], data_axes=mesh.data_axes,
+                              fixed=Fixed(sp=1) if sequence_parallel else Fixed(), pp_plan=pp_plan,
+                              dataset_strategy=dataset_strategy)
+    else:
+        plan = propagate(gm, mesh.op_axes, _warn_once(), sequence_parallel, inputs)
+    plan = dataclasses.replace(plan, mesh=mesh.axes, data_axes=mesh.data_axes)
+    copies = copies if copies is not None else getattr(model, COPIES_ATTR, None)
+    if copies == "auto":
+        copies, _ = choose_copies(gm, plan, mesh.cluster or Cluster.from_env(), batch_rows=batch_rows(example_inputs))
+    if copies is not None and (not isinstance(copies, int) or copies < 1):
+        raise PolyshardError(f"copies must be a positive integer or 'auto', got {copies!r}")
+    asked = dict(recompute=recompute, recompute_comm=recompute_comm, schedule=schedule, micro_batches=micro_batches,
+                 virtual_stages=virtual_stages)
+    plan = dataclasses.replace(plan, copies=copies or plan.copies,
+                               **{**(settings or {}), **{k: v for k, v in asked.items() if v is not None}})
+    if mesh.pp > 1:
+        plan = _cut_stages(model, gm, plan, mesh.pp, pp_plan)
+    return plan
+
+
+def _cut_stages(model: nn.Module, gm: fx.GraphModule, plan: Plan, pp: int, pp_plan: bool) -> Plan:
+    """The plan's own stage cuts, else the modules marked by ``pipeline_stage``, else balanced ones."""
+    check_schedule(plan.schedule, pp, plan.micro_batches, plan.virtual_stages)
+    units = pp_plan_units(model, gm) if pp_plan else ()
+    boundaries = (plan.stage_boundaries or (() if units else stage_boundaries_of(model))
+                  or balanced_boundaries(gm, pp * plan.virtual_stages, plan, units))
+    check_boundary_count(boundaries, pp, plan.virtual_stages)
+    return dataclasses.replace(plan, stage_boundaries=tuple(boundaries))
+
+
+def _warn_once():
+    """A warning sink that says each message once."""
+    seen: set[str] = set()
+
+    def warn(msg: str) -> None:
+        if msg not in seen:
+            seen.add(msg)
+            warnings.warn(f"polyshard: {msg}", stacklevel=4)
+
+    return warn
+
+
+def _pin_tp_plan(model: nn.Module, gm: fx.GraphModule, mesh: Mesh) -> None:
+    """Pins from the model's own tensor-parallel plan, for the modules the graph calls whole."""
+    plan = getattr(model, "_tp_plan", None)
+    if not plan:
+        raise PolyshardError(f"tp_plan=True, but {type(model).__name__} carries no tensor-parallel plan "
+                             "(transformers models have one in `_tp_plan`)")
+    if not mesh.op_axes:
+        raise PolyshardError(f"tp_plan=True needs an operator axis to split over; the mesh {mesh} has none")
+    calls = {n.target: len(shape_of(n.args[0])) for n in gm.graph.nodes if n.op == "call_module"}
+    for path, pin in tp_plan_pins(plan, calls, tuple(a for a, _ in mesh.op_axes)).items():
+        module = model.get_submodule(path)
+        if type(module) not in (nn.Linear, nn.Embedding):
+            raise PolyshardError(f"the tp plan splits `{path}`, a {type(module).__name__}; polyshard pins plans "
+                                 "on Linear and Embedding modules; leave tp_plan off and let the rules split it")
+        setattr(module, PIN_ATTR, pin)
