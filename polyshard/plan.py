@@ -23,48 +23,37 @@ class Choice(str, Enum):
 class Recompute(Choice):
     """Activations run again in backward instead of kept: none; the attention cores; every block."""
 
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
+    NONE, SELECTIVE, FULL = "none", "selective", "full"
 
 
 class RecomputeComm(Choice):
     """In recomputed regions, keep the results of collectives, or communicate again in backward."""
 
-    KEEP = "keep"
-    RECOMPUTE = "recompute"
+    KEEP, RECOMPUTE = "keep", "recompute"
 
 
 class Schedule(Choice):
     """The order a pipeline stage runs its micro-batches' forwards and backwards in."""
 
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
+    GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved"
 
 
 class Optimizer(Choice):
     """The update rule the optimizer step runs."""
 
-    ADAMW = "adamw"
-    SGD = "sgd"
-    LAMB = "lamb"
+    ADAMW, SGD, LAMB = "adamw", "sgd", "lamb"
 
 
 class Precision(Choice):
     """The compute dtype; master weights stay fp32."""
 
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
+    FP32, BF16, FP16 = "fp32", "bf16", "fp16"
 
 
 class Offload(Choice):
     """Where the optimizer state (and its step) lives instead of the device."""
 
-    NONE = "none"
-    HOST = "host"
-    DISK = "disk"
+    NONE, HOST, DISK = "none", "host", "disk"
 
 
 RECOMPUTE_MODES = tuple(Recompute)

@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from polyshard.errors import PolyshardError
+from polyshard.optim.closure import closure_loss
 
 
 @dataclass(frozen=True)
+
 class NormSpec:
     """segments: (offset, numel) of each model tensor within the flat optimizer tensor (numel may be 0
     on ranks holding none of it, so every rank lists the same tensors); groups: per segment, the process
@@ -52,10 +54,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:

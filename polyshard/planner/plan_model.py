@@ -32,18 +32,14 @@ from polyshard.schedule import check_schedule
 
 
 def plan_model(model: nn.Module, example_inputs: Sequence | Mapping | None = None, mesh: Mesh | None = None,
-               plan: Plan | None = None, copies: int | str | None = None, search: bool = False,
-               memory_limit_bytes: float | None = None, recompute: str | None = None,
-               recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
-               virtual_stages: int | None = None, sequence_parallel: bool = False, tp_plan: bool = False,
-               pp_plan: bool = False, dataset_strategy: Sequence | None = None,
-               settings: Mapping[str, object] | None = None) -> Plan:
-    """The Plan :func:`polyshard.compile` runs: the arguments are :func:`polyshard.parallelize`'s (see there)."""
+               **options) -> Plan:
+    """The Plan :func:`polyshard.compile` runs for ``model`` on ``mesh`` (default: the current one). The
+    ``options`` are :func:`polyshard.parallelize`'s: ``plan``, ``copies``, ``search``, ``memory_limit_bytes``,
+    ``recompute``, ``recompute_comm``, ``schedule``, ``micro_batches``, ``virtual_stages``,
+    ``sequence_parallel``, ``tp_plan``, ``pp_plan``, ``dataset_strategy`` and ``settings``."""
     mesh = mesh or current_mesh()
     example_inputs = example_inputs_of(model, example_inputs)
-    return plan_captured(model, capture(model, example_inputs), example_inputs, mesh, plan, copies, search,
-                         memory_limit_bytes, recompute, recompute_comm, schedule, micro_batches, virtual_stages,
-                         sequence_parallel, tp_plan, pp_plan, dataset_strategy, settings)
+    return plan_captured(model, capture(model, example_inputs), example_inputs, mesh, **options)
 
 
 def plan_captured(model: nn.Module, gm: fx.GraphModule, example_inputs: Sequence | Mapping, mesh: Mesh,

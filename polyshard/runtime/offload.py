@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from polyshard.errors import PolyshardError
+from polyshard.optim.closure import closure_loss
 from polyshard.runtime.disk_store import DiskStore, entry_bytes
 
 HOST = torch.device("cpu")
@@ -139,10 +140,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Updates every parameter that has a gradient, as the wrapped optimizer would."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         params = self._params()
         todo = [i for i, (_, p) in enumerate(params) if p.grad is not None]
         self._store.commit(self.num_steps + 1,

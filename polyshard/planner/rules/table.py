@@ -87,18 +87,12 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
         pin = getattr(module, PIN_ATTR, None)
         if pin is not None:
             return _pinned_module(node, module, pin, ctx)
-        for kind, rule in ((nn.Linear, _linear), (nn.Embedding, _embedding), (nn.LayerNorm, _layer_norm)):
-            if isinstance(module, kind):
-                return rule(node, module, ctx)
-        if is_conv1d(module):
-            return _linear(node, module, ctx)
-        if is_rms_norm(module):
-            return _layer_norm(node, module, ctx)
-        if type(module) in SPATIAL_MODULES:
-            return SPATIAL_MODULES[type(module)](node, module, ctx) or _replicated(node, ctx)
-        if isinstance(module, ELEMENTWISE_MODULES):
-            return _elementwise(node, ctx)
-        return _replicated(node, ctx, warn=True)
+        rule = next((MODULE_RULES[k] for k in type(module).__mro__ if k in MODULE_RULES), None)
+        if rule is None and (is_conv1d(module) or is_rms_norm(module)):  # known by their shape, not their type
+            rule = _linear if is_conv1d(module) else _layer_norm
+        if rule is None:
+            return _replicated(node, ctx, warn=True)
+        return rule(node, module, ctx) or _replicated(node, ctx)
     target = op_key(node)
     pin = getattr(node.target, PIN_ATTR, None)
     if pin is not None:
@@ -107,44 +101,13 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
         return Decision("local", {}, None)
     if shape_of(node) is None and not _tensor_inputs(node, ctx):  # arithmetic on sizes: plain Python values
         return Decision("local", {}, None)
-    if target is operator.getitem:
-        return _getitem(node, ctx)
     if (target in CREATION and not _tensor_inputs(node, ctx)) or target in CREATION_FROM:
         return Decision("local", {n.name: ctx.layout(n) for n in _tensor_inputs(node, ctx)},
                         ctx.replicated(len(shape_of(node) or ())))
     if isinstance(node.target, torch._ops.HigherOrderOperator):
         return _replicated(node, ctx)  # a body export outlined (e.g. rotary tables under no_grad): run whole
-    if target in ELEMENTWISE:
-        return _elementwise(node, ctx)
-    if target in VIEWS:
-        return _view(node, ctx)
-    if target in POSITIONAL:
-        return _replicated(node, ctx)
-    if target in ("transpose", torch.transpose, "permute", torch.permute):
-        return _permute(node, ctx)
-    if target == "t":
-        return _permute(node, ctx, order=[1, 0])
-    if target in ("unsqueeze", "squeeze", "expand"):
-        return _broadcast_view(node, ctx)
-    if target in ALONG_DIM:
-        return _along_dim(node, ctx)
-    if target in ("diff", "pad"):
-        x = node.args[0]
-        whole = [node.args[2] if len(node.args) > 2 else -1] if target == "diff" else range(-len(node.args[1]) // 2, 0)
-        need = _without(ctx.layout(x), [_norm_dim(d, ctx.layout(x).ndim) for d in whole])
-        return Decision("local", {n.name: ctx.replicated(ctx.layout(n).ndim) for n in _tensor_inputs(node, ctx)}
-                        | {x.name: need}, need)
-    if target is F.scaled_dot_product_attention:
-        return _attention(node, ctx)
-    if target in (F.cross_entropy, "cross_entropy_loss"):
-        return spatial_cross_entropy(node, ctx) or _cross_entropy(node, ctx)
-    if target is F.interpolate and shape_of(node.args[0]) is not None and len(shape_of(node.args[0])) == 4:
-        return upsample(node, None, ctx)
-    if target in ("sum", "mean", torch.sum, torch.mean):
-        return _reduction(node, ctx)
-    if target in (torch.matmul, operator.matmul, "matmul"):
-        return _matmul(node, ctx)
-    return _replicated(node, ctx, warn=True)
+    rule = RULES.get(target)
+    return rule(node, ctx) if rule is not None else _replicated(node, ctx, warn=True)
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -541,3 +504,64 @@ def spec_for_function(fn, ndims: list[int]) -> EinsumSpec:
     if fn is F.embedding and len(ndims) == 2:
         return embedding_spec(ndims[0])
     return independent_spec(ndims)
+
+
+def _transpose_2d(node: fx.Node, ctx: RuleContext) -> Decision:
+    return _permute(node, ctx, order=[1, 0])
+
+
+def _edge_op(node: fx.Node, ctx: RuleContext) -> Decision:
+    """diff and pad read past each element along the dims they act on: those dims whole."""
+    x = node.args[0]
+    whole = ([node.args[2] if len(node.args) > 2 else -1] if op_key(node) == "diff"
+             else range(-len(node.args[1]) // 2, 0))
+    need = _without(ctx.layout(x), [_norm_dim(d, ctx.layout(x).ndim) for d in whole])
+    return Decision("local", {n.name: ctx.replicated(ctx.layout(n).ndim) for n in _tensor_inputs(node, ctx)}
+                    | {x.name: need}, need)
+
+
+def _any_cross_entropy(node: fx.Node, ctx: RuleContext) -> Decision:
+    return spatial_cross_entropy(node, ctx) or _cross_entropy(node, ctx)
+
+
+def _interpolate(node: fx.Node, ctx: RuleContext) -> Decision:
+    """Images (4-D) upsample tile by tile; anything else runs whole."""
+    if shape_of(node.args[0]) is not None and len(shape_of(node.args[0])) == 4:
+        return upsample(node, None, ctx)
+    return _replicated(node, ctx, warn=True)
+
+
+def _elementwise_module(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
+    return _elementwise(node, ctx)
+
+
+def _registry(*families: tuple) -> dict:
+    """op -> its rule, family by family; an op two families name keeps the first one's."""
+    out: dict = {}
+    for targets, rule in families:
+        for target in targets:
+            out.setdefault(target, rule)
+    return out
+
+
+# The rule for each op, by family (ops named by their torch function, aten name or method name); an op
+# without one runs replicated, with a warning naming it.
+RULES = _registry(
+    ((operator.getitem,), _getitem),
+    (ELEMENTWISE, _elementwise),
+    (VIEWS, _view),
+    (POSITIONAL, _replicated),
+    (("transpose", torch.transpose, "permute", torch.permute), _permute),
+    (("t",), _transpose_2d),
+    (("unsqueeze", "squeeze", "expand"), _broadcast_view),
+    (ALONG_DIM, _along_dim),
+    (("diff", "pad"), _edge_op),
+    ((F.scaled_dot_product_attention,), _attention),
+    ((F.cross_entropy, "cross_entropy_loss"), _any_cross_entropy),
+    ((F.interpolate,), _interpolate),
+    (("sum", "mean", torch.sum, torch.mean), _reduction),
+    ((torch.matmul, operator.matmul, "matmul"), _matmul),
+)
+# The rule for each module type (its subclasses too), given the module.
+MODULE_RULES = {nn.Linear: _linear, nn.Embedding: _embedding, nn.LayerNorm: _layer_norm, **SPATIAL_MODULES,
+                **dict.fromkeys(ELEMENTWISE_MODULES, _elementwise_module)}
