@@ -17,7 +17,7 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
-from torch import fx, nn
+from torch import fx
 
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError

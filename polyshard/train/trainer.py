@@ -11,6 +11,7 @@ import os
 import resource
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -161,7 +162,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     batches.close()
     bar.close()
     if pipelined and cfg.timeline:
-        draw_measured_timeline(pm, cfg.timeline, lambda: predicted_timings(cfg, name, pm.plan, micro, mesh))
+        draw_measured_timeline(pm, cfg.timeline, partial(predicted_timings, cfg, name, pm.plan, micro, mesh))
     if lead and isinstance(opt, OffloadedOptimizer):
         print(f"where training state lives (rank 0, {pm.plan.offload} offload):\n{opt.ledger()}")
     if metrics_file:
