@@ -46,6 +46,8 @@ def recompute_regions(gm: fx.GraphModule, mode: str, comm: str,
     check_choice("recompute", mode, RECOMPUTE_MODES)
     check_choice("recompute_comm", comm, RECOMPUTE_COMMS)
     marked = dict(marked_paths or {})
+    if mode == "none" and not marked:
+        return []
     paths = {path for node in gm.graph.nodes for path, _ in node.meta.get("nn_module_stack", {}).values()}
     # blocks: children of a ModuleList (or Sequential), whose last name is their index
     blocks = {path for path in paths if path.rpartition(".")[2].isdigit()} if mode == "full" else set()
@@ -125,6 +127,7 @@ def recomputed(gm: fx.GraphModule, mode: str, comm: str = "keep") -> Recomputed:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         regions = recompute_regions(gm, mode, comm, marked_modules(gm))
-    inner = tuple(frozenset(n.name for n in r.nodes if all(u in set(r.nodes) for u in n.users)) for r in regions)
+    inner = tuple(frozenset(n.name for n in r.nodes if all(u in members for u in n.users))
+                  for r in regions for members in [set(r.nodes)])
     rerun = frozenset(n.name for r in regions for n in r.nodes)
     return Recomputed(rerun, frozenset().union(*inner), inner, comm)

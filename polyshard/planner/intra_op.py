@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,27 +150,27 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
         if rep[n.name] == n.name:
             for i in range(len(options[n.name])):
                 var_of[(n.name, i)] = len(var_of)
-    cost, mem = ([0.0] * len(var_of), [0.0] * len(var_of)), ([0.0] * len(var_of), [0.0] * len(var_of))
     seen_params: set[int] = set()
     dtype, itemsize = DTYPES[precision]
-    per_node: dict[str, tuple[list, list]] = {}  # a twin costs what its twin does
+    per_node: dict[str, np.ndarray] = {}  # [candidate, (seconds, bytes), (per row, fixed)]; a twin's is its twin's
+    node_uses: Counter[tuple[str, str]] = Counter()  # (stand-in, node costed) -> how many nodes it stands for
     owned = parameters_of(gm).owned
     for n in nodes:
         if n.name in copied and not _shares_params(n, owned, seen_params):
-            costs, mems = per_node[copied[n.name]]
+            per_node[n.name] = per_node[copied[n.name]]
         else:
-            costs = [_op_seconds(n, d, modules, op_axes, cluster, dtype, itemsize, rc) for d in options[n.name]]
-            mems = [_op_memory(n, d, modules, seen_params, rc, offload) for d in options[n.name]]
-        per_node[n.name] = (costs, mems)
-        for i, (c, m) in enumerate(zip(costs, mems)):
-            v = var_of[(rep[n.name], i)]
-            for total, part in ((cost, c), (mem, m)):
-                total[0][v] += part[0]
-                total[1][v] += part[1]
+            per_node[n.name] = np.array([[_op_seconds(n, d, modules, op_axes, cluster, dtype, itemsize, rc),
+                                          _op_memory(n, d, modules, seen_params, rc, offload)]
+                                         for d in options[n.name]]).reshape(len(options[n.name]), 2, 2)
+        node_uses[(rep[n.name], _source(n.name, copied, per_node))] += 1
         if n.op == "call_module":
             seen_params.update(id(p) for _, _, p in owned[n.target])
-    edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+    totals = np.zeros((len(var_of), 2, 2))
+    for (stand_in, source), uses in node_uses.items():
+        totals[[var_of[(stand_in, i)] for i in range(len(options[stand_in]))]] += uses * per_node[source]
+    edge_uses: Counter[tuple[tuple[str, str], int]] = Counter()  # (stand-in pair, id of costs) -> uses
     per_edge: dict[tuple[str, str], np.ndarray] = {}
+    by_id: dict[int, np.ndarray] = {}
     returned = _returned_layouts(nodes, options)
     twin_of = twins(gm)
     for n in nodes:
@@ -189,12 +190,22 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
                                    for d in options[n.name]] for o in options[u.name]]).reshape(
                     len(options[u.name]), len(options[n.name]), 2)
             per_edge[(u.name, n.name)] = costs
-            key = (rep[u.name], rep[n.name])
-            found = edges.get(key, (0, 0))
-            edges[key] = (found[0] + costs[..., 0], found[1] + costs[..., 1])
+            by_id[id(costs)] = costs
+            edge_uses[((rep[u.name], rep[n.name]), id(costs))] += 1
+    summed: dict[tuple[str, str], np.ndarray] = {}
+    for (key, costs_id), uses in edge_uses.items():
+        summed[key] = summed.get(key, 0) + uses * by_id[costs_id]
+    edges = {key: (costs[..., 0], costs[..., 1]) for key, costs in summed.items()}
     conflicts = list(_shared_param_conflicts(nodes, options, rep, modules))
-    cost, mem = tuple(map(np.array, cost)), tuple(map(np.array, mem))
-    return Terms(options, rep, var_of, cost, mem, edges, conflicts)
+    return Terms(options, rep, var_of, (totals[:, 0, 0], totals[:, 0, 1]), (totals[:, 1, 0], totals[:, 1, 1]),
+                 edges, conflicts)
+
+
+def _source(name: str, copied: dict[str, str], per_node: dict[str, np.ndarray]) -> str:
+    """The node whose costs ``name``'s are (the first of a chain of twins that share them)."""
+    while name in copied and per_node[copied[name]] is per_node[name]:
+        name = copied[name]
+    return name
 
 
 def _returned_layouts(nodes: list[fx.Node], options: dict[str, list[NodePlan]]) -> dict[str, Layout]:
@@ -260,18 +271,20 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     num_x = len(var_of)
     h.addVars(num_x, np.zeros(num_x), np.ones(num_x))
     h.changeColsCost(num_x, np.arange(num_x, dtype=np.int32), node_cost * scale)
-    for name in {rep[n.name] for n in nodes}:
-        idx = np.array([var_of[(name, i)] for i in range(len(options[name]))], dtype=np.int32)
-        h.addRow(1.0, 1.0, len(idx), idx, np.ones(len(idx)))
+    picks = [np.array([var_of[(name, i)] for i in range(len(options[name]))], dtype=np.int32)
+             for name in dict.fromkeys(rep[n.name] for n in nodes)]
+    _add_rows(h, picks, [np.ones(len(idx)) for idx in picks], 1.0, 1.0)
+    paid, pairs = [], []  # y >= x_i + x_j - 1: a pair's redistribution is paid when both are picked
     for (u, v), costs in program.edges.items():
-        if not costs.any():
-            continue
-        for i, j in zip(*np.nonzero(costs)):
-            y = h.getNumCol()
-            h.addCol(float(costs[i, j] * scale), 0.0, 1.0, 0, np.array([], dtype=np.int32), np.array([]))
-            xi, xj = var_of[(u, i)], var_of[(v, j)]
-            # y >= x_i + x_j - 1: the pair's redistribution is paid when both are picked
-            h.addRow(-1.0, highspy.kHighsInf, 3, np.array([y, xi, xj], dtype=np.int32), np.array([1.0, -1.0, -1.0]))
+        i, j = np.nonzero(costs)
+        paid.append(costs[i, j])
+        pairs.append(np.stack([np.array([var_of[(u, a)] for a in i], dtype=np.int32),
+                               np.array([var_of[(v, b)] for b in j], dtype=np.int32)], axis=1).reshape(-1, 2))
+    paid, pairs = np.concatenate([[], *paid]), np.concatenate([np.zeros((0, 2), np.int32), *pairs])
+    h.addCols(len(paid), paid * scale, np.zeros(len(paid)), np.ones(len(paid)), 0, np.zeros(len(paid), np.int32),
+              np.array([], np.int32), np.array([]))
+    y = np.arange(num_x, num_x + len(paid), dtype=np.int32)
+    _add_rows(h, np.column_stack([y, pairs]), np.tile([1.0, -1.0, -1.0], (len(paid), 1)), -1.0, highspy.kHighsInf)
     for a, b in program.conflicts:
         h.addRow(-highspy.kHighsInf, 1.0, 2, np.array([var_of[a], var_of[b]], dtype=np.int32), np.array([1.0, 1.0]))
     h.addRow(-highspy.kHighsInf, 1.0, num_x, np.arange(num_x, dtype=np.int32), node_mem / memory_limit_bytes)
@@ -291,6 +304,15 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     _fill_params(gm, plan, modules, op_axes)
     cost = h.getInfo().objective_function_value / scale
     return IntraOpResult(plan, cost, min(lower, cost), float(node_mem @ np.round(x)), h.getNumCol())
+
+
+def _add_rows(h, indices, values, lower: float, upper: float) -> None:
+    """Rows ``lower <= values . x[indices] <= upper``, one per entry, added at once."""
+    if not len(indices):
+        return
+    starts = np.cumsum([0] + [len(idx) for idx in indices[:-1]]).astype(np.int32)
+    h.addRows(len(indices), np.full(len(indices), lower), np.full(len(indices), upper), int(sum(map(len, indices))),
+              starts, np.concatenate(indices).astype(np.int32), np.concatenate(values).astype(float))
 
 
 def _shares_params(node: fx.Node, owned, seen: set[int]) -> bool:

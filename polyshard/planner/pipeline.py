@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -77,47 +78,81 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
     """``plan``'s per-op ``costs`` (:func:`polyshard.planner.cost.overlap.op_costs`, in its order)
     and memory summed per unit (``unit_of``: each computing node's unit)."""
     n = len(starts)
-    nodes = [node for node in gm.graph.nodes if node.name in unit_of]
-    fields = {k: np.zeros(n) for k in ("compute_s", "comm_s", "overhead_s", "latency_s", "activation_bytes",
-                                       "rerun_bytes", "send_bytes")}
-    costed = [node for node in gm.graph.nodes
+    facts = _unit_facts(gm, unit_of, starts)
+    costed = [unit_of[node.name] for node in gm.graph.nodes
               if node.op not in ("placeholder", "output", "get_attr") and node.name in plan.nodes]
-    for node, cost in zip(costed, costs):
-        u = unit_of[node.name]
-        for key in ("compute_s", "comm_s", "overhead_s", "latency_s"):
-            fields[key][u] += getattr(cost, key)
-    listed = parameters_of(gm)
-    groups: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
-    seen: list[set[int]] = [set() for _ in range(n)]
-    model_groups, model_seen = [], set()
+    fields = {key: np.bincount(costed, [getattr(cost, key) for cost in costs], minlength=n)
+              for key in ("compute_s", "comm_s", "overhead_s", "latency_s")}
+    activation, rerun, crossing = np.zeros(n), np.zeros(n), np.zeros(n + 1)
     kept = Recomputed(rc.rerun, rc.freed)  # without the region held again in backward
-    paths: list[list[str]] = [[] for _ in range(n)]
-    last = len(starts) - 1
-    # a unit's span names the outermost modules that hold no unit (a model's base holds them all)
-    holders = {".".join(t.split(".")[:i]) for t in starts for i in range(1, t.count(".") + 1)}
-    for node in nodes:
-        u, shape, out = unit_of[node.name], shape_of(node), plan.nodes[node.name].output
-        stack = node.meta.get("nn_module_stack") or {}
-        paths[u] += [path for path, _ in stack.values() if path not in holders][:1]
-        if isinstance(out, Layout) and shape is not None:
+    groups: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
+    model_groups = []
+    for node, u, shape, reach in facts.values:
+        out = plan.nodes[node.name].output
+        if isinstance(out, Layout):
             size = local_numel(shape, out) * itemsize
             if held := kept_copies(node, kept):
-                fields["activation_bytes"][u] += size * held
+                activation[u] += size * held
             else:
-                fields["rerun_bytes"][u] += size * kept_copies(node, Recomputed())
-            reach = max((unit_of.get(user.name, last) for user in node.users), default=u)
-            fields["send_bytes"][u + 1:reach + 1] += size
-        if node.op == "call_module":
-            params = [p for _, _, p in listed.owned[node.target]]
-            for found, done in ((groups[u], seen[u]), (model_groups, model_seen)):
-                own = [p for p in params if id(p) not in done]
-                done.update(id(p) for p in own)
-                if own:
-                    found.append(tuple(int(param_numel(plan, listed.name_of[id(p)], p.shape)) for p in own))
-    span = tuple((p[0], p[-1]) if p else (s, s) for p, s in zip(paths, starts))
+                rerun[u] += size * kept_copies(node, Recomputed())
+            if reach > u:  # it crosses every cut after its unit up to its last consumer's
+                crossing[u + 1] += size
+                crossing[reach + 1] -= size
+    for u, params, first in facts.params:
+        sizes = tuple(int(param_numel(plan, name, shape)) for name, shape in params)
+        groups[u].append(sizes)
+        if first:
+            model_groups.append(tuple(sizes[i] for i in first))
     share = 1 / (TRAIN_FLOPS_PER_FORWARD + (plan.recompute == "full"))
-    return Units(span, starts, forward_share=share, groups=tuple(map(tuple, groups)),
-                 model_groups=tuple(model_groups), **fields)
+    return Units(facts.span, starts, forward_share=share, groups=tuple(map(tuple, groups)),
+                 model_groups=tuple(g for g in model_groups if g), activation_bytes=activation,
+                 rerun_bytes=rerun, send_bytes=np.cumsum(crossing)[:n], **fields)
+
+
+@dataclass(frozen=True)
+class _UnitFacts:
+    """What :func:`unit_costs` reads of a graph whatever the plan: each valued node with its unit,
+    shape and the last unit that reads it; each module's parameters new to its unit (name, shape)
+    with the indices of those new to the model; each unit's span of module paths."""
+
+    values: list[tuple[fx.Node, int, tuple, int]]
+    params: list[tuple[int, list[tuple[str, tuple]], list[int]]]
+    span: tuple[tuple[str, str], ...]
+
+
+_UNIT_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _unit_facts(gm: fx.GraphModule, unit_of: dict[str, int], starts: tuple[str, ...]) -> _UnitFacts:
+    per_graph = _UNIT_FACTS.setdefault(gm, {})
+    if starts in per_graph:
+        return per_graph[starts]
+    n, last = len(starts), len(starts) - 1
+    listed = parameters_of(gm)
+    values, params, paths = [], [], [[] for _ in range(n)]
+    seen: list[set[int]] = [set() for _ in range(n)]
+    model_seen: set[int] = set()
+    # a unit's span names the outermost modules that hold no unit (a model's base holds them all)
+    holders = {".".join(t.split(".")[:i]) for t in starts for i in range(1, t.count(".") + 1)}
+    for node in gm.graph.nodes:
+        if node.name not in unit_of:
+            continue
+        u, shape = unit_of[node.name], shape_of(node)
+        stack = node.meta.get("nn_module_stack") or {}
+        paths[u] += [path for path, _ in stack.values() if path not in holders][:1]
+        if shape is not None:
+            reach = max((unit_of.get(user.name, last) for user in node.users), default=u)
+            values.append((node, u, shape, reach))
+        if node.op == "call_module":
+            own = [p for _, _, p in listed.owned[node.target] if id(p) not in seen[u]]
+            seen[u].update(id(p) for p in own)
+            if own:
+                first = [i for i, p in enumerate(own) if id(p) not in model_seen]
+                model_seen.update(id(p) for p in own)
+                params.append((u, [(listed.name_of[id(p)], p.shape) for p in own], first))
+    span = tuple((p[0], p[-1]) if p else (s, s) for p, s in zip(paths, starts))
+    per_graph[starts] = _UnitFacts(values, params, span)
+    return per_graph[starts]
 
 
 def state_memory(groups, zero: int, dp: int, precision: str, offload: str, accumulating: bool = False,
@@ -191,7 +226,7 @@ class PipelineCost:
     stages: tuple[Stage, ...]
     memory: MemoryEstimate
     span_s: float = 0.0  # the simulated schedule, first start to last end (the step less data-parallel sync and update)
-    squeezed: bool = False  # an option that might be faster did not fit: what frees memory may win
+    refused_s: float = float("inf")  # the least bound of the options that did not fit: what frees memory may reach
 
     @property
     def step_s(self) -> float:
@@ -236,7 +271,7 @@ def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> t
     for bound, m, schedule, v in options:
         if bound >= min(best_s, best.step_s if best else float("inf")):
             overflowed = overflow_bound < float("inf")
-            return _squeezed(best, overflow_bound), float("inf") if overflowed and best is None else bound
+            return _refused(best, overflow_bound), float("inf") if overflowed and best is None else bound
         if schedule == "gpipe" and m in tried:  # 1F1B ran the same work in no more memory: GPipe cannot gain
             continue
         if m <= overflow_at.get((schedule, v), 0):  # fewer, larger micro-batches hold no less per stage
@@ -250,11 +285,11 @@ def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> t
             overflow_bound = min(overflow_bound, bound)
         if found is not None and (best is None or found.step_s < best.step_s):
             best = found
-    return _squeezed(best, overflow_bound), float("inf")
+    return _refused(best, overflow_bound), float("inf")
 
 
-def _squeezed(best: PipelineCost | None, overflow_bound: float) -> PipelineCost | None:
-    return dataclasses.replace(best, squeezed=True) if best is not None and overflow_bound < best.step_s else best
+def _refused(best: PipelineCost | None, overflow_bound: float) -> PipelineCost | None:
+    return dataclasses.replace(best, refused_s=overflow_bound) if best is not None else best
 
 
 def leanest_pipeline(units: Units, setup: Setup) -> PipelineCost | None:

@@ -52,8 +52,6 @@ from polyshard.graph.stage_cuts import assign_chunks, block_paths
 from polyshard.planner.stages import pp_plan_agreement, pp_plan_units
 from polyshard.transitions import wire_bytes
 
-# A split whose plan fills at most this share of the memory limit is not tried with recompute or offload.
-_ROOMY = 0.9
 # Whole-model (recompute, offload) settings, in the order tried: the first costs no time.
 SETTINGS = tuple(itertools.product(RECOMPUTE_MODES, OFFLOADS))
 # Memory kept free on a GPU for what the model does not count: the CUDA context, NCCL's buffers and
@@ -92,7 +90,7 @@ class Candidate:
     pipeline: PipelineCost | None = None  # a pipelined split's stages, micro-batches and schedule
     accumulation: int = 1  # micro-batches per step without a pipeline (gradient accumulation)
     sequence: bool = False  # sequence parallel: row-parallel products reduce-scatter along the sequence
-    squeezed: bool = False  # memory refused a setting that might be faster (fewer micro-batches)
+    refused_s: float = float("inf")  # the fastest option memory refused here (fewer micro-batches), if any
 
     @property
     def micro_batches(self) -> int:
@@ -221,11 +219,11 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                     break
                 hopeless.add(setting[1])
                 continue
-            # recompute and offload only buy memory, at the price of time: once a setting without offload
-            # fits with room, and memory refused none of its faster options, the settings after it (more
-            # recompute, or offload on top) cannot be faster
-            if found and setting[1] == "none" and not any(c.squeezed for c, _ in found) and \
-                    min(c.memory.total_bytes for c, _ in found if not c.pruned) <= _ROOMY * limit:
+            # recompute and offload only buy memory, at the price of time: once memory refused no option
+            # of this setting that could beat the best, the settings after it cannot win here
+            if setting[1] == "none" and \
+                    _nothing_to_free(found, len(_variants(_data_size(mesh, data_axes), "none", cluster, fixed)),
+                                     best_s, limit):
                 break
     if not candidates:
         why = "; ".join(skipped) or (f"none allowed by {fixed.text()} holds a plan (the data-parallel size must "
@@ -306,11 +304,10 @@ class _Costs:
         floor = self.floor(mesh, offload)
         split_ways = math.prod(n for _, n in op_axes)
         if split_ways > 1 and best_s < float("inf"):  # before a program of its own: the unsplit one's bound / ways
-            whole = self.solved((), recompute, rows / _pp(mesh), float("inf"))
-            if whole.lower_bound_s / split_ways + floor >= best_s:
-                return [(Candidate(mesh, rows, whole.lower_bound_s / split_ways, 0.0, floor,
-                                   MemoryEstimate(0, 0, 0, 0, 0), recompute=recompute, offload=offload,
-                                   pruned=True), None)]
+            bound = self.unsplit_bound(recompute, rows / _pp(mesh), (best_s - floor) * split_ways) / split_ways
+            if bound + floor >= best_s:
+                return [(Candidate(mesh, rows, bound, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
+                                   recompute=recompute, offload=offload, pruned=True), None)]
         solved = self.solved(op_axes, recompute, rows / _pp(mesh), best_s - floor)
         if solved.plan is None:
             return [(Candidate(mesh, rows, solved.lower_bound_s, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
@@ -346,6 +343,15 @@ class _Costs:
                                               terms=self.terms(op_axes, recompute, "none"))
         return found
 
+    def unsplit_bound(self, recompute: str, rows: float, enough_s: float) -> float:
+        """A lower bound of the unsplit program's cost at ``rows`` rows, solved only when the bounds at
+        other row counts fall short of ``enough_s``: costs grow with rows, and no faster than in
+        proportion (every term is a per-row part plus a fixed part, both non-negative), so the
+        bound at r0 rows bounds ``rows`` by min(1, rows / r0) of it."""
+        known = max((found.lower_bound_s * min(1.0, rows / r0) for (axes, mode, r0), found in self._solved.items()
+                     if axes == () and mode == recompute), default=0.0)
+        return known if known >= enough_s else self.solved((), recompute, rows, float("inf")).lower_bound_s
+
     def terms(self, op_axes, recompute: str, offload: str) -> Terms:
         """The integer program on ``op_axes`` with rows left open: enumerated once, solved per row count."""
         key = (op_axes, recompute, offload)
@@ -364,9 +370,9 @@ class _Costs:
         if key not in self._units:
             dtype, itemsize = DTYPES[precision]
             laid = dataclasses.replace(plan, mesh=mesh, precision=precision)
-            units = unit_costs(self.gm, laid, op_costs(self.gm, laid, self.cluster, dtype, itemsize),
-                               self.recomputed(plan.recompute, plan.recompute_comm), self.unit_of,
-                               tuple(self.blocks) or ("",), itemsize)
+            rc = self.recomputed(plan.recompute, plan.recompute_comm)
+            units = unit_costs(self.gm, laid, op_costs(self.gm, laid, self.cluster, dtype, itemsize, rc), rc,
+                               self.unit_of, tuple(self.blocks) or ("",), itemsize)
             self._units[key] = plan, units  # the plan kept alive, so its id stays its own
         return self._units[key][1]
 
@@ -381,14 +387,14 @@ class _Costs:
                                        data_axes=self.data_axes)
             numel = sum(map(sum, units.model_groups))
             tries = [m for m in range(1, rows + 1) if rows % m == 0 and self.fixed.allows(m=m, mbs=rows // m)]
-            found = None
+            found, refused = None, float("inf")
             for m in tries[:ACCUMULATION_TRIES]:
                 found = self._accumulated(plan, units, mesh, rows, m, numel, gap)
                 if found[0].memory.total_bytes <= self.limit:
                     break
+                refused = min(refused, found[0].step_s)
             if found is not None:
-                squeezed = found[0].accumulation != tries[0]
-                out.append((dataclasses.replace(found[0], squeezed=squeezed), found[1]))
+                out.append((dataclasses.replace(found[0], refused_s=refused), found[1]))
         return out
 
     def _accumulated(self, plan: Plan, units: Units, mesh, rows: int, m: int, numel: float,
@@ -406,7 +412,8 @@ class _Costs:
         memory = _memory_floor(units, plan.zero, dp, plan.precision, plan.offload, rows // m, m > 1)
         exact = memory.total_bytes <= self.limit  # estimated in full only where it may fit
         if exact:
-            memory = estimate_memory(self.gm, plan, data_world=dp, rows=rows // m)
+            memory = estimate_memory(self.gm, plan, data_world=dp, rows=rows // m,
+                                     rc=self.recomputed(plan.recompute, plan.recompute_comm))
         return Candidate(mesh, rows, compute, op_comm, dp_comm, memory, gap, recompute=plan.recompute,
                          offload=plan.offload, zero=plan.zero, precision=plan.precision, memory_floor=not exact,
                          accumulation=m, sequence=plan.sequence_parallel), plan
@@ -446,10 +453,18 @@ class _Costs:
                                        micro_batches=p.micro_batches, virtual_stages=p.virtual_stages)
             out.append((Candidate(mesh, rows, p.compute_s, p.op_comm_s, p.dp_comm_s, p.memory, solved.gap,
                                   recompute=base.recompute, offload=offload, zero=zero, precision=precision,
-                                  pipeline=p, sequence=base.sequence_parallel, squeezed=p.squeezed), plan))
+                                  pipeline=p, sequence=base.sequence_parallel, refused_s=p.refused_s), plan))
             if found is not None:
                 best_s = min(best_s, found.step_s)
         return out
+
+
+def _nothing_to_free(found: list[tuple[Candidate, Plan | None]], variants: int, best_s: float, limit: float) -> bool:
+    """Whether freeing memory cannot make one split beat ``best_s``: each of its ``variants`` was costed,
+    and was pruned by its bound, or memory refused it nothing (itself included) faster than the best."""
+    return len(found) == variants and all(
+        c.pruned or min(c.refused_s, c.step_s if c.memory.total_bytes > limit else float("inf")) >= best_s
+        for c, _ in found)
 
 
 def _memory_floor(units: Units, zero: int, dp: int, precision: str, offload: str, rows: int,

@@ -118,10 +118,11 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
 
 
 def estimate_memory(gm: fx.GraphModule, plan: Plan, data_world: int = 1, rows: int = 1,
-                    bucket_bytes: int = 25 * 2**20) -> MemoryEstimate:
+                    bucket_bytes: int = 25 * 2**20, rc: Recomputed | None = None) -> MemoryEstimate:
     """The per-device memory of training ``gm`` under ``plan`` (captured at one row) on ``rows`` rows,
     over ``data_world`` data-parallel ranks: the plan's optimizer-parallel level, precision (half
-    precision weights, gradients and activations over fp32 masters and state) and offload."""
+    precision weights, gradients and activations over fp32 masters and state) and offload; ``rc``: the
+    plan's recompute, where the caller has it."""
     itemsize = 4 if plan.precision == "fp32" else 2
     state_per_element = 4 * (STATES[plan.optimizer] + (plan.precision != "fp32"))  # fp32 moments and master
     listed = parameters_of(gm)
@@ -135,7 +136,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, data_world: int = 1, rows: i
     scale = numel / max(sum(map(sum, units)), 1)  # parameters used outside modules (rare) count like the rest
     param_bytes, grad_bytes = held["params"] * scale, held["grads"] * scale
     state = held["optimizer"] / itemsize * state_per_element * scale
-    rc = recomputed(gm, plan.recompute, plan.recompute_comm)
+    rc = rc or recomputed(gm, plan.recompute, plan.recompute_comm)
     activations, together = backward_peaks(gm, plan, rc, rows, itemsize, grad_bytes / max(numel * itemsize, 1))
     buffers = min(bucket_bytes, param_bytes) if data_world > 1 and plan.zero == 0 else 0.0
     on_device = state if plan.offload == "none" else 0.0

@@ -19,7 +19,7 @@ from torch import fx
 
 from polyshard.cluster import Cluster
 from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes
-from polyshard.graph.regions import recomputed
+from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
 from polyshard.planner.cost.repeat import costed_as
 from polyshard.plan import Plan
@@ -36,11 +36,13 @@ class OpCost:
     overhead_s: float = 0.0
 
 
-def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "float32", itemsize: int = 4) -> list[OpCost]:
+def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "float32", itemsize: int = 4,
+             rc: Recomputed | None = None) -> list[OpCost]:
     """Training cost of every op in program order (forward, backward and recompute folded together); a
-    layer's node that runs as its twin in an earlier layer does costs what the twin did."""
+    layer's node that runs as its twin in an earlier layer does costs what the twin did. ``rc``: the
+    plan's recompute, where the caller has it."""
     modules = dict(gm.named_modules())
-    rc = recomputed(gm, plan.recompute, plan.recompute_comm)
+    rc = rc or recomputed(gm, plan.recompute, plan.recompute_comm)
     same = costed_as(gm, plan)
     by_name: dict[str, OpCost] = {}
     out = []
