@@ -48,7 +48,7 @@ from polyshard.planner.config import Fixed  # noqa: E402
 from polyshard.plan import Plan  # noqa: E402
 from polyshard.graph.stage_cuts import block_paths  # noqa: E402
 from polyshard.planner.search import mesh_candidates, search  # noqa: E402
-from polyshard.runtime.data_parallel import GradientSync  # noqa: E402
+from polyshard.runtime.sync import GradientSync  # noqa: E402
 from polyshard.train.trainer import make_optimizer, train_step  # noqa: E402
 
 LR = 1e-3
@@ -174,8 +174,8 @@ class Run:
         self.times: list[float] = []  # seconds per step, one per round
         self.dp_wait = 0.0  # seconds spent in the gradient sync's finish() (while enabled)
         self._timing_sync = False
-        sync = getattr(self.pm, "grad_sync", None)  # (a pipeline syncs per stage)
-        if isinstance(sync, GradientSync):  # (an optimizer-parallel level syncs inside its optimizer)
+        sync = self.pm.grad_sync  # data parallel's engine, or an optimizer-parallel level's
+        if isinstance(sync, GradientSync):
             finish = sync.finish
 
             def timed_finish():

@@ -15,7 +15,7 @@ from polyshard.pin import Strategy, make_pin
 from polyshard.plan import Plan
 from polyshard.planner.check import check_plan
 from polyshard.planner.plan_model import plan_captured, plan_model
-from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
+from polyshard.runtime.sync import DEFAULT_BUCKET_BYTES
 from polyshard.runtime.parallel import ParallelModule, compile_captured
 from polyshard.runtime.pipeline import PipelineModule
 

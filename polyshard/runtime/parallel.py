@@ -18,7 +18,7 @@ from polyshard.layout import Layout
 from polyshard.mesh import Mesh
 from polyshard.pin import COPIES_ATTR
 from polyshard.plan import Plan
-from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
+from polyshard.runtime.sync import DEFAULT_BUCKET_BYTES, data_parallel
 from polyshard.runtime.fusion import fusion_groups
 from polyshard.compiler.interleave import interleave
 from polyshard.runtime.pipeline import PipelineModule, compile_pipeline
@@ -38,8 +38,9 @@ class ParallelModule(nn.Module):
         self.program = self._runnable(plan.copies)
         self.mesh = mesh
         group = mesh.data_group()
-        self.grad_sync = (GradientSync(list(program.parameters()), group, bucket_bytes, fusion_groups(program))
-                          if group is not None else None)
+        self.grad_sync = data_parallel(list(program.parameters()), group, bucket_bytes, fusion_groups(program)) \
+            if group is not None else None
+        self.zero = None  # the ZeroOptimizer whose engine syncs gradients instead (see use_optimizer)
 
     def set_copies(self, copies: int) -> None:
         """Run each batch as ``copies`` interleaved slices (1: as one)."""
@@ -70,6 +71,24 @@ class ParallelModule(nn.Module):
     def no_sync(self):
         """Skip the gradient all-reduce (inner steps of gradient accumulation)."""
         return self.grad_sync.no_sync() if self.grad_sync is not None else contextlib.nullcontext()
+
+    def train_step(self, *batch: torch.Tensor, scale: float = 1.0, record: bool = False,
+                   **keywords: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of a model whose call returns its loss, gradients scaled by ``scale`` (and by
+        the loss scale of ``zero``'s fp16), as a pipeline's ``train_step`` does; ``record``: a pipeline keeps
+        its schedule's timings, one program has none. Returns the loss."""
+        loss = self(*batch, **keywords)
+        scaled = loss * scale
+        (self.zero.scale_loss(scaled) if self.zero is not None else scaled).backward()
+        return loss.detach()
+
+    def use_optimizer(self, zero, dtype: torch.dtype | None) -> None:
+        """Hand gradient sync to ``zero``'s engine (a ZeroOptimizer over this module, see ``setup_zero``);
+        ``dtype`` matters to a pipeline's values between stages only (one program casts inside)."""
+        if self.grad_sync is not None:
+            self.grad_sync.remove()
+        self.grad_sync = zero.sync
+        self.zero = zero
 
     def local_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's piece of each parameter, by its name in the plan (whatever wraps the program)."""

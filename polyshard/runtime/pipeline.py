@@ -24,7 +24,7 @@ from polyshard.graph.export import SIGNATURE_KEY, CallSignature
 from polyshard.graph.regions import marked_modules
 from polyshard.mesh import Mesh
 from polyshard.plan import Plan
-from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync, Pausable
+from polyshard.runtime.sync import DEFAULT_BUCKET_BYTES, Pausable, data_parallel
 from polyshard.compiler.recompute import apply_recompute
 from polyshard.schedule import Action, ActionTime, schedule_actions
 
@@ -48,13 +48,13 @@ class PipelineModule(nn.Module, Pausable):
         self._names = {id(p): split.canonical[n] for m in chunks.values() for n, p in m.named_parameters()}
         self.actions = schedule_actions(plan.schedule, mesh.pp, plan.micro_batches, plan.virtual_stages)[mesh.stage]
         self.data_group = mesh.data_group()
-        self.grad_syncs = {c: GradientSync(list(m.parameters()), self.data_group, bucket_bytes)
-                           for c, m in chunks.items()} if self.data_group is not None else {}
+        self.grad_sync = data_parallel(list(self.chunks.parameters()), self.data_group, bucket_bytes,
+                                       parts=list(self.chunks.values())) if self.data_group is not None else None
         self.tied = [(chunks[c].get_parameter(name), [mesh.stage_rank(k % mesh.pp) for k in sorted(by_chunk)])
                      for by_chunk in split.tied.values() for c, name in by_chunk.items() if c in chunks]
         self.pipe_group = mesh.axis_mesh(mesh.pipeline_axis).get_group()
         self.timings: list[ActionTime] = []
-        self.zero = None  # the ZeroOptimizer syncing gradients instead of grad_syncs (see use_optimizer)
+        self.zero = None  # the ZeroOptimizer whose engine syncs gradients instead (see use_optimizer)
 
     def forward(self, *batch):
         raise PolyshardError("a pipelined model runs forward and backward together: call train_step(*batch)")
@@ -65,12 +65,12 @@ class PipelineModule(nn.Module, Pausable):
         return any(self.split.inputs[int(c)] for c in self.chunks)
 
     def use_optimizer(self, zero, dtype: torch.dtype | None) -> None:
-        """Hand gradient sync to ``zero`` (a ZeroOptimizer over this rank's chunks, see ``setup_zero``): it
-        syncs each chunk in the chunk's last backward and scales the loss; values between stages travel in
-        ``dtype`` (the compute dtype of mixed precision; None: as captured)."""
-        for sync in self.grad_syncs.values():
-            sync.remove()
-        self.grad_syncs = {int(c): zero for c in self.chunks}
+        """Hand gradient sync to ``zero``'s engine (a ZeroOptimizer over this rank's chunks, see ``setup_zero``):
+        it syncs each chunk in the chunk's last backward, and ``zero`` scales the loss; values between stages
+        travel in ``dtype`` (the compute dtype of mixed precision; None: as captured)."""
+        if self.grad_sync is not None:
+            self.grad_sync.remove()
+        self.grad_sync = zero.sync
         self.zero = zero
         if dtype is not None:
             self.split = replace(self.split, edges=tuple(replace(e, dtype=dtype) if e.dtype.is_floating_point else e
@@ -176,7 +176,7 @@ class _Step:
         else:
             pairs = list(zip([t for k, t in zip(split.sent(c), outs) if split.edges[k].grad], grads))
         sync = pm.syncing and i == pm.plan.micro_batches - 1  # all-reduce over dp during the chunk's last backward
-        with contextlib.nullcontext() if sync or c not in pm.grad_syncs else pm.grad_syncs[c].no_sync():
+        with contextlib.nullcontext() if sync or pm.grad_sync is None else pm.grad_sync.no_sync():
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         for k, t in zip(split.received(c), received):

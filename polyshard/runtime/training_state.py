@@ -19,7 +19,8 @@ from polyshard.compiler.rows import row_slice
 from polyshard.errors import PolyshardError
 from polyshard.runtime import checkpoint
 from polyshard.runtime.offload import OffloadedOptimizer
-from polyshard.runtime.zero import Bucket, ZeroOptimizer
+from polyshard.runtime.sync import Bucket
+from polyshard.runtime.zero import ZeroOptimizer
 
 MODEL, OPTIM, SCALER = "model/", "optim/", "scaler/"
 
@@ -134,8 +135,7 @@ def _shape(pm, p: nn.Parameter) -> torch.Size:
 
 
 def _zero_of(pm) -> ZeroOptimizer | None:
-    sync = getattr(pm, "zero", None) or getattr(pm, "grad_sync", None)
-    return sync if isinstance(sync, ZeroOptimizer) else None
+    return getattr(pm, "zero", None)
 
 
 def _global(pm, name: str, piece: torch.Tensor) -> torch.Tensor:

@@ -31,71 +31,14 @@ from torch import fx, nn
 
 from polyshard.errors import PolyshardError
 from polyshard.optim import Lamb, NormSpec, build_optimizer
-from polyshard.buckets import padded
 from polyshard.plan import ZERO_LEVELS
-from polyshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, Pausable
-from polyshard.runtime.fusion import CommStats, fusion_groups, plan_buckets
+from polyshard.runtime.fusion import fusion_groups, plan_buckets
+from polyshard.runtime.sync import DEFAULT_BUCKET_BYTES, Bucket, GradientSync
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.precision import LossScaler, cast_inputs, compute_casts_in, compute_dtype
 
 
-class Bucket:
-    """Parameters communicated as one flat tensor, which is also their storage (they are views of it).
-
-    ``sharded``: each rank steps ``master``, its 1/world slice; otherwise ``master`` is the whole bucket.
-    ``resident``: the flat tensor always exists (False at level 3: only while its module runs).
-    ``part``: the index of the part (pipeline chunk) whose backward produces its gradients.
-    """
-
-    def __init__(self, params: list[nn.Parameter], sharded: bool, world: int, rank: int, dtype: torch.dtype,
-                 resident: bool, part: int):
-        self.params, self.sharded, self.resident, self.part = params, sharded, resident, part
-        self.shapes = [p.shape for p in params]  # level 3 empties the parameters between uses
-        self.numel = sum(p.numel() for p in params)
-        self.shard_numel = padded(self.numel, world) // world if sharded else self.numel
-        self.lo = rank * self.shard_numel if sharded else 0
-        self.flat = torch.zeros(self.shard_numel * (world if sharded else 1), dtype=dtype)
-        master_dtype = params[0].dtype
-        with torch.no_grad():
-            torch._foreach_copy_(self.views(self.flat), [p.detach() for p in params])
-        for p, view in zip(params, self.views(self.flat)):
-            p.data = view
-        shard = self.flat[self.lo:self.lo + self.shard_numel]
-        alias = resident and master_dtype == dtype  # step in place on the parameters' own storage
-        self.master = nn.Parameter(shard if alias else shard.detach().to(master_dtype, copy=True))
-        self.pending = len(params)
-        self.grad: torch.Tensor | None = None  # gradient collective's result while in flight
-        self.work = self.sent = None
-        self.gather_work = self.gather_src = None
-        self.gathered = resident
-        if not resident:
-            self.release()
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's slice of a flat tensor, shaped like the parameter."""
-        out, offset = [], 0
-        for shape in self.shapes:
-            out.append(flat[offset:offset + shape.numel()].view(shape))
-            offset += shape.numel()
-        return out
-
-    def release(self) -> None:
-        """Free the gathered parameters (level 3); the parameters point at an empty tensor meanwhile, so a
-        stray use fails on its shape instead of reading freed memory."""
-        self.wait_gather()
-        self.flat.untyped_storage().resize_(0)
-        empty = self.flat.new_empty(0)
-        for p in self.params:
-            p.data = empty
-        self.gathered = False
-
-    def wait_gather(self) -> None:
-        if self.gather_work is not None:
-            self.gather_work.wait()
-            self.gather_work = self.gather_src = None
-
-
-class ZeroOptimizer(Pausable):
+class ZeroOptimizer:
     """Optimizer parallel at ``level`` over ``group`` for ``module``'s parameters; step it like a torch optimizer.
 
     ``optimizer``: "adamw", "sgd", "lamb" (keyword arguments go to it) or ``factory(params) -> Optimizer``.
@@ -127,12 +70,9 @@ class ZeroOptimizer(Pausable):
         if level > 0 and self.world == 1:
             warnings.warn(f"polyshard: ZeRO level {level} has no data-parallel peers to shard over; "
                           "every rank keeps everything (as level 0)", stacklevel=2)
-        self.shard_accumulated_grads = shard_accumulated_grads
         self.dtype = compute_dtype(precision) or params[0].dtype
         self.scaler = LossScaler() if precision == "fp16" else None
-        self.comm = CommStats()
         self.skipped = False
-        self._callback_queued, self._reached = False, set()
         parts = list(parts) or [module]
         part_of = {id(p): i for i, part in enumerate(parts) for p in part.parameters()}
         # the collective groups a bucket must not mix: fusion groups, each within one part, and solo parameters
@@ -151,87 +91,25 @@ class ZeroOptimizer(Pausable):
         rest = [p for p in params if id(p) not in in_units]
         self.buckets += [bucket(b, sharded(b[0]), resident=True) for b in plan_buckets(
             rest, bucket_bytes, lambda p: (part_of[id(p)], fusion.get(id(p)), sharded(p), p.dtype))]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.sync = GradientSync(self.buckets, group, level, shard_accumulated_grads)  # syncs gradients
+        self.comm, self._bucket_of = self.sync.comm, self.sync._bucket_of
         masters = [b.master for b in self.buckets]
         self.optimizer = build_optimizer(optimizer, masters, **optimizer_kwargs) if isinstance(optimizer, str) \
             else optimizer(masters)
         if isinstance(self.optimizer, Lamb):
             self.optimizer.norm_specs.update({b.master: self._norm_spec(b, split_groups or {}) for b in self.buckets})
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._hooks = []
         if precision != "fp32":
             self._hooks += [cast_inputs(part, self.dtype) for part in parts]
             compute_casts_in(module, self.dtype)
         if units:
             self._hook_modules(parts)
 
-    # ---- gradients: bucketed collectives launched from backward's hooks ----
+    # ---- gradients: synced by the engine, scaled under fp16 ----
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the loss scale under fp16, else unchanged."""
         return loss.float() * self.scaler.scale if self.scaler else loss
-
-    def _active(self, b: Bucket) -> bool:
-        """Whether ``b`` communicates in this backward."""
-        return self.syncing or (b.sharded and self.level >= 2 and self.shard_accumulated_grads)
-
-    def _on_grad(self, p: nn.Parameter) -> None:
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
-        b = self._bucket_of[id(p)]
-        self._reached.add(b.part)
-        b.pending -= 1
-        if b.pending == 0:
-            if self._active(b):
-                self._launch(b)
-            if not b.resident:
-                b.release()
-
-    def _launch(self, b: Bucket) -> None:
-        """Copy the bucket's gradients into one flat buffer and start its all-reduce or reduce-scatter."""
-        buf = b.flat.new_empty(b.flat.numel())
-        for p, view in zip(b.params, b.views(buf)):
-            view.copy_(p.grad) if p.grad is not None else view.zero_()
-        buf[b.numel:].zero_()
-        if self.world > 1:
-            buf.div_(self.world)
-        nbytes = buf.numel() * buf.element_size()
-        if b.sharded and self.level >= 2:
-            b.grad, b.sent = buf.new_empty(b.shard_numel), buf
-            b.work = dist.reduce_scatter_single(b.grad, buf, group=self.group, async_op=True)
-            self.comm.record("reduce_scatter", nbytes)
-            for p in b.params:
-                p.grad = None
-        else:
-            b.grad = buf
-            if self.world > 1:
-                b.work = dist.all_reduce(buf, group=self.group, async_op=True)
-                self.comm.record("all_reduce", nbytes)
-
-    def _finish(self) -> None:
-        """End of backward: wait for the collectives of the parts it reached (launching buckets whose
-        parameters got no gradient) and hand each shard's gradient to its master."""
-        self._callback_queued = False
-        active = [b for b in self.buckets if b.part in self._reached and self._active(b)]
-        self._reached.clear()
-        for b in active:
-            if b.grad is None:
-                self._launch(b)
-        for b in active:
-            if b.work is not None:
-                b.work.wait()
-            grad, b.grad, b.work, b.sent = b.grad, None, None, None
-            if b.sharded and self.level >= 2:
-                shard = grad.to(b.master.dtype)
-                b.master.grad = shard if b.master.grad is None else b.master.grad.add_(shard)
-            else:
-                for p, view in zip(b.params, b.views(grad)):
-                    p.grad = view
-                b.master.grad = grad[b.lo:b.lo + b.shard_numel].to(b.master.dtype)
-        for b in self.buckets:
-            b.pending = len(b.params)
-            if not b.resident and b.gathered:
-                b.release()
 
     # ---- the step ----
 
@@ -367,6 +245,7 @@ class ZeroOptimizer(Pausable):
 
     def remove(self) -> None:
         """Take this optimizer's hooks off the parameters and modules."""
+        self.sync.remove()
         for h in self._hooks:
             h.remove()
 
@@ -416,8 +295,8 @@ def setup_zero(pm, level: int | None = None, optimizer: str | Callable | None = 
                shard_accumulated_grads: bool = False, **optimizer_kwargs) -> ZeroOptimizer:
     """Optimizer parallel for a ParallelModule or PipelineModule over its data group; returns the optimizer to step.
 
-    The returned optimizer replaces ``pm``'s gradient sync (a ParallelModule's ``pm.grad_sync``, a pipeline's
-    per-chunk ``grad_syncs``), so ``pm.no_sync()`` keeps working. On a pipeline it covers this rank's chunks,
+    The optimizer's sync engine replaces ``pm.grad_sync`` (``pm.zero`` is the optimizer), so ``pm.no_sync()``
+    keeps working. On a pipeline it covers this rank's chunks,
     each chunk a part of its own, and tied copies get buckets of their own, summed over stages before the step.
     Arguments left None come from ``pm.plan`` (zero, optimizer, precision, zero_threshold_bytes); the plan is
     left as it is.
@@ -432,12 +311,7 @@ def setup_zero(pm, level: int | None = None, optimizer: str | Callable | None = 
     layout = dict(parts=list(pm.chunks.values()), solo=[p for p, _ in pm.tied]) if pipelined else {}
     opt = ZeroOptimizer(pm, optimizer, level, group, threshold_bytes, bucket_bytes, precision, shard_accumulated_grads,
                         _split_groups(pm), **layout, **optimizer_kwargs)
-    if pipelined:
-        pm.use_optimizer(opt, compute_dtype(precision))
-    else:
-        if pm.grad_sync is not None:
-            pm.grad_sync.remove()
-        pm.grad_sync = opt if group is not None else None
+    pm.use_optimizer(opt, compute_dtype(precision))
     return opt
 
 

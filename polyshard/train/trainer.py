@@ -214,11 +214,7 @@ def train_step(pm: ParallelModule | PipelineModule, opt, x: torch.Tensor, y: tor
     for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
         last = i == accum - 1
         with (pm.no_sync() if not last else contextlib.nullcontext()):
-            if isinstance(pm, PipelineModule):
-                loss = pm.train_step(mx, my, scale=1 / accum, record=record and last) / accum
-            else:
-                loss = pm(mx, my) / accum
-                (opt.scale_loss(loss) if isinstance(opt, ZeroOptimizer) else loss).backward()
+            loss = pm.train_step(mx, my, scale=1 / accum, record=record and last) / accum
         loss_sum += loss.detach().float()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -245,12 +241,7 @@ def make_optimizer(pm: ParallelModule, lr: float, offload_dir: str) -> torch.opt
 
 def comm_counts(pm: ParallelModule | PipelineModule) -> dict[str, int]:
     """Collectives the gradient syncs issued since the last call, and their bytes, by kind."""
-    syncs = pm.grad_syncs.values() if isinstance(pm, PipelineModule) else [pm.grad_sync]
-    out: dict[str, int] = {}
-    for sync in syncs:
-        for key, n in (sync.comm.take() if sync is not None else {}).items():
-            out[key] = out.get(key, 0) + n
-    return out
+    return pm.grad_sync.comm.take() if pm.grad_sync is not None else {}
 
 
 def draw_measured_timeline(pm: PipelineModule, path: str, predicted: Callable[[], list[ActionTime]]) -> None:
