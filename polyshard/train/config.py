@@ -11,6 +11,7 @@ import fnmatch
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -61,7 +62,7 @@ class TrainConfig:
     strategies: str = ""
     metrics: str = "runs/metrics.jsonl"
     log_every: int = 10
-    copies: str = "1"
+    copies: int | Literal["auto"] = 1
     plan: str = ""
     auto: bool = False
     memory_limit: str = ""
@@ -154,7 +155,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[dict[str, int], Pla
             f"use a multiple of {data * cfg.accum}"
         )
     rows = cfg.batch_size // data // cfg.accum
-    if cfg.copies != "auto" and int(cfg.copies) > rows:
+    if cfg.copies != "auto" and cfg.copies > rows:
         raise PolyshardError(f"--copies {cfg.copies} needs at least as many rows per micro-batch, which has {rows} "
                              f"(--batch-size {cfg.batch_size} / dp={data} / --accum {cfg.accum})")
     _check_pipeline_flags(cfg, shape, settings, rows)
@@ -232,8 +233,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise PolyshardError(f"--seed must be 0 or more, got {cfg.seed}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise PolyshardError(f"--lr must be positive and finite, got {cfg.lr}")
-    if cfg.copies != "auto" and not (cfg.copies.isdigit() and int(cfg.copies) >= 1):
-        raise PolyshardError(f"--copies must be a positive integer or 'auto', got {cfg.copies!r}")
+    if cfg.copies != "auto" and not (isinstance(cfg.copies, int) and cfg.copies >= 1):
+        raise PolyshardError(f"--copies must be a positive integer or 'auto', got '{cfg.copies}'")
     if cfg.memory_limit:
         if not parse_bytes(cfg.memory_limit) > 0:
             raise PolyshardError(f"--memory-limit {cfg.memory_limit!r} must be positive, e.g. 2GiB")
@@ -252,7 +253,7 @@ def _check_pipeline_flags(cfg: TrainConfig, shape: dict[str, int], settings: dic
         if flags:
             raise PolyshardError(f"{flags[0]} applies to a pipeline, and the mesh has no pp axis of 2 or more; add "
                                  "one (e.g. --mesh dp=1,pp=2)" + ", or use --accum" * (flags[0] == "--micro-batches"))
-    if pp > 1 and cfg.copies != "1":
+    if pp > 1 and cfg.copies != 1:
         raise PolyshardError(f"--copies {cfg.copies} interleaves a batch's slices to hide collectives, which a "
                              "pipeline's micro-batches already do; leave out --copies with a pp axis")
     if pp > 1 and rows % settings.get("micro_batches", 1):

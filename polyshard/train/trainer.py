@@ -74,9 +74,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     if cfg.batch_size % (mesh.num_data_shards * accum):
         raise PolyshardError(f"the mesh {mesh} does not split --batch-size {cfg.batch_size} into {accum} "
                              f"accumulated micro-batches per data-parallel rank")
-    copies = "auto" if cfg.copies == "auto" else int(cfg.copies)
     settings = dict(cfg.settings)
-    pm = parallelize(model, example_inputs=model.example_inputs(micro), copies=copies, plan=plan,
+    pm = parallelize(model, example_inputs=model.example_inputs(micro), copies=cfg.copies, plan=plan,
                         sequence_parallel=cfg.sequence_parallel,
                         dataset_strategy=image_strategy(cfg, mesh) if plan is None else None,  # a plan has its own
                         settings=settings)
@@ -90,7 +89,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             print(f"plan: {planned} (train it again with --plan {planned})")
         nodes = f" on {mesh.cluster.num_nodes} machines" if mesh.cluster and mesh.cluster.num_nodes > 1 else ""
         print(f"mesh: {mesh}  ({world} processes{nodes}, {torch.get_num_threads()} thread each)")
-        if pm.plan.copies > 1 or copies == "auto":
+        if pm.plan.copies > 1 or cfg.copies == "auto":
             print(f"multi-copy: each micro-batch runs as {pm.plan.copies} interleaved copies")
         if pipelined:
             print(f"pipeline: {mesh.pp} stages from {', '.join(pm.plan.stage_boundaries)}; schedule "
