@@ -34,6 +34,7 @@ from polyshard.optim import Lamb, NormSpec, build_optimizer
 from polyshard.plan import ZERO_LEVELS
 from polyshard.runtime.fusion import fusion_groups, plan_buckets
 from polyshard.runtime.sync import DEFAULT_BUCKET_BYTES, Bucket, GradientSync
+from polyshard.runtime.sync.gather import ModuleGathers
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.precision import LossScaler, cast_inputs, compute_casts_in, compute_dtype
 
@@ -87,7 +88,6 @@ class ZeroOptimizer:
         units, uses = _level3_units(module, params, fusion, sharded) if level == 3 else ([], {})
         in_units = {id(p) for unit in units for p in unit}
         self.buckets = [bucket(unit, True, resident=False) for unit in units]
-        self._uses = {m: [self.buckets[i] for i in idx] for m, idx in uses.items()}
         rest = [p for p in params if id(p) not in in_units]
         self.buckets += [bucket(b, sharded(b[0]), resident=True) for b in plan_buckets(
             rest, bucket_bytes, lambda p: (part_of[id(p)], fusion.get(id(p)), sharded(p), p.dtype))]
@@ -102,8 +102,8 @@ class ZeroOptimizer:
         if precision != "fp32":
             self._hooks += [cast_inputs(part, self.dtype) for part in parts]
             compute_casts_in(module, self.dtype)
-        if units:
-            self._hook_modules(parts)
+        self.gathers = ModuleGathers({m: [self.buckets[i] for i in idx] for m, idx in uses.items()}, parts, group,
+                                     self.comm) if units else None
 
     # ---- gradients: synced by the engine, scaled under fp16 ----
 
@@ -171,81 +171,15 @@ class ZeroOptimizer:
             offset += shape.numel()
         return NormSpec(tuple(segments), tuple(groups))
 
-    # ---- level 3: gather around each module's forward and backward ----
-
-    def _hook_modules(self, parts: list[nn.Module]) -> None:
-        self._order: list[nn.Module] = []
-        self._last_order: list[nn.Module] = []
-        # each part's modules in call order, until its forward records its own: prefetch stays within a part
-        self._orders = {part: [m for m in self._uses if m in set(part.modules())] for part in parts}
-        self._hooks += [part.register_forward_pre_hook(self._begin_forward) for part in parts]
-        for m in self._uses:
-            self._hooks.append(m.register_forward_pre_hook(self._before_forward))
-            self._hooks.append(m.register_forward_hook(self._after_forward))
-
-    def _begin_forward(self, part: nn.Module, _args) -> None:
-        self._last_order, self._order = self._orders[part], []
-        self._orders[part] = self._order
-
-    def _gather(self, buckets: Iterable[Bucket]) -> None:
-        """Start gathering ``buckets`` not already there (or on the way)."""
-        for b in buckets:
-            if b.gathered:
-                continue
-            b.flat.untyped_storage().resize_(b.flat.numel() * b.flat.element_size())
-            b.gather_src = b.master.detach().to(b.flat.dtype)
-            b.gather_work = dist.all_gather_single(b.flat, b.gather_src, group=self.group, async_op=True)
-            self.comm.record("all_gather", b.flat.numel() * b.flat.element_size())
-            for p, view in zip(b.params, b.views(b.flat)):
-                p.data = view
-            b.gathered = True
-
-    def _ready(self, m: nn.Module, prefetch: nn.Module | None) -> None:
-        """Gather ``m``'s parameters (waiting for them) and start gathering ``prefetch``'s."""
-        self._gather(self._uses[m])
-        if prefetch is not None:
-            self._gather(self._uses[prefetch])
-        for b in self._uses[m]:
-            b.wait_gather()
-
-    def _next(self) -> nn.Module | None:
-        """The module expected after the one running now (from the previous forward's order)."""
-        i = len(self._order)
-        return self._last_order[i] if i < len(self._last_order) else None
-
-    def _before_forward(self, m: nn.Module, _args) -> None:
-        self._order.append(m)
-        self._ready(m, self._next())
-
-    def _after_forward(self, m: nn.Module, _args, out) -> None:
-        nxt = self._next()
-        keep = self._uses[nxt] if nxt is not None else []
-        for b in self._uses[m]:
-            if b not in keep:  # the next module needs it too (one fusion group): keep it
-                b.release()
-        tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            i = len(self._order) - 1
-            prev = self._order[i - 1] if i > 0 else None
-            tensors[0].register_hook(lambda grad: self._ready(m, prev))
-
-    @contextlib.contextmanager
     def gathered(self):
         """Every parameter whole while inside (level 3; e.g. to read or save them); a no-op below level 3."""
-        units = [b for b in self.buckets if not b.resident]
-        self._gather(units)
-        for b in units:
-            b.wait_gather()
-        try:
-            yield
-        finally:
-            for b in units:
-                b.release()
+        return self.gathers.gathered() if self.gathers is not None else contextlib.nullcontext()
 
     def remove(self) -> None:
         """Take this optimizer's hooks off the parameters and modules."""
         self.sync.remove()
+        if self.gathers is not None:
+            self.gathers.remove()
         for h in self._hooks:
             h.remove()
 

@@ -312,7 +312,7 @@ def test_disk_mode_lowers_resident_memory(tmp_path):
 
 
 def test_a_manifest_naming_a_file_outside_the_store_is_refused_and_nothing_is_deleted(tmp_path):
-    from polyshard.runtime.disk_store import MANIFEST, DiskStore
+    from polyshard.runtime.offload.disk import MANIFEST, DiskStore
 
     store = DiskStore(tmp_path / "state")
     store.commit(1, [(0, {"master": torch.ones(3), "state": {}})])
