@@ -127,15 +127,9 @@ def global_shapes(pm) -> dict[str, tuple[int, ...]]:
 
 def _shape(pm, p: nn.Parameter) -> torch.Size:
     """A parameter's local shape, also while ZeRO level 3 has released it."""
-    zero = _zero_of(pm)
-    if zero is not None and id(p) in zero._bucket_of:
-        b = zero._bucket_of[id(p)]
-        return b.shapes[[id(q) for q in b.params].index(id(p))]
-    return p.shape
-
-
-def _zero_of(pm) -> ZeroOptimizer | None:
-    return getattr(pm, "zero", None)
+    sync = getattr(pm, "grad_sync", None)
+    b = sync.bucket_of.get(id(p)) if sync is not None else None
+    return b.shapes[[id(q) for q in b.params].index(id(p))] if b is not None else p.shape
 
 
 def _global(pm, name: str, piece: torch.Tensor) -> torch.Tensor:

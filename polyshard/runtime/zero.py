@@ -92,7 +92,7 @@ class ZeroOptimizer:
         self.buckets += [bucket(b, sharded(b[0]), resident=True) for b in plan_buckets(
             rest, bucket_bytes, lambda p: (part_of[id(p)], fusion.get(id(p)), sharded(p), p.dtype))]
         self.sync = GradientSync(self.buckets, group, level, shard_accumulated_grads)  # syncs gradients
-        self.comm, self._bucket_of = self.sync.comm, self.sync._bucket_of
+        self.comm = self.sync.comm
         masters = [b.master for b in self.buckets]
         self.optimizer = build_optimizer(optimizer, masters, **optimizer_kwargs) if isinstance(optimizer, str) \
             else optimizer(masters)
@@ -137,7 +137,7 @@ class ZeroOptimizer:
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         """The master stepped for ``p``'s bucket: ``p``'s alone (whole or this rank's shard) when ``p`` is solo."""
-        return self._bucket_of[id(p)].master
+        return self.sync.bucket_of[id(p)].master
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients of the parameters and of the masters."""

@@ -48,7 +48,7 @@ class GradientSync(Pausable):
         self.world = dist.get_world_size(group) if group is not None else 1
         self.shard_accumulated_grads = shard_accumulated_grads
         self.comm = CommStats()
-        self._bucket_of = {id(p): b for b in buckets for p in b.params}
+        self.bucket_of = {id(p): b for b in buckets for p in b.params}  # id(parameter) -> its bucket
         self._callback_queued, self._reached = False, set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
 
@@ -68,7 +68,7 @@ class GradientSync(Pausable):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self._callback_queued = True
-        b = self._bucket_of[id(p)]
+        b = self.bucket_of[id(p)]
         self._reached.add(b.part)
         b.pending -= 1
         if b.pending == 0:
