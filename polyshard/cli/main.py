@@ -14,7 +14,7 @@ from polyshard.cli.k8s import add_parser as add_k8s
 from polyshard.cli.launch import (ERRORS_ENV, check_nodes, launch, reach_rendezvous, under_torchrun,
                                   without_flag)
 from polyshard.cli.ps import add_parser as add_ps
-from polyshard.cli.train_args import train_config
+from polyshard.cli.train_args import add_config_flags, train_config
 from polyshard.errors import PolyshardError
 from polyshard.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
                                    ZERO_LEVELS)
@@ -44,8 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="with an error, also print where in polyshard it was raised")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
-    t = sub.add_parser("train", help="train a GPT on text shipped with Python, across N processes",
-                       description="Train a GPT from polyshard.models on the pydoc corpus every Python install has.")
+    t = sub.add_parser("train", help="train a model across N processes (by default a GPT on text shipped with Python)",
+                       description="Train a model from polyshard.models or transformers on --data, by default on the "
+                                   "pydoc corpus every Python install has.")
+    add_config_flags(t)
     t.add_argument("--nproc", type=int, default=None, help="processes to launch through torchrun (default: 1, or "
                    "the current torchrun world)")
     t.add_argument("--nnodes", type=int, default=1, help="machines the run spans (default 1): start the same "
@@ -55,40 +57,6 @@ def _parser() -> argparse.ArgumentParser:
                    "(needed with --nnodes 2 or more)")
     t.add_argument("--rdzv-timeout", type=float, default=600, help="seconds a machine other than 0 waits for "
                    "machine 0 at --rdzv before giving up (default 600)")
-    t.add_argument("--mesh", default="", help="named mesh, e.g. dp=2,tp=2 (default: dp=NPROC); 'dp' splits batches, "
-                   "other axes split operators")
-    t.add_argument("--model", default="", help="model name (see `polyshard models`; default: the --plan's, else "
-                   "gpt-small), or "
-                   "hf:FAMILY (e.g. hf:llama, a tiny transformers model), hf:CONFIG.json or hf:DIR with config.json "
-                   "and safetensors weights, or an image model (unet-small segments, resnet-small classifies; "
-                   "images generated on the fly, split by height and width over h and w axes of --mesh)")
-    t.add_argument("--image-size", type=int, default=0, help="with an image model: square images of N pixels "
-                   "(default 64)")
-    t.add_argument("--data", default="", help="a token file to train on: uint16 (or --data-dtype uint32) ids, as "
-                   "nanoGPT's prepare.py writes, or a folder `datasets` saved (its input_ids rows end to end); each "
-                   "data-parallel rank reads only its rows' windows (default: the pydoc corpus, byte tokens); with "
-                   "an image model, an (N, C, H, W) .npy of images beside NAME.labels.npy, or a folder of image "
-                   "files (ROOT/CLASS/FILE, or ROOT/images/ beside ROOT/masks/), of which a rank reads only its rows "
-                   "and tile")
-    t.add_argument("--data-dtype", choices=["uint16", "uint32"], default="uint16", help="the --data file's id type "
-                   "(default uint16)")
-    t.add_argument("--tokenizer", default="", help="a tokenizer.json (or a folder with one, e.g. a transformers "
-                   "model's): --data is then a text file (or a saved dataset's text rows), tokenized once into "
-                   "runs/data/ beside the metrics")
-    t.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
-    t.add_argument("--batch-size", type=int, default=8, help="global batch rows per step (default 8)")
-    t.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps per step (default 1)")
-    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    t.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
-    t.add_argument("--strategies", default="", help="YAML of per-module pins: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")
-    t.add_argument("--metrics", default="runs/metrics.jsonl", help="JSON-lines metrics path (default runs/metrics.jsonl)")
-    t.add_argument("--log-every", type=int, default=10, help="print a line every N steps (default 10)")
-    t.add_argument("--copies", default="1", help="run each micro-batch as N interleaved copies so collectives "
-                   "overlap compute; 'auto' lets the cost model choose (default 1)")
-    t.add_argument("--plan", default="", help="run this plan file (from `polyshard plan`, or edited by hand)")
-    t.add_argument("--auto", action="store_true", help="search the best plan for the processes at hand, then train")
-    t.add_argument("--memory-limit", default="", help="bytes per device, e.g. 2GiB: the planner keeps the run under "
-                   "it, choosing layouts, recompute and offload (for the --mesh given, or every mesh with --auto)")
     t.add_argument("--recompute", choices=RECOMPUTE_MODES, help="recompute activations in backward instead of "
                    "storing them: the attention cores (selective) or every block (full)")
     t.add_argument("--recompute-comm", choices=RECOMPUTE_COMMS, help="in recomputed regions, keep the results of "
@@ -106,26 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                    "the default), or 1f1b over several stages per rank (interleaved)")
     t.add_argument("--micro-batches", type=int, help="micro-batches each step's batch is cut into for the pipeline")
     t.add_argument("--virtual-stages", type=int, help="stages per rank under the interleaved schedule (at least 2)")
-    t.add_argument("--timeline", default="", help="with a pipeline: draw the last step's schedule, measured beside "
-                   "predicted, into this PNG")
-    t.add_argument("--sequence-parallel", action="store_true", help="with a tp axis: row-parallel products "
-                   "reduce-scatter along the sequence instead of all-reducing, so norms, dropout and residual adds "
-                   "run on a slice of it and hold a slice of their activations (Megatron's sequence parallel)")
-    t.add_argument("--offload-dir", default="", help="empty folder for disk offload's files (default: a temporary "
-                   "one, removed after the run)")
-    t.add_argument("--save-dir", default="", help="save checkpoints here (torch.distributed.checkpoint; any later "
-                   "plan or device count can load them), every --save-every steps and at the end")
-    t.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (with --save-dir; default 0: "
-                   "only at the end)")
-    t.add_argument("--keep", type=int, default=0, help="leave only the newest K checkpoints (default 0: all)")
-    t.add_argument("--async-save", action="store_true", help="write checkpoints in the background while training "
-                   "goes on (the state is copied first)")
-    t.add_argument("--resume", default="", help="continue from a checkpoint: 'auto' (the newest in --save-dir) or "
-                   "its directory; the plan and device count may differ from the run that saved it")
     t.add_argument("--max-restarts", type=int, default=0, help="when a process dies, restart the job up to N times; "
                    "with --save-dir it resumes from the newest checkpoint by itself")
-    t.add_argument("--collective-timeout", type=float, default=0.0, help="seconds a collective waits for a silent "
-                   "process before the run fails, naming it (default: torch's, 30 minutes)")
     t.set_defaults(handler=_train)
 
     pl = sub.add_parser("plan", help="choose how to split a model over a cluster (prints it, can write it)",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -30,56 +30,69 @@ from polyshard.plan import Plan
 DEFAULT_MODEL = "gpt-small"
 
 
+def _flag(default, help: str, **argparse_options):
+    """A TrainConfig field with its ``polyshard train`` flag's help: each option is described once, here."""
+    return field(default=default, metadata={"help": help, **argparse_options})
+
+
+def _copies(text: str) -> int | str:
+    """``--copies`` as TrainConfig takes it: a count, or "auto" (any other word is left for its check to name)."""
+    return int(text) if text.isdigit() else text
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """model: a name from polyshard.models ("": the plan's, else gpt-small); mesh: e.g. "dp=2,tp=2";
-    steps: optimizer steps; batch_size: global rows per step; accum: micro-steps per step; lr: learning
-    rate; seed: init and data; strategies: YAML of per-module pins; metrics: JSON-lines path;
-    log_every: steps per line; copies: interleaved slices per micro-batch ("auto": the cost model chooses);
-    plan: a plan file to run (mesh and layouts from it); auto: search a plan for the processes at hand;
-    memory_limit: bytes per device (e.g. "2GiB"): the planner fits the run under it, choosing
-    layouts, recompute and offload; settings: plan fields set from flags (recompute, offload, ...),
-    which win over the plan's; offload_dir: where disk offload keeps its files (an empty folder;
-    default: a temporary one, removed after the run); timeline: a PNG path where a pipelined run
-    draws its last step's schedule, measured beside predicted; sequence_parallel: row-parallel
-    products reduce-scatter along the sequence, so norms, dropout and residual adds run on a slice of it;
-    save_dir: where checkpoints go, one every save_every steps (0: none before) and one at the end, the
-    newest keep of them left (0: all), written in the background with async_save; resume: "auto" (the
-    newest in save_dir) or a checkpoint directory to continue from; collective_timeout: seconds a
-    collective waits for a silent rank before the run fails (0: torch's default); data: a token file to
-    train on (default: the pydoc corpus), its ids of type data_dtype (uint16 or uint32), or with
-    tokenizer (a tokenizer.json, or a folder with one) a text file, tokenized once beside the metrics; for an
-    image model (polyshard.models.vision), an image array (default: images generated on the fly) of
-    image_size pixels a side (0: the default, 64)."""
+    """What one ``polyshard train`` run is asked to do; every field but ``settings`` is the flag of its name."""
 
-    model: str = ""
-    mesh: str = ""
-    steps: int = 50
-    batch_size: int = 8
-    accum: int = 1
-    lr: float = 3e-3
-    seed: int = 0
-    strategies: str = ""
-    metrics: str = "runs/metrics.jsonl"
-    log_every: int = 10
-    copies: int | Literal["auto"] = 1
-    plan: str = ""
-    auto: bool = False
-    memory_limit: str = ""
-    settings: tuple[tuple[str, object], ...] = ()
-    offload_dir: str = ""
-    timeline: str = ""
-    sequence_parallel: bool = False
-    save_dir: str = ""
-    save_every: int = 0
-    keep: int = 0
-    async_save: bool = False
-    resume: str = ""
-    collective_timeout: float = 0.0
-    data: str = ""
-    data_dtype: str = "uint16"
-    tokenizer: str = ""
-    image_size: int = 0
+    model: str = _flag("", "model name (see `polyshard models`; default: the --plan's, else gpt-small), or "
+                       "hf:FAMILY (e.g. hf:llama, a tiny transformers model), hf:CONFIG.json or hf:DIR with config.json "
+                       "and safetensors weights, or an image model (unet-small segments, resnet-small classifies; "
+                       "images generated on the fly, split by height and width over h and w axes of --mesh)")
+    mesh: str = _flag("", "named mesh, e.g. dp=2,tp=2 (default: dp=NPROC); 'dp' splits batches, other axes split "
+                      "operators")
+    steps: int = _flag(50, "optimizer steps (default %(default)s)")
+    batch_size: int = _flag(8, "global batch rows per step (default %(default)s)")
+    accum: int = _flag(1, "gradient accumulation micro-steps per step (default %(default)s)")
+    lr: float = _flag(3e-3, "AdamW learning rate (default %(default)s)")
+    seed: int = _flag(0, "seed for weights and data (default %(default)s)")
+    strategies: str = _flag("", "YAML of per-module pins: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")
+    metrics: str = _flag("runs/metrics.jsonl", "JSON-lines metrics path (default %(default)s)")
+    log_every: int = _flag(10, "print a line every N steps (default %(default)s)")
+    copies: int | Literal["auto"] = _flag(1, "run each micro-batch as N interleaved copies so collectives overlap "
+                                          "compute; 'auto' lets the cost model choose (default 1)", type=_copies)
+    plan: str = _flag("", "run this plan file (from `polyshard plan`, or edited by hand)")
+    auto: bool = _flag(False, "search the best plan for the processes at hand, then train")
+    memory_limit: str = _flag("", "bytes per device, e.g. 2GiB: the planner keeps the run under it, choosing "
+                              "layouts, recompute and offload (for the --mesh given, or every mesh with --auto)")
+    settings: tuple[tuple[str, object], ...] = ()  # plan fields set from flags (--recompute, ...), over the plan's
+    offload_dir: str = _flag("", "empty folder for disk offload's files (default: a temporary one, removed after "
+                             "the run)")
+    timeline: str = _flag("", "with a pipeline: draw the last step's schedule, measured beside predicted, into this "
+                          "PNG")
+    sequence_parallel: bool = _flag(False, "with a tp axis: row-parallel products reduce-scatter along the sequence "
+                                    "instead of all-reducing, so norms, dropout and residual adds run on a slice of "
+                                    "it and hold a slice of their activations (Megatron's sequence parallel)")
+    save_dir: str = _flag("", "save checkpoints here (torch.distributed.checkpoint; any later plan or device count "
+                          "can load them), every --save-every steps and at the end")
+    save_every: int = _flag(0, "steps between checkpoints (with --save-dir; default 0: only at the end)")
+    keep: int = _flag(0, "leave only the newest K checkpoints (default 0: all)")
+    async_save: bool = _flag(False, "write checkpoints in the background while training goes on (the state is "
+                             "copied first)")
+    resume: str = _flag("", "continue from a checkpoint: 'auto' (the newest in --save-dir) or its directory; the "
+                        "plan and device count may differ from the run that saved it")
+    collective_timeout: float = _flag(0.0, "seconds a collective waits for a silent process before the run fails, "
+                                      "naming it (default: torch's, 30 minutes)")
+    data: str = _flag("", "a token file to train on: uint16 (or --data-dtype uint32) ids, as nanoGPT's prepare.py "
+                      "writes, or a folder `datasets` saved (its input_ids rows end to end); each data-parallel rank "
+                      "reads only its rows' windows (default: the pydoc corpus, byte tokens); with an image model, "
+                      "an (N, C, H, W) .npy of images beside NAME.labels.npy, or a folder of image files "
+                      "(ROOT/CLASS/FILE, or ROOT/images/ beside ROOT/masks/), of which a rank reads only its rows "
+                      "and tile")
+    data_dtype: str = _flag("uint16", "the --data file's id type (default %(default)s)", choices=("uint16", "uint32"))
+    tokenizer: str = _flag("", "a tokenizer.json (or a folder with one, e.g. a transformers model's): --data is then "
+                           "a text file (or a saved dataset's text rows), tokenized once into runs/data/ beside the "
+                           "metrics")
+    image_size: int = _flag(0, "with an image model: square images of N pixels (default 64)")
 
     @property
     def vision(self) -> bool:
