@@ -34,6 +34,7 @@ class Bucket:
         self.master = nn.Parameter(shard if alias else shard.detach().to(master_dtype, copy=True))
         self.pending = len(params)
         self.grad: torch.Tensor | None = None  # gradient collective's result while in flight
+        self._whole_grad: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self.work = self.sent = None
         self.gather_work = self.gather_src = None
         self.gathered = resident
@@ -47,6 +48,14 @@ class Bucket:
             out.append(flat[offset:offset + shape.numel()].view(shape))
             offset += shape.numel()
         return out
+
+    def whole_grad(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A flat gradient buffer for the whole bucket and each parameter's view of it, made once and kept
+        across steps, as DDP keeps its buckets."""
+        if self._whole_grad is None:
+            buf = self.flat.new_empty(self.flat.numel())
+            self._whole_grad = buf, self.views(buf)
+        return self._whole_grad
 
     def release(self) -> None:
         """Free the gathered parameters (level 3); the parameters point at an empty tensor meanwhile, so a

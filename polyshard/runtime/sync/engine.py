@@ -79,9 +79,16 @@ class GradientSync(Pausable):
 
     def _launch(self, b: Bucket) -> None:
         """Copy the bucket's gradients into one flat buffer and start its all-reduce or reduce-scatter."""
-        buf = b.flat.new_empty(b.flat.numel())
-        for p, view in zip(b.params, b.views(buf)):
-            view.copy_(p.grad) if p.grad is not None else view.zero_()
+        if self._scattered(b):  # a new buffer each step: level 2 keeps only its shard after backward
+            buf = b.flat.new_empty(b.flat.numel())
+            views = b.views(buf)
+        else:
+            buf, views = b.whole_grad()
+        for p, view in zip(b.params, views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():  # else accumulated in place into the last step's view
+                view.copy_(p.grad)
         buf[b.numel:].zero_()
         if self.world > 1:
             buf.div_(self.world)
@@ -116,7 +123,7 @@ class GradientSync(Pausable):
                 shard = grad.to(b.master.dtype)
                 b.master.grad = shard if b.master.grad is None else b.master.grad.add_(shard)
             else:
-                for p, view in zip(b.params, b.views(grad)):
+                for p, view in zip(b.params, b.whole_grad()[1]):
                     p.grad = view
                 b.master.grad = grad[b.lo:b.lo + b.shard_numel].to(b.master.dtype)
         for b in self.buckets:
