@@ -83,10 +83,14 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
     size, transient, grads, seen = {}, {}, {}, set()  # transient: gradients alive while an op's backward runs
     owned = parameters_of(gm).owned
 
+    held_of: dict[str, float] = {}  # a value's bytes, asked for once per consumer
+
     def held(value: fx.Node) -> float:
-        entry, shape = plan.nodes.get(value.name), shape_of(value)
-        ok = entry is not None and shape is not None and isinstance(entry.output, Layout)
-        return local_numel(shape, entry.output) * itemsize * rows if ok else 0.0
+        if value.name not in held_of:
+            entry, shape = plan.nodes.get(value.name), shape_of(value)
+            ok = entry is not None and shape is not None and isinstance(entry.output, Layout)
+            held_of[value.name] = local_numel(shape, entry.output) * itemsize * rows if ok else 0.0
+        return held_of[value.name]
 
     for node in reversed(gm.graph.nodes):
         if _kept(node):
@@ -101,9 +105,10 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
                     seen.add(id(p))
                     grads[node.name] = grads.get(node.name, 0.0) + \
                         param_numel(plan, name, p.shape) * itemsize * grad_share
+    position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     last_of = {}  # a region's last node -> the bytes its recompute brings back
     for region in rc.regions:
-        names = [n.name for n in gm.graph.nodes if n.name in region]
+        names = sorted((name for name in region if name in position), key=position.__getitem__)
         if names:
             last_of[names[-1]] = sum(size.get(n, 0.0) for n in names)
     alive = sum(b for name, b in size.items() if name not in rc.freed)
