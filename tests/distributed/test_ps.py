@@ -50,11 +50,11 @@ def _held_out_loss(params) -> float:
 def test_async_converges_near_sync():
     """Having seen the same examples (async updates use one worker's half batch, so twice as many), async with
     a staleness bound of 2 ends within 50% of sync's held-out loss or below it; a bound of 0 drops gradients.
-    The margin is wide because the last async iterate at lr 0.5 depends on the order updates arrive in: 0.6 to
-    0.9 of sync's loss on an idle machine, up to 1.25 seen on a loaded one."""
-    sgd = functools.partial(torch.optim.SGD, lr=0.5)
-    sync = train_ps(cases.click_model, cases.Clicks(batch_size=32), servers=2, workers=2, steps=80, optimizer=sgd)
-    bounded = train_ps(cases.click_model, cases.Clicks(batch_size=32), servers=2, workers=2, steps=160,
+    At lr 0.2 async ended at 0.39 and 0.55 of sync's loss in two runs with every core busy; at lr 0.5 its last
+    iterate hung on the order updates arrived in (0.65 to 2.4 of sync's, the highest on a loaded machine)."""
+    sgd = functools.partial(torch.optim.SGD, lr=0.2)
+    sync = train_ps(cases.click_model, cases.Clicks(batch_size=32), servers=2, workers=2, steps=160, optimizer=sgd)
+    bounded = train_ps(cases.click_model, cases.Clicks(batch_size=32), servers=2, workers=2, steps=320,
                        optimizer=sgd, mode="async", staleness=2)
     start = _held_out_loss(dict(cases.click_model().named_parameters()))
     assert _held_out_loss(sync.params) < 0.5 * start
