@@ -75,7 +75,7 @@ def check_choice(what: str, value: Any, allowed: tuple) -> None:
 
 @dataclass
 class NodePlan:
-    """How one graph node runs (a rule's Decision).
+    """How one graph node runs (a rule's answer).
 
     impl: "local" (the op runs on each rank's pieces as written), "dtensor" (the op runs on
       DTensors built from the pieces: split weights, contractions), or "vocab_ce"

@@ -45,9 +45,10 @@ class TrainConfig:
     """What one ``polyshard train`` run is asked to do; every field but ``settings`` is the flag of its name."""
 
     model: str = _flag("", "model name (see `polyshard models`; default: the --plan's, else gpt-small), or "
-                       "hf:FAMILY (e.g. hf:llama, a tiny transformers model), hf:CONFIG.json or hf:DIR with config.json "
-                       "and safetensors weights, or an image model (unet-small segments, resnet-small classifies; "
-                       "images generated on the fly, split by height and width over h and w axes of --mesh)")
+                       "hf:FAMILY (e.g. hf:llama, a tiny transformers model), hf:CONFIG.json or hf:DIR with "
+                       "config.json and safetensors weights, or an image model (unet-small segments, resnet-small "
+                       "classifies; images generated on the fly, split by height and width over h and w axes of "
+                       "--mesh)")
     mesh: str = _flag("", "named mesh, e.g. dp=2,tp=2 (default: dp=NPROC); 'dp' splits batches, other axes split "
                       "operators")
     steps: int = _flag(50, "optimizer steps (default %(default)s)")

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 import polyshard as ps
-from polyshard.models import hf
 from polyshard.models.recsys import ClickModel, RecsysConfig, click_batch
 from polyshard.runtime import training_state
 from polyshard.runtime.checkpoint import step_dir

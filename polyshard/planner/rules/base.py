@@ -1,4 +1,4 @@
-"""What a rule may look at; its answer is a Decision (the Plan's per-node entry)."""
+"""What a rule may look at; its answer is a NodePlan (the Plan's per-node entry)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any, Callable
 from torch import fx, nn
 
 from polyshard.layout import Axes, Layout
-from polyshard.plan import NodePlan as Decision
 
 
 INPUT_LAYOUTS = "polyshard_input_layouts"  # a captured graph's meta: its inputs' layouts, by placeholder name

@@ -15,10 +15,11 @@ from polyshard.graph.capture import shape_of
 from polyshard.errors import PolyshardError
 from polyshard.halo import SPLIT_DIMS, halo, lines_up, pair
 from polyshard.layout import Layout
-from polyshard.planner.rules.base import Decision, RuleContext
+from polyshard.plan import NodePlan
+from polyshard.planner.rules.base import RuleContext
 
 
-def window(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
+def window(node: fx.Node, module: nn.Module, ctx: RuleContext) -> NodePlan:
     """Conv2d or MaxPool2d: the image's split kept where the windows line up with the tiles."""
     x = node.args[0]
     src, shape = ctx.layout(x), shape_of(x)
@@ -43,10 +44,10 @@ def window(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
                  "'same' padding (kernel - 1 = 2 x padding, or a 1x1 window), keep the split")
     need = _only(src, kept)
     params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
-    return Decision("spatial" if kept else "local", {x.name: need}, need, params=params)
+    return NodePlan("spatial" if kept else "local", {x.name: need}, need, params=params)
 
 
-def transposed(node: fx.Node, module: nn.ConvTranspose2d, ctx: RuleContext) -> Decision:
+def transposed(node: fx.Node, module: nn.ConvTranspose2d, ctx: RuleContext) -> NodePlan:
     """ConvTranspose2d whose kernel equals its stride (a UNet's up-convolution): each input pixel makes its
     own block of output pixels, so a tile makes its output tile with no halo."""
     x = node.args[0]
@@ -57,10 +58,10 @@ def transposed(node: fx.Node, module: nn.ConvTranspose2d, ctx: RuleContext) -> D
             and not out_pad[d - 2] and dilation[d - 2] == 1]
     need = _only(src, kept)
     params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
-    return Decision("spatial" if kept else "local", {x.name: need}, need, params=params)
+    return NodePlan("spatial" if kept else "local", {x.name: need}, need, params=params)
 
 
-def upsample(node: fx.Node, module: nn.Upsample | None, ctx: RuleContext) -> Decision:
+def upsample(node: fx.Node, module: nn.Upsample | None, ctx: RuleContext) -> NodePlan:
     """Upsampling by a whole factor (an ``nn.Upsample``, or ``F.interpolate`` when ``module`` is None):
     nearest-neighbour makes each pixel's own block, so a tile makes its output tile; bilinear (corners not
     aligned) blends each output pixel from its input neighbours, one row past the tile each side. Other
@@ -69,7 +70,7 @@ def upsample(node: fx.Node, module: nn.Upsample | None, ctx: RuleContext) -> Dec
     src = ctx.layout(x)
     mode, factor = upsampling(node, module)
     need = _only(src, SPLIT_DIMS if mode in ("nearest", "bilinear") else ())
-    return Decision("spatial" if mode == "bilinear" and not need.is_replicated else "local", {x.name: need}, need)
+    return NodePlan("spatial" if mode == "bilinear" and not need.is_replicated else "local", {x.name: need}, need)
 
 
 def upsampling(node: fx.Node, module: nn.Upsample | None) -> tuple[str, tuple[int, int]]:
@@ -87,7 +88,7 @@ def upsampling(node: fx.Node, module: nn.Upsample | None) -> tuple[str, tuple[in
     return mode, tuple(int(f) for f in factor)
 
 
-def cross_entropy(node: fx.Node, ctx: RuleContext) -> Decision | None:
+def cross_entropy(node: fx.Node, ctx: RuleContext) -> NodePlan | None:
     """Cross-entropy of per-pixel logits (N, C, H, W) against targets (N, H, W), both split alike by height
     and width: each tile's losses summed, over the count of all tiles' counted pixels. None otherwise."""
     logits, target = node.args[:2]
@@ -95,7 +96,7 @@ def cross_entropy(node: fx.Node, ctx: RuleContext) -> Decision | None:
     if src is None or src.ndim != 4 or not any(src.dims[d] for d in SPLIT_DIMS) or not _plain_loss(node):
         return None
     need = _only(src, SPLIT_DIMS)
-    return Decision("spatial", {logits.name: need, target.name: need.with_dims([need.dims[0], *need.dims[2:]])},
+    return NodePlan("spatial", {logits.name: need, target.name: need.with_dims([need.dims[0], *need.dims[2:]])},
                     ctx.replicated(0))
 
 
@@ -107,22 +108,22 @@ def _plain_loss(node: fx.Node) -> bool:
         ("weight", None), ("reduction", "mean"), ("label_smoothing", 0.0), ("size_average", None), ("reduce", None)))
 
 
-def batch_norm(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
+def batch_norm(node: fx.Node, module: nn.Module, ctx: RuleContext) -> NodePlan:
     """BatchNorm2d: the image stays split, statistics summed over the tiles (and the data-parallel rows)."""
     x = node.args[0]
     need = _only(ctx.layout(x), SPLIT_DIMS)
     params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
-    return Decision("spatial" if not need.is_replicated else "local", {x.name: need}, need, params=params)
+    return NodePlan("spatial" if not need.is_replicated else "local", {x.name: need}, need, params=params)
 
 
-def global_pool(node: fx.Node, module: nn.AdaptiveAvgPool2d, ctx: RuleContext) -> Decision | None:
+def global_pool(node: fx.Node, module: nn.AdaptiveAvgPool2d, ctx: RuleContext) -> NodePlan | None:
     """AdaptiveAvgPool2d to one pixel: each tile's mean, added up over the tiles; the result replicated.
     None for other output sizes (the caller gathers)."""
     if pair(module.output_size) != (1, 1):
         return None
     x = node.args[0]
     need = _only(ctx.layout(x), SPLIT_DIMS)
-    return Decision("spatial" if not need.is_replicated else "local", {x.name: need}, ctx.replicated(need.ndim))
+    return NodePlan("spatial" if not need.is_replicated else "local", {x.name: need}, ctx.replicated(need.ndim))
 
 
 def _only(layout: Layout, dims) -> Layout:

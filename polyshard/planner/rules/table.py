@@ -1,7 +1,7 @@
 """Rules for the ops transformers use, at torch's level (fx's graphs) and at aten's (export's, read by
 their names through ``op_key``); any other op runs replicated (one warning).
 
-Each rule sees the layouts its inputs arrive in and answers with a Decision. Partial sums never
+Each rule sees the layouts its inputs arrive in and answers with a NodePlan. Partial sums never
 leave a rule: the "dtensor" ops (and "rows", a table's lookup split unevenly) reduce them before handing their
 output on.
 """
@@ -20,7 +20,8 @@ from polyshard.graph.ops import op_key
 from polyshard.graph.params import parameters_of
 from polyshard.errors import PolyshardError
 from polyshard.layout import Layout
-from polyshard.planner.rules.base import Decision, RuleContext
+from polyshard.plan import NodePlan
+from polyshard.planner.rules.base import RuleContext
 from polyshard.planner.rules.spatial import SPATIAL_MODULES, upsample, cross_entropy as spatial_cross_entropy
 from polyshard.planner.rules.einsum import (
     EinsumSpec, embedding_spec, independent_spec, linear_spec, matmul_spec, output_layout, pin_layouts,
@@ -51,8 +52,8 @@ ALONG_DIM = {F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax, 
              "split", "split_with_sizes", "chunk", "cat", "stack", torch.cat, torch.stack}
 
 
-def decide_all(node: fx.Node, ctx: RuleContext) -> list[Decision]:
-    """Every Decision the search may choose for ``node`` given its inputs' layouts (default first)."""
+def decide_all(node: fx.Node, ctx: RuleContext) -> list[NodePlan]:
+    """Every NodePlan the search may choose for ``node`` given its inputs' layouts (default first)."""
     options = [decide(node, ctx)]
     pinned = node.op == "call_module" and hasattr(ctx.modules[node.target], PIN_ATTR)
     if node.op == "call_module" and not pinned:
@@ -64,24 +65,24 @@ def decide_all(node: fx.Node, ctx: RuleContext) -> list[Decision]:
             options += [_embedding(node, module, ctx, split) for split in (True, False)]
     elif op_key(node) in (F.cross_entropy, "cross_entropy_loss"):
         options += [_cross_entropy(node, ctx, vocab) for vocab in (True, False)]
-    unique: list[Decision] = []
+    unique: list[NodePlan] = []
     for d in options:
         if d is not None and d not in unique:
             unique.append(d)
     return unique
 
 
-def decide(node: fx.Node, ctx: RuleContext) -> Decision:
-    """The Decision for one node, given the layouts of the nodes before it."""
+def decide(node: fx.Node, ctx: RuleContext) -> NodePlan:
+    """The NodePlan for one node, given the layouts of the nodes before it."""
     if node.op == "placeholder":
         shape = shape_of(node)
         fixed = ctx.inputs.get(node.name)
-        return Decision("local", {}, fixed or (ctx.replicated(len(shape)) if shape is not None else None))
+        return NodePlan("local", {}, fixed or (ctx.replicated(len(shape)) if shape is not None else None))
     if node.op == "output":
-        return Decision("local", {n.name: ctx.replicated(len(shape_of(n))) for n in _tensor_inputs(node, ctx)}, None)
+        return NodePlan("local", {n.name: ctx.replicated(len(shape_of(n))) for n in _tensor_inputs(node, ctx)}, None)
     if node.op == "get_attr":
         shape = shape_of(node)
-        return Decision("local", {}, ctx.replicated(len(shape)) if shape is not None else None)
+        return NodePlan("local", {}, ctx.replicated(len(shape)) if shape is not None else None)
     if node.op == "call_module":
         module = ctx.modules[node.target]
         pin = getattr(module, PIN_ATTR, None)
@@ -98,11 +99,11 @@ def decide(node: fx.Node, ctx: RuleContext) -> Decision:
     if pin is not None:
         return _pinned_function(node, node.target, pin, ctx)
     if target in NON_TENSOR or (target is getattr and node.args[1] in ("shape", "device", "dtype", "ndim")):
-        return Decision("local", {}, None)
+        return NodePlan("local", {}, None)
     if shape_of(node) is None and not _tensor_inputs(node, ctx):  # arithmetic on sizes: plain Python values
-        return Decision("local", {}, None)
+        return NodePlan("local", {}, None)
     if (target in CREATION and not _tensor_inputs(node, ctx)) or target in CREATION_FROM:
-        return Decision("local", {n.name: ctx.layout(n) for n in _tensor_inputs(node, ctx)},
+        return NodePlan("local", {n.name: ctx.layout(n) for n in _tensor_inputs(node, ctx)},
                         ctx.replicated(len(shape_of(node) or ())))
     if isinstance(node.target, torch._ops.HigherOrderOperator):
         return _replicated(node, ctx)  # a body export outlined (e.g. rotary tables under no_grad): run whole
@@ -115,7 +116,7 @@ def _tensor_inputs(node: fx.Node, ctx: RuleContext) -> list[fx.Node]:
     return [n for n in node.all_input_nodes if isinstance(ctx.layout(n), Layout)]
 
 
-def _replicated(node: fx.Node, ctx: RuleContext, warn: bool = False) -> Decision:
+def _replicated(node: fx.Node, ctx: RuleContext, warn: bool = False) -> NodePlan:
     """Gather every input and run the op whole on each rank: always correct."""
     if warn:
         what = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
@@ -123,9 +124,9 @@ def _replicated(node: fx.Node, ctx: RuleContext, warn: bool = False) -> Decision
         ctx.warn(f"no sharding rule for `{what}` ({kind}); it runs replicated")
     inputs = {n.name: ctx.replicated(ctx.layout(n).ndim) for n in _tensor_inputs(node, ctx)}
     if shapes_of(node) is not None:  # several tensors (a split, an outlined body): each whole
-        return Decision("local", inputs, tuple(ctx.replicated(len(s)) for s in shapes_of(node)))
+        return NodePlan("local", inputs, tuple(ctx.replicated(len(s)) for s in shapes_of(node)))
     shape = shape_of(node)
-    return Decision("local", inputs, ctx.replicated(len(shape)) if shape is not None else None)
+    return NodePlan("local", inputs, ctx.replicated(len(shape)) if shape is not None else None)
 
 
 def _reduced(layout: Layout) -> Layout:
@@ -143,7 +144,7 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 
 # -- rules ---------------------------------------------------------------------------------
-def _elementwise(node: fx.Node, ctx: RuleContext) -> Decision:
+def _elementwise(node: fx.Node, ctx: RuleContext) -> NodePlan:
     """Broadcasting elementwise op: every input follows the most-split input, aligned from the right."""
     inputs = _tensor_inputs(node, ctx)
     out_shape = shape_of(node)
@@ -163,10 +164,10 @@ def _elementwise(node: fx.Node, ctx: RuleContext) -> Decision:
         off = out_nd - len(shape)
         dims = [out_dims[off + i] if shape[i] == out_shape[off + i] else () for i in range(len(shape))]
         required[n.name] = l.with_dims(dims) if l.axes == out.axes else out.with_dims(dims)
-    return Decision("local", required, out)
+    return NodePlan("local", required, out)
 
 
-def _view(node: fx.Node, ctx: RuleContext) -> Decision:
+def _view(node: fx.Node, ctx: RuleContext) -> NodePlan:
     """view/reshape/flatten: a split moves to the first (outermost) piece of the dim it splits."""
     x = node.args[0]
     src = ctx.layout(x)
@@ -190,7 +191,7 @@ def _view(node: fx.Node, ctx: RuleContext) -> Decision:
     divisors = {o: out.num_shards(o) for o in range(len(out_shape)) if out_dims[o]}
     if node.target in ("flatten", torch.flatten):
         divisors = {}
-    return Decision("local", {x.name: need}, out, shape_divisors=divisors)
+    return NodePlan("local", {x.name: need}, out, shape_divisors=divisors)
 
 
 def _view_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
@@ -212,7 +213,7 @@ def _view_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
     return groups
 
 
-def _permute(node: fx.Node, ctx: RuleContext, order: list[int] | None = None) -> Decision:
+def _permute(node: fx.Node, ctx: RuleContext, order: list[int] | None = None) -> NodePlan:
     x = node.args[0]
     src = _without(ctx.layout(x), [])
     nd = src.ndim
@@ -223,19 +224,19 @@ def _permute(node: fx.Node, ctx: RuleContext, order: list[int] | None = None) ->
     elif order is None:
         dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
         order = [_norm_dim(d, nd) for d in dims]
-    return Decision("local", {x.name: src}, src.with_dims([src.dims[o] for o in order]))
+    return NodePlan("local", {x.name: src}, src.with_dims([src.dims[o] for o in order]))
 
 
-def _getitem(node: fx.Node, ctx: RuleContext) -> Decision:
+def _getitem(node: fx.Node, ctx: RuleContext) -> NodePlan:
     src = ctx.layout(node.args[0])
     if isinstance(src, tuple):
-        return Decision("local", {}, src[node.args[1]])
+        return NodePlan("local", {}, src[node.args[1]])
     if isinstance(src, Layout):
         return _replicated(node, ctx)
-    return Decision("local", {}, None)
+    return NodePlan("local", {}, None)
 
 
-def _attention(node: fx.Node, ctx: RuleContext) -> Decision:
+def _attention(node: fx.Node, ctx: RuleContext) -> NodePlan:
     """Attention is independent per (batch, head): q, k, v split alike on those dims run locally."""
     q, k, v = node.args[:3]
     lead = _without(ctx.layout(q), [2, 3])
@@ -248,10 +249,10 @@ def _attention(node: fx.Node, ctx: RuleContext) -> Decision:
         off = len(q_shape) - len(m_shape)
         inputs[mask.name] = lead.with_dims([lead.dims[off + i] if off + i < 2 and size == q_shape[off + i] else ()
                                             for i, size in enumerate(m_shape)])
-    return Decision("local", inputs, lead)
+    return NodePlan("local", inputs, lead)
 
 
-def _along_dim(node: fx.Node, ctx: RuleContext) -> Decision:
+def _along_dim(node: fx.Node, ctx: RuleContext) -> NodePlan:
     """Softmax, cumsum, slice, select, split, cat, stack: the dim they work along whole, others as they come."""
     target = getattr(op_key(node), "__name__", op_key(node))  # torch.cat as "cat"
     parts = node.args[0] if target in ("cat", "stack") else [node.args[0]]
@@ -269,10 +270,10 @@ def _along_dim(node: fx.Node, ctx: RuleContext) -> Decision:
         del dims[_norm_dim(dim, need.ndim)]
     out = need.with_dims(dims)
     several = shapes_of(node)
-    return Decision("local", inputs, tuple(out for _ in several) if several is not None else out)
+    return NodePlan("local", inputs, tuple(out for _ in several) if several is not None else out)
 
 
-def _broadcast_view(node: fx.Node, ctx: RuleContext) -> Decision:
+def _broadcast_view(node: fx.Node, ctx: RuleContext) -> NodePlan:
     """unsqueeze, squeeze, expand: split dims keep their split; an expand's sizes are made local."""
     x = node.args[0]
     src = _without(ctx.layout(x), [])
@@ -289,10 +290,10 @@ def _broadcast_view(node: fx.Node, ctx: RuleContext) -> Decision:
         dims = [()] * (len(out_shape) - src.ndim) + list(src.dims)
     out = src.with_dims(dims)
     divisors = {o: out.num_shards(o) for o in range(len(out_shape)) if dims[o]} if target == "expand" else {}
-    return Decision("local", {x.name: src}, out, shape_divisors=divisors)
+    return NodePlan("local", {x.name: src}, out, shape_divisors=divisors)
 
 
-def _reduction(node: fx.Node, ctx: RuleContext) -> Decision:
+def _reduction(node: fx.Node, ctx: RuleContext) -> NodePlan:
     """sum/mean: split dims that are reduced are gathered first; the others stay split."""
     x = node.args[0]
     src = ctx.layout(x)
@@ -302,10 +303,10 @@ def _reduction(node: fx.Node, ctx: RuleContext) -> Decision:
     need = _without(src, reduced)
     keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
     dims = [() if i in reduced else d for i, d in enumerate(need.dims) if keep or i not in reduced]
-    return Decision("local", {x.name: need}, need.with_dims(dims))
+    return NodePlan("local", {x.name: need}, need.with_dims(dims))
 
 
-def _layer_norm(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
+def _layer_norm(node: fx.Node, module: nn.Module, ctx: RuleContext) -> NodePlan:
     """LayerNorm or RMSNorm: normalized dims whole, the others (batch, sequence) may stay split. On a
     split input the whole weights get partial gradients: DTensor runs it, and sums them over the split axes."""
     x = node.args[0]
@@ -314,10 +315,10 @@ def _layer_norm(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
     need = _without(src, list(range(src.ndim - normalized, src.ndim)))
     params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
     impl = "dtensor" if params and not need.is_replicated else "local"
-    return Decision(impl, {x.name: need}, need, params=params)
+    return NodePlan(impl, {x.name: need}, need, params=params)
 
 
-def _cross_entropy(node: fx.Node, ctx: RuleContext, vocab: bool | None = None) -> Decision | None:
+def _cross_entropy(node: fx.Node, ctx: RuleContext, vocab: bool | None = None) -> NodePlan | None:
     """Logits split over the classes stay split: vocabulary-parallel cross-entropy, no full logits.
 
     ``vocab`` forces the choice, for the search (True slices replicated logits); None if it cannot apply."""
@@ -338,10 +339,10 @@ def _cross_entropy(node: fx.Node, ctx: RuleContext, vocab: bool | None = None) -
     if not plain or not ctx.all_axes or shape_of(logits)[1] % ctx.num_devices:
         return None
     need = src if src.dims[1] and not src.dims[0] and not src.partial else ctx.replicated(2).with_dims([(), ctx.all_axes])
-    return Decision("vocab_ce", {logits.name: need, target.name: ctx.replicated(1)}, ctx.replicated(0))
+    return NodePlan("vocab_ce", {logits.name: need, target.name: ctx.replicated(1)}, ctx.replicated(0))
 
 
-def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None = None) -> Decision | None:
+def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None = None) -> NodePlan | None:
     """Megatron's pairing: column-parallel after replicated input, row-parallel after a split last dim.
 
     ``mode`` ("column", "row", "row_scatter", "replicated") forces a choice, for the search; None if
@@ -387,10 +388,10 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None
     bias = {"bias": Layout(ctx.op_axes, (w.dims[0],))} if getattr(module, "bias", None) is not None else {}
     params = {"weight": w.with_dims([w.dims[d] for d in order])} | bias
     impl = "local" if mode == "replicated" else "dtensor"
-    return Decision(impl, {x.name: x_need}, out, params=params)
+    return NodePlan(impl, {x.name: x_need}, out, params=params)
 
 
-def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: bool | None = None) -> Decision | None:
+def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: bool | None = None) -> NodePlan | None:
     """Vocabulary-parallel lookup (rows split, partial sums reduced) for tables taller than wide.
 
     ``split`` forces the choice, for the search; None if it cannot apply."""
@@ -404,10 +405,10 @@ def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: boo
         return None
     w = fixed if fixed is not None else Layout(ctx.op_axes, (ctx.all_axes, ())) if split else ctx.replicated(2)
     impl = "local" if w.is_replicated else "dtensor"
-    return Decision(impl, {idx.name: ctx.replicated(src.ndim)}, ctx.replicated(src.ndim + 1), params={"weight": w})
+    return NodePlan(impl, {idx.name: ctx.replicated(src.ndim)}, ctx.replicated(src.ndim + 1), params={"weight": w})
 
 
-def _matmul(node: fx.Node, ctx: RuleContext) -> Decision:
+def _matmul(node: fx.Node, ctx: RuleContext) -> NodePlan:
     a, b = node.args[:2]
     la, lb = ctx.layout(a), ctx.layout(b)
     spec = matmul_spec(la.ndim, lb.ndim)
@@ -417,11 +418,11 @@ def _matmul(node: fx.Node, ctx: RuleContext) -> Decision:
     else:
         b_need = _without(lb, list(range(lb.ndim)))
     out = output_layout(spec, [a_need, b_need], node.name)
-    return Decision("local", {a.name: a_need, b.name: b_need}, out)
+    return NodePlan("local", {a.name: a_need, b.name: b_need}, out)
 
 
 # -- pins ----------------------------------------------------------------------------------
-def _pinned_module(node: fx.Node, module: nn.Module, pin, ctx: RuleContext) -> Decision:
+def _pinned_module(node: fx.Node, module: nn.Module, pin, ctx: RuleContext) -> NodePlan:
     """A user's strategy for a module: Linear and Embedding split their weights by it too."""
     inputs = [n for n in node.args if isinstance(n, fx.Node)]
     shapes = [shape_of(n) for n in inputs]
@@ -446,7 +447,7 @@ def _pinned_module(node: fx.Node, module: nn.Module, pin, ctx: RuleContext) -> D
     if pin.manual_split is not None:
         _check_manual_split(node.target, module, pin.manual_split, layouts)
     impl = "rows" if pin.manual_split is not None else "dtensor"
-    return Decision(impl, {n.name: l for n, l in zip(inputs, layouts)}, out, params=params)
+    return NodePlan(impl, {n.name: l for n, l in zip(inputs, layouts)}, out, params=params)
 
 
 def _check_manual_split(target: str, table: nn.Embedding, rows: tuple[int, ...], layouts: list[Layout]) -> None:
@@ -485,14 +486,14 @@ def row_splits(gm: fx.GraphModule, nodes: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _pinned_function(node: fx.Node, fn, pin, ctx: RuleContext) -> Decision:
+def _pinned_function(node: fx.Node, fn, pin, ctx: RuleContext) -> NodePlan:
     inputs = [n for n in node.args if isinstance(n, fx.Node)]
     shapes = [shape_of(n) for n in inputs]
     spec = spec_for_function(pin.fn, [len(s) for s in shapes])
     layouts = pin_layouts(spec, pin.in_strategy, shapes, ctx.op_axes, pin.name)
     natural = output_layout(spec, layouts, pin.name) if spec.output else None
     out = pin_output_layout(pin.out_strategy, shape_of(node), natural, ctx.op_axes, pin.name)
-    return Decision("dtensor", {n.name: l for n, l in zip(inputs, layouts)}, out)
+    return NodePlan("dtensor", {n.name: l for n, l in zip(inputs, layouts)}, out)
 
 
 def spec_for_function(fn, ndims: list[int]) -> EinsumSpec:
@@ -506,32 +507,32 @@ def spec_for_function(fn, ndims: list[int]) -> EinsumSpec:
     return independent_spec(ndims)
 
 
-def _transpose_2d(node: fx.Node, ctx: RuleContext) -> Decision:
+def _transpose_2d(node: fx.Node, ctx: RuleContext) -> NodePlan:
     return _permute(node, ctx, order=[1, 0])
 
 
-def _edge_op(node: fx.Node, ctx: RuleContext) -> Decision:
+def _edge_op(node: fx.Node, ctx: RuleContext) -> NodePlan:
     """diff and pad read past each element along the dims they act on: those dims whole."""
     x = node.args[0]
     whole = ([node.args[2] if len(node.args) > 2 else -1] if op_key(node) == "diff"
              else range(-len(node.args[1]) // 2, 0))
     need = _without(ctx.layout(x), [_norm_dim(d, ctx.layout(x).ndim) for d in whole])
-    return Decision("local", {n.name: ctx.replicated(ctx.layout(n).ndim) for n in _tensor_inputs(node, ctx)}
+    return NodePlan("local", {n.name: ctx.replicated(ctx.layout(n).ndim) for n in _tensor_inputs(node, ctx)}
                     | {x.name: need}, need)
 
 
-def _any_cross_entropy(node: fx.Node, ctx: RuleContext) -> Decision:
+def _any_cross_entropy(node: fx.Node, ctx: RuleContext) -> NodePlan:
     return spatial_cross_entropy(node, ctx) or _cross_entropy(node, ctx)
 
 
-def _interpolate(node: fx.Node, ctx: RuleContext) -> Decision:
+def _interpolate(node: fx.Node, ctx: RuleContext) -> NodePlan:
     """Images (4-D) upsample tile by tile; anything else runs whole."""
     if shape_of(node.args[0]) is not None and len(shape_of(node.args[0])) == 4:
         return upsample(node, None, ctx)
     return _replicated(node, ctx, warn=True)
 
 
-def _elementwise_module(node: fx.Node, module: nn.Module, ctx: RuleContext) -> Decision:
+def _elementwise_module(node: fx.Node, module: nn.Module, ctx: RuleContext) -> NodePlan:
     return _elementwise(node, ctx)
 
 
