@@ -68,7 +68,6 @@ def matmul_sweep(device: torch.device, grid, dtypes, repeats: int) -> list[dict]
                     seconds = timed(lambda: torch.matmul(a, b), device, repeats)
                     rows.append({"dtype": str(dtype).removeprefix("torch."), "m": m, "n": n, "k": k,
                                  "flops_per_s": 2 * m * n * k / seconds})
-                    del a, b
     return rows
 
 
@@ -135,33 +134,36 @@ def step_times(device: torch.device, repeats: int) -> list[dict]:
     """Seconds per training step (forward, backward, AdamW) of each GPT case under bf16 autocast."""
     rows = []
     for name, cfg, batch in STEP_CASES:
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device)
-
-        def fwd_bwd():
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(idx, idx)
-            loss.backward()
-
-        def step():
-            fwd_bwd()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        seconds = timed(step, device, repeats)
-        rows.append({"model": name, "layers": cfg.num_layers, "hidden": cfg.hidden, "heads": cfg.num_heads,
-                     "vocab": cfg.vocab_size, "seq": cfg.seq_len, "batch": batch, "step_s": seconds,
-                     "fwd_bwd_s": timed(fwd_bwd, device, repeats),
-                     "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None})
-        del model, opt
-        if device.type == "cuda":
+        rows.append(_step_time(name, cfg, batch, device, repeats))
+        if device.type == "cuda":  # the case's model and optimizer state are gone with its frame
             torch.cuda.empty_cache()
     return rows
+
+
+def _step_time(name: str, cfg, batch: int, device: torch.device, repeats: int) -> dict:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device)
+
+    def fwd_bwd():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(idx, idx)
+        loss.backward()
+
+    def step():
+        fwd_bwd()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = timed(step, device, repeats)
+    return {"model": name, "layers": cfg.num_layers, "hidden": cfg.hidden, "heads": cfg.num_heads,
+            "vocab": cfg.vocab_size, "seq": cfg.seq_len, "batch": batch, "step_s": seconds,
+            "fwd_bwd_s": timed(fwd_bwd, device, repeats),
+            "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None}
 
 
 def main(argv=None) -> None:
