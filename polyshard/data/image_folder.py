@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from polyshard.data.saved_dataset import is_saved_dataset
 from polyshard.errors import PolyshardError
 
 SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"}
 
 
 def is_image_folder(path: str) -> bool:
-    return Path(path).is_dir() and not (Path(path) / "state.json").exists()
+    return Path(path).is_dir() and not is_saved_dataset(path)
 
 
 def open_image_folder(path: str) -> tuple[FolderImages, np.ndarray | FolderMasks]:

@@ -16,6 +16,7 @@ import torch
 
 from polyshard.data.draws import SeededDraws
 from polyshard.data.image_folder import is_image_folder, open_image_folder
+from polyshard.data.saved_dataset import is_saved_dataset
 from polyshard.errors import PolyshardError
 
 
@@ -24,6 +25,9 @@ def open_images(path: str) -> tuple[np.ndarray, np.ndarray]:
     folder of image files (polyshard.data.image_folder), read as the same arrays, lazily."""
     if is_image_folder(path):
         return open_image_folder(path)
+    if is_saved_dataset(path):
+        raise PolyshardError(f"--data {path!r} is a saved `datasets` dataset, which only token models read; an image "
+                             "model reads an (N, C, H, W) .npy of images or a folder of image files")
     images_path = Path(path)
     labels_path = images_path.with_name(images_path.stem + ".labels.npy")
     for p in (images_path, labels_path):

@@ -134,3 +134,10 @@ def test_an_image_folder_that_does_not_hold_an_image_set_is_refused(tmp_path):
     images, labels = open_images(str(tmp_path / "mixed"))
     with pytest.raises(PolyshardError, match="b.png is RGB 8x16; every image is RGB 16x16"):
         next(ImageBatches(images, labels, 8, seed=0))
+
+
+@pytest.mark.parametrize("marker", ["state.json", "dataset_dict.json"])
+def test_a_saved_dataset_is_not_taken_for_an_image_folder(tmp_path, marker):
+    (tmp_path / marker).write_text("{}")
+    with pytest.raises(PolyshardError, match="is a saved `datasets` dataset, which only token models read"):
+        open_images(str(tmp_path))
