@@ -102,15 +102,21 @@ def _interleaved(s: int, pp: int, m: int, v: int) -> list[Action]:
 def simulate(actions: list[list[Action]], forward_s: list[float], backward_s: list[float]) -> list[ActionTime]:
     """Run every stage's actions as early as their inputs allow (forward after the previous chunk's
     forward, backward after the next chunk's backward); chunk c's times are ``forward_s[c]``,
-    ``backward_s[c]``. Raises a PolyshardError where no stage can go on (a deadlock).
+    ``backward_s[c]``. Raises a PolyshardError where no stage can go on (a deadlock)."""
+    return [ActionTime._make(t) for t in simulated_times(actions, forward_s, backward_s)]
+
+
+def simulated_times(actions: list[list[Action]], forward_s: list[float], backward_s: list[float]) -> list[tuple]:
+    """:func:`simulate`'s times as plain (stage, chunk, kind, micro, start_s, end_s) tuples, for callers
+    that sum them by the thousand (the planner).
 
     A stage is visited again only when an action it waits for is done, so each action is handled
     about once however many stages and micro-batches there are."""
     last = len(forward_s) - 1
     stage_of = {a.chunk: s for s, todo in enumerate(actions) for a in todo}
     micros = 1 + max((a.micro for todo in actions for a in todo), default=0)
-    done = {"F": [[None] * micros for _ in forward_s], "B": [[None] * micros for _ in forward_s]}
-    seconds = {"F": forward_s, "B": backward_s}
+    forward_done = [[None] * micros for _ in forward_s]
+    backward_done = [[None] * micros for _ in forward_s]
     free = [0.0] * len(actions)
     nxt = [0] * len(actions)
     out = []
@@ -121,18 +127,23 @@ def simulate(actions: list[list[Action]], forward_s: list[float], backward_s: li
         while at < len(todo):
             chunk, kind, micro = (a := todo[at]).chunk, a.kind, a.micro
             if kind == "F":  # after the previous chunk's forward
-                ready = done["F"][chunk - 1][micro] if chunk > 0 else 0.0
+                ready = forward_done[chunk - 1][micro] if chunk > 0 else 0.0
+                if ready is None:
+                    break
+                start = max(free[s], ready)
+                end = forward_done[chunk][micro] = start + forward_s[chunk]
+                waiter = stage_of.get(chunk + 1)
             else:  # after its own forward and the next chunk's backward
-                own = done["F"][chunk][micro]
-                after = done["B"][chunk + 1][micro] if chunk < last else 0.0
-                ready = None if own is None or after is None else max(own, after)
-            if ready is None:
-                break
-            start = max(free[s], ready)
-            free[s] = done[kind][chunk][micro] = start + seconds[kind][chunk]
-            out.append(ActionTime(s, chunk, kind, micro, start, free[s]))
+                own = forward_done[chunk][micro]
+                after = backward_done[chunk + 1][micro] if chunk < last else 0.0
+                if own is None or after is None:
+                    break
+                start = max(free[s], own, after)
+                end = backward_done[chunk][micro] = start + backward_s[chunk]
+                waiter = stage_of.get(chunk - 1)
+            out.append((s, chunk, kind, micro, start, end))
+            free[s] = end
             at += 1
-            waiter = stage_of.get(chunk + 1 if kind == "F" else chunk - 1)
             if waiter is not None and waiter != s:
                 visit.append(waiter)
         nxt[s] = at

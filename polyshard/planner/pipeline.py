@@ -27,7 +27,7 @@ from polyshard.planner.cost.overlap import OpCost
 from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
 from polyshard.plan import DTYPES, Plan
-from polyshard.schedule import schedule_actions, simulate
+from polyshard.schedule import schedule_actions, simulated_times
 from polyshard.planner.stages import even_partition, min_max_partition
 
 BUCKET_BYTES = 25 * 2**20  # the gradient bucket a stage holds without optimizer parallel (as estimate_memory)
@@ -362,10 +362,10 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     base, acts = fixed_of[end] - fixed_of[start] + rerun + bucket, acts_of[end] - acts_of[start]
     fitting: dict[float, np.ndarray] = {}  # time where a range fits, by activations in flight (chunks share it)
 
-    def load(k, i, j):
+    def load(k):
         if held[k] not in fitting:
             fitting[held[k]] = np.where(base + acts * held[k] <= s.limit / v, time, np.inf)
-        return fitting[held[k]][i, j]
+        return fitting[held[k]]
 
     def fits(cuts: list[int]) -> bool:
         edges = [0, *cuts, n]
@@ -381,7 +381,7 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
         # and the levels and schedules that share them need no program of their own.
         free = ("cuts", id(units), chunks, rows, send.tobytes())
         if free not in s.memo:
-            s.memo[free] = min_max_partition(lambda k, i, j: time[i, j], n, chunks)[1]
+            s.memo[free] = min_max_partition(lambda k: time, n, chunks)[1]
         cuts = list(s.memo[free])
         if not fits(cuts):
             slowest, cuts = min_max_partition(load, n, chunks)
@@ -434,11 +434,11 @@ def _simulated(schedule: str, pp: int, m: int, v: int, forward: tuple, backward:
         (span, _), (before, _) = (_simulated(schedule, pp, k, v, forward, backward) for k in (cap, cap - group))
         busy = [m * sum(forward[c] + backward[c] for c in range(r, len(forward), pp)) for r in range(pp)]
         return span + (m - cap) / group * (span - before), busy
-    times = simulate(_actions(schedule, pp, m, v), list(forward), list(backward))
+    times = simulated_times(_actions(schedule, pp, m, v), list(forward), list(backward))
     busy = [0.0] * pp
-    for t in times:
-        busy[t.stage] += t.end_s - t.start_s
-    return max(t.end_s for t in times) - min(t.start_s for t in times), busy
+    for stage, _, _, _, start, end in times:
+        busy[stage] += end - start
+    return max(t[5] for t in times) - min(t[4] for t in times), busy
 
 
 _actions = functools.lru_cache(maxsize=64)(schedule_actions)  # one list per schedule shape, read only

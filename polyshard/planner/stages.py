@@ -4,6 +4,7 @@ default cuts both use it)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -23,8 +24,8 @@ from polyshard.plan import DTYPES, Plan
 from polyshard.planner.propagate import propagate
 from polyshard.schedule import ActionTime, schedule_actions, simulate
 
-# load(part, starts, ends) -> each unit range's load as part ``part`` (inf where the part may not hold it)
-Load = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
+# load(part)[i, j]: the load of units i .. j-1 as part ``part`` (inf where the part may not hold them), i < j
+Load = Callable[[int], np.ndarray]
 
 
 def model_pp_plan(model: nn.Module) -> dict[str, tuple] | None:
@@ -80,21 +81,21 @@ def min_max_partition(load: Load, units: int, parts: int) -> tuple[float, list[i
     ``parts`` non-empty parts that minimises the largest part's load; (inf, []) when none is allowed.
 
     Dynamic program over (units taken, parts made), one numpy pass per part over the band of
-    starts and ends that leave every part a unit; ties go to the earliest cut."""
+    starts and ends that leave every part a unit (a slice of the load matrix); ties go to the
+    earliest cut."""
     if not 1 <= parts <= units:
         return float("inf"), []
-    width = units - parts + 1  # part k ends somewhere in k+1 .. k+width
-    offsets = np.arange(width)
+    width = units - parts + 1  # part k starts in k .. k+width-1 and ends in k+1 .. k+width
+    empty = _empty_parts(width)
     best = np.full(units + 1, np.inf)
     best[0] = 0.0
     picks = []
     for k in range(parts):
-        start, end = k + offsets[:, None], k + 1 + offsets[None, :]  # broadcast to every (start, end)
-        cost = np.where(start < end, np.maximum(best[start], load(k, start, end)), np.inf)
-        pick = cost.argmin(axis=0)
+        cost = np.maximum(best[k:k + width, None], load(k)[k:k + width, k + 1:k + 1 + width])
+        np.maximum(cost, empty, out=cost)
+        picks.append(k + cost.argmin(axis=0))  # the start of part k, by its end - (k + 1)
         best = np.full(units + 1, np.inf)
-        best[k + 1:k + 1 + width] = cost[pick, offsets]
-        picks.append(k + pick)  # the start of part k, by its end - (k + 1)
+        best[k + 1:k + 1 + width] = cost.min(axis=0)
     if not np.isfinite(best[units]):
         return float("inf"), []
     cuts, j = [], units
@@ -104,10 +105,17 @@ def min_max_partition(load: Load, units: int, parts: int) -> tuple[float, list[i
     return float(best[units]), cuts[::-1]
 
 
-def sum_load(costs: Sequence[float]) -> Load:
-    """A part's load as the sum of its units' costs."""
+@functools.lru_cache(maxsize=64)
+def _empty_parts(width: int) -> np.ndarray:
+    """Over a band of starts k+a (rows) and ends k+1+b (columns): inf where the part would hold no unit
+    (a > b), -inf elsewhere, so that a maximum with it blocks exactly those."""
+    return np.where(np.triu(np.ones((width, width), dtype=bool)), -np.inf, np.inf)
+
+
+def range_sums(costs: Sequence[float]) -> np.ndarray:
+    """[i, j]: the sum of units i .. j-1's costs (a part's load where every part may hold any units)."""
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
-    return lambda k, i, j: prefix[j] - prefix[i]
+    return prefix[None, :] - prefix[:, None]
 
 
 def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = None,
@@ -133,9 +141,8 @@ def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = Non
             memory[unit[node.name]] += local_numel(shape, out) * kept_copies(node, Recomputed())
         if node.op == "call_module":
             memory[unit[node.name]] += sum(p.numel() for p in modules[node.target].parameters())
-    share_flops, share_memory = (sum_load(np.array(x) / (sum(x) or 1)) for x in (flops, memory))
-    _, cuts = min_max_partition(lambda k, i, j: np.maximum(share_flops(k, i, j), share_memory(k, i, j)),
-                                len(blocks), stages)
+    loads = np.maximum(*(range_sums(np.array(x) / (sum(x) or 1)) for x in (flops, memory)))
+    _, cuts = min_max_partition(lambda k: loads, len(blocks), stages)
     return tuple(blocks[i] for i in cuts)
 
 

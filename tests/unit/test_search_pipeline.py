@@ -14,7 +14,7 @@ from polyshard.plan import Plan
 from polyshard.planner.report import render
 from polyshard.planner.config import Fixed
 from polyshard.planner.search import mesh_candidates, search
-from polyshard.planner.stages import even_partition, min_max_partition, sum_load
+from polyshard.planner.stages import even_partition, min_max_partition, range_sums
 from polyshard.compiler.stages import pipeline_split
 
 MiB = 2**20
@@ -39,9 +39,9 @@ def _setup(pp, rows, limit=float("inf"), send_s_per_mib=0.0):
 
 def test_min_max_partition_of_unequal_layers():
     # 1+1+1 | 3 beats 1+1 | 1+3; in three parts 1+1 | 1 | 3 (largest 3); ties go to the earliest cut
-    assert min_max_partition(sum_load([1, 1, 1, 3]), 4, 2) == (3.0, [3])
-    assert min_max_partition(sum_load([1, 1, 1, 3]), 4, 3) == (3.0, [1, 3])
-    assert min_max_partition(sum_load([1, 2]), 2, 3) == (float("inf"), [])
+    assert min_max_partition(lambda k: range_sums([1, 1, 1, 3]), 4, 2) == (3.0, [3])
+    assert min_max_partition(lambda k: range_sums([1, 1, 1, 3]), 4, 3) == (3.0, [1, 3])
+    assert min_max_partition(lambda k: range_sums([1, 2]), 2, 3) == (float("inf"), [])
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -64,7 +64,8 @@ def test_min_max_partition_matches_brute_force_with_per_part_limits(seed):
         worst = max(float(part_load(k, np.array(a), np.array(b))) for k, (a, b) in enumerate(zip(edges, edges[1:])))
         if worst < best[0]:
             best = (worst, list(cuts))
-    found = min_max_partition(part_load, units, parts)
+    ends = np.arange(units + 1)
+    found = min_max_partition(lambda k: part_load(k, ends[:, None], ends[None, :]), units, parts)
     assert found[0] == pytest.approx(best[0])
     if np.isfinite(best[0]):
         edges = [0, *found[1], units]
