@@ -18,6 +18,20 @@ from polyshard.errors import PolyshardError
 
 STOP_GRACE_S = 5.0  # after a rank's error, how long the others may take to stop before they are killed
 ERRORS_ENV = "POLYSHARD_ERRORS_DIR"  # where ranks launched by `polyshard` leave the bad input they found
+# `polyshard train`'s flags for the launch itself, as argparse takes them: the ranks are started without them
+LAUNCH_FLAGS = {
+    "--nproc": dict(type=int, default=None,
+                    help="processes to launch through torchrun (default: 1, or the current torchrun world)"),
+    "--nnodes": dict(type=int, default=1, help="machines the run spans (default 1): start the same command on each, "
+                     "with its own --node-rank; --nproc is per machine"),
+    "--node-rank": dict(type=int, default=0, help="this machine's index, 0 .. nnodes-1 (default 0)"),
+    "--rdzv": dict(default="", help="HOST:PORT where the machines meet: node 0's address and a free port (needed "
+                   "with --nnodes 2 or more)"),
+    "--rdzv-timeout": dict(type=float, default=600, help="seconds a machine other than 0 waits for machine 0 at "
+                           "--rdzv before giving up (default 600)"),
+    "--max-restarts": dict(type=int, default=0, help="when a process dies, restart the job up to N times; with "
+                           "--save-dir it resumes from the newest checkpoint by itself"),
+}
 
 
 def under_torchrun() -> bool:

@@ -11,14 +11,11 @@ from pathlib import Path
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.cli.k8s import add_parser as add_k8s
-from polyshard.cli.launch import (ERRORS_ENV, check_nodes, launch, reach_rendezvous, under_torchrun,
-                                  without_flag)
+from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, check_nodes, launch, reach_rendezvous,
+                                  under_torchrun, without_flag)
 from polyshard.cli.ps import add_parser as add_ps
 from polyshard.cli.train_args import add_config_flags, train_config
 from polyshard.errors import PolyshardError
-from polyshard.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
-                                   ZERO_LEVELS)
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,34 +45,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train a model from polyshard.models or transformers on --data, by default on the "
                                    "pydoc corpus every Python install has.")
     add_config_flags(t)
-    t.add_argument("--nproc", type=int, default=None, help="processes to launch through torchrun (default: 1, or "
-                   "the current torchrun world)")
-    t.add_argument("--nnodes", type=int, default=1, help="machines the run spans (default 1): start the same "
-                   "command on each, with its own --node-rank; --nproc is per machine")
-    t.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1 (default 0)")
-    t.add_argument("--rdzv", default="", help="HOST:PORT where the machines meet: node 0's address and a free port "
-                   "(needed with --nnodes 2 or more)")
-    t.add_argument("--rdzv-timeout", type=float, default=600, help="seconds a machine other than 0 waits for "
-                   "machine 0 at --rdzv before giving up (default 600)")
-    t.add_argument("--recompute", choices=RECOMPUTE_MODES, help="recompute activations in backward instead of "
-                   "storing them: the attention cores (selective) or every block (full)")
-    t.add_argument("--recompute-comm", choices=RECOMPUTE_COMMS, help="in recomputed regions, keep the results of "
-                   "collectives (default) or issue them again (less memory, more communication)")
-    t.add_argument("--offload", choices=OFFLOADS, help="keep the optimizer state and its step on the host, or on "
-                   "disk (streamed back each step; crash-safe files under --offload-dir)")
-    t.add_argument("--zero", type=int, choices=ZERO_LEVELS, help="optimizer parallel over the data axes: 1 shards "
-                   "optimizer state, 2 also gradients (reduce-scatter), 3 also parameters (gathered before use)")
-    t.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default adamw); lamb's layer norms are of whole "
-                   "tensors however they are split")
-    t.add_argument("--precision", choices=PRECISIONS, help="compute and communicate in bf16 or fp16 (with dynamic "
-                   "loss scaling) over fp32 master weights and optimizer state (default fp32)")
-    t.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule, with a pp axis in --mesh "
-                   "(e.g. dp=2,pp=2): all forwards then all backwards (gpipe), one forward one backward (1f1b, "
-                   "the default), or 1f1b over several stages per rank (interleaved)")
-    t.add_argument("--micro-batches", type=int, help="micro-batches each step's batch is cut into for the pipeline")
-    t.add_argument("--virtual-stages", type=int, help="stages per rank under the interleaved schedule (at least 2)")
-    t.add_argument("--max-restarts", type=int, default=0, help="when a process dies, restart the job up to N times; "
-                   "with --save-dir it resumes from the newest checkpoint by itself")
+    for flag, options in LAUNCH_FLAGS.items():
+        t.add_argument(flag, **options)
     t.set_defaults(handler=_train)
 
     pl = sub.add_parser("plan", help="choose how to split a model over a cluster (prints it, can write it)",
@@ -151,7 +122,7 @@ def _train(args) -> int:
         if rendezvous is not None:
             reach_rendezvous(rendezvous, args.node_rank, args.rdzv_timeout)
         rest = args.argv
-        for flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv", "--rdzv-timeout", "--max-restarts"):  # launcher's
+        for flag in LAUNCH_FLAGS:
             rest = without_flag(rest, flag)
         if cfg.tokenizer:  # the ranks read the token file tokenized here, not the text again
             for flag in ("--data", "--data-dtype", "--tokenizer"):

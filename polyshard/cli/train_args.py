@@ -5,16 +5,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from polyshard.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
+                            ZERO_LEVELS)
 from polyshard.train.config import TrainConfig
 
-# `train` flags that set a plan field of the same name (and win over a plan file's)
-PLAN_FLAGS = ("recompute", "recompute_comm", "offload", "zero", "optimizer", "precision", "schedule", "micro_batches",
-              "virtual_stages")
+# `train` flags that set a plan field of the same name (and win over a plan file's), as argparse takes them
+PLAN_FLAGS = {
+    "recompute": dict(choices=RECOMPUTE_MODES, help="recompute activations in backward instead of storing them: the "
+                      "attention cores (selective) or every block (full)"),
+    "recompute_comm": dict(choices=RECOMPUTE_COMMS, help="in recomputed regions, keep the results of collectives "
+                           "(default) or issue them again (less memory, more communication)"),
+    "offload": dict(choices=OFFLOADS, help="keep the optimizer state and its step on the host, or on disk (streamed "
+                    "back each step; crash-safe files under --offload-dir)"),
+    "zero": dict(type=int, choices=ZERO_LEVELS, help="optimizer parallel over the data axes: 1 shards optimizer "
+                 "state, 2 also gradients (reduce-scatter), 3 also parameters (gathered before use)"),
+    "optimizer": dict(choices=OPTIMIZERS, help="optimizer (default adamw); lamb's layer norms are of whole tensors "
+                      "however they are split"),
+    "precision": dict(choices=PRECISIONS, help="compute and communicate in bf16 or fp16 (with dynamic loss scaling) "
+                      "over fp32 master weights and optimizer state (default fp32)"),
+    "schedule": dict(choices=SCHEDULES, help="pipeline schedule, with a pp axis in --mesh (e.g. dp=2,pp=2): all "
+                     "forwards then all backwards (gpipe), one forward one backward (1f1b, the default), or 1f1b "
+                     "over several stages per rank (interleaved)"),
+    "micro_batches": dict(type=int, help="micro-batches each step's batch is cut into for the pipeline"),
+    "virtual_stages": dict(type=int, help="stages per rank under the interleaved schedule (at least 2)"),
+}
 _FLAG_TYPES = {"str": str, "int": int, "float": float}
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, with the help, default and type the field declares."""
+    """One flag per TrainConfig field, with the help, default and type the field declares, and one per plan
+    setting it carries."""
     for f in dataclasses.fields(TrainConfig):
         if "help" not in f.metadata:
             continue
@@ -26,6 +46,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             if "type" not in options:
                 options["type"] = _FLAG_TYPES[f.type]
             parser.add_argument(flag, default=f.default, **options)
+    for name, options in PLAN_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), **options)
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:

@@ -51,6 +51,9 @@ class TrainConfig:
                        "--mesh)")
     mesh: str = _flag("", "named mesh, e.g. dp=2,tp=2 (default: dp=NPROC); 'dp' splits batches, other axes split "
                       "operators")
+    sequence_parallel: bool = _flag(False, "with a tp axis: row-parallel products reduce-scatter along the sequence "
+                                    "instead of all-reducing, so norms, dropout and residual adds run on a slice of "
+                                    "it and hold a slice of their activations (Megatron's sequence parallel)")
     steps: int = _flag(50, "optimizer steps (default %(default)s)")
     batch_size: int = _flag(8, "global batch rows per step (default %(default)s)")
     accum: int = _flag(1, "gradient accumulation micro-steps per step (default %(default)s)")
@@ -70,9 +73,6 @@ class TrainConfig:
                              "the run)")
     timeline: str = _flag("", "with a pipeline: draw the last step's schedule, measured beside predicted, into this "
                           "PNG")
-    sequence_parallel: bool = _flag(False, "with a tp axis: row-parallel products reduce-scatter along the sequence "
-                                    "instead of all-reducing, so norms, dropout and residual adds run on a slice of "
-                                    "it and hold a slice of their activations (Megatron's sequence parallel)")
     save_dir: str = _flag("", "save checkpoints here (torch.distributed.checkpoint; any later plan or device count "
                           "can load them), every --save-every steps and at the end")
     save_every: int = _flag(0, "steps between checkpoints (with --save-dir; default 0: only at the end)")
