@@ -360,12 +360,10 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     bucket = BUCKET_BYTES if s.dp > 1 and s.zero == 0 else 0.0
     rerun = units.rerun_bytes.max() * rows  # one micro-batch's recomputed block, alive in its backward
     base, acts = fixed_of[end] - fixed_of[start] + rerun + bucket, acts_of[end] - acts_of[start]
-    fitting: dict[float, np.ndarray] = {}  # time where a range fits, by activations in flight (chunks share it)
 
-    def load(k):
-        if held[k] not in fitting:
-            fitting[held[k]] = np.where(base + acts * held[k] <= s.limit / v, time, np.inf)
-        return fitting[held[k]]
+    def load(banded):  # time where a range fits with its chunk's activations in flight
+        in_flight_of = np.array(held)[:, None, None]
+        return np.where(banded(base) + banded(acts) * in_flight_of <= s.limit / v, banded(time), np.inf)
 
     def fits(cuts: list[int]) -> bool:
         edges = [0, *cuts, n]
@@ -381,7 +379,7 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
         # and the levels and schedules that share them need no program of their own.
         free = ("cuts", id(units), chunks, rows, send.tobytes())
         if free not in s.memo:
-            s.memo[free] = min_max_partition(lambda k: time, n, chunks)[1]
+            s.memo[free] = min_max_partition(lambda banded: banded(time), n, chunks)[1]
         cuts = list(s.memo[free])
         if not fits(cuts):
             slowest, cuts = min_max_partition(load, n, chunks)

@@ -24,8 +24,9 @@ from polyshard.plan import DTYPES, Plan
 from polyshard.planner.propagate import propagate
 from polyshard.schedule import ActionTime, schedule_actions, simulate
 
-# load(part)[i, j]: the load of units i .. j-1 as part ``part`` (inf where the part may not hold them), i < j
-Load = Callable[[int], np.ndarray]
+# load(band) -> [part, a, b]: the load of units part+a .. part+b as that part (inf where it may not hold them),
+# read where a <= b; band(m) views an (units+1) x (units+1) matrix m of [start, end] values so indexed
+Load = Callable[[Callable[[np.ndarray], np.ndarray]], np.ndarray]
 
 
 def model_pp_plan(model: nn.Module) -> dict[str, tuple] | None:
@@ -80,19 +81,24 @@ def min_max_partition(load: Load, units: int, parts: int) -> tuple[float, list[i
     """(largest part's load, starts of parts 2..) of the contiguous split of ``units`` units into
     ``parts`` non-empty parts that minimises the largest part's load; (inf, []) when none is allowed.
 
-    Dynamic program over (units taken, parts made), one numpy pass per part over the band of
-    starts and ends that leave every part a unit (a slice of the load matrix); ties go to the
-    earliest cut."""
+    Dynamic program over (units taken, parts made) on the band of starts and ends that leave every
+    part a unit: the loads of the whole band in one call, then one numpy pass per part; ties go to
+    the earliest cut."""
     if not 1 <= parts <= units:
         return float("inf"), []
     width = units - parts + 1  # part k starts in k .. k+width-1 and ends in k+1 .. k+width
-    empty = _empty_parts(width)
+
+    def banded(matrix: np.ndarray) -> np.ndarray:  # [k, a, b] = matrix[k + a, k + 1 + b], a view
+        rows, cols = matrix.strides
+        return np.lib.stride_tricks.as_strided(matrix[:, 1:], (parts, width, width), (rows + cols, rows, cols),
+                                               writeable=False)
+
+    loads = np.maximum(load(banded), _empty_parts(width))
     best = np.full(units + 1, np.inf)
     best[0] = 0.0
     picks = []
     for k in range(parts):
-        cost = np.maximum(best[k:k + width, None], load(k)[k:k + width, k + 1:k + 1 + width])
-        np.maximum(cost, empty, out=cost)
+        cost = np.maximum(best[k:k + width, None], loads[k])
         picks.append(k + cost.argmin(axis=0))  # the start of part k, by its end - (k + 1)
         best = np.full(units + 1, np.inf)
         best[k + 1:k + 1 + width] = cost.min(axis=0)
@@ -142,7 +148,7 @@ def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = Non
         if node.op == "call_module":
             memory[unit[node.name]] += sum(p.numel() for p in modules[node.target].parameters())
     loads = np.maximum(*(range_sums(np.array(x) / (sum(x) or 1)) for x in (flops, memory)))
-    _, cuts = min_max_partition(lambda k: loads, len(blocks), stages)
+    _, cuts = min_max_partition(lambda banded: banded(loads), len(blocks), stages)
     return tuple(blocks[i] for i in cuts)
 
 

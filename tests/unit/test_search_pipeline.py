@@ -39,9 +39,9 @@ def _setup(pp, rows, limit=float("inf"), send_s_per_mib=0.0):
 
 def test_min_max_partition_of_unequal_layers():
     # 1+1+1 | 3 beats 1+1 | 1+3; in three parts 1+1 | 1 | 3 (largest 3); ties go to the earliest cut
-    assert min_max_partition(lambda k: range_sums([1, 1, 1, 3]), 4, 2) == (3.0, [3])
-    assert min_max_partition(lambda k: range_sums([1, 1, 1, 3]), 4, 3) == (3.0, [1, 3])
-    assert min_max_partition(lambda k: range_sums([1, 2]), 2, 3) == (float("inf"), [])
+    assert min_max_partition(lambda banded: banded(range_sums([1, 1, 1, 3])), 4, 2) == (3.0, [3])
+    assert min_max_partition(lambda banded: banded(range_sums([1, 1, 1, 3])), 4, 3) == (3.0, [1, 3])
+    assert min_max_partition(lambda banded: banded(range_sums([1, 2])), 2, 3) == (float("inf"), [])
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -65,7 +65,9 @@ def test_min_max_partition_matches_brute_force_with_per_part_limits(seed):
         if worst < best[0]:
             best = (worst, list(cuts))
     ends = np.arange(units + 1)
-    found = min_max_partition(lambda k: part_load(k, ends[:, None], ends[None, :]), units, parts)
+    mass_of, load_of = (m[ends[None, :]] - m[ends[:, None]] for m in (mass, prefix))  # [start, end]
+    found = min_max_partition(lambda banded: np.where(banded(mass_of) <= caps[:, None, None], banded(load_of), np.inf),
+                              units, parts)
     assert found[0] == pytest.approx(best[0])
     if np.isfinite(best[0]):
         edges = [0, *found[1], units]
