@@ -175,11 +175,13 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     twin_of = twins(gm)
     for n in nodes:
         twin = twin_of.get(n.name) if n.name in copied else None
+        # a value from outside the block (a rotary table) comes in as it does to the twin, costed alike
+        shared_inputs = twin.all_input_nodes if twin is not None and passes(n.name, rc) == passes(twin.name, rc) \
+            else ()
         for k, u in enumerate(n.all_input_nodes):
             costs = per_edge.get((copied.get(u.name), copied.get(n.name)))  # the twin edge, inside a block
-            if costs is None and twin is not None and twin.all_input_nodes[k] is u and \
-                    passes(n.name, rc) == passes(twin.name, rc):
-                costs = per_edge[(u.name, twin.name)]  # a value from outside the block (a rotary table), as the twin
+            if costs is None and k < len(shared_inputs) and shared_inputs[k] is u:
+                costs = per_edge[(u.name, twin.name)]
             if costs is None or u.name in returned:
                 # a value the model returns is moved to the output's layout once, and its other consumers
                 # that take it so share that move (lowering inserts one redistribution per value and layout)
