@@ -264,8 +264,8 @@ def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> t
     that could still win did not fit (then None means: nothing fits here, try what saves memory)."""
     state = _unit_state(units, setup)
     numel = sum(sum(g) for unit in units.groups for g in unit)
-    options = sorted((_bound(units, setup, m, v, numel), m, schedule, v)
-                     for m, schedule, v in _options(len(units), setup))
+    allowed = list(_options(len(units), setup))
+    options = sorted((bound, *option) for bound, option in zip(_bounds(units, setup, allowed, numel), allowed))
     best, tried, overflow_at = None, set(), {}
     overflow_bound = float("inf")  # the lowest bound of the options that did not fit
     for bound, m, schedule, v in options:
@@ -333,13 +333,21 @@ def _options(n: int, s: Setup):
                 yield m_, schedule, v
 
 
-def _bound(units: Units, s: Setup, m: int, v: int, numel: float) -> float:
-    """Equal stages' step: (m + (p-1)/v) x the mean stage's micro-batch, or if more, m x the slowest unit's
-    (whichever rank holds it runs it m times); plus the least exposed gradient communication and optimizer
-    step (some stage holds at least the mean share of the ``numel`` parameters)."""
-    seconds = units.seconds(s.rows / m)
-    return max((m + (s.pp - 1) / v) * seconds.sum() / s.pp, m * seconds.max()) + s.dp_seconds(numel / s.pp * _itemsize(s.precision), (), float("inf"), 1) + \
-        s.update_seconds(numel / s.pp)
+def _bounds(units: Units, s: Setup, options: list[tuple[int, str, int]], numel: float) -> list[float]:
+    """Per (m, schedule, v): equal stages' step, (m + (p-1)/v) x the mean stage's micro-batch, or if more,
+    m x the slowest unit's (whichever rank holds it runs it m times); plus the least exposed gradient
+    communication and optimizer step (some stage holds at least the mean share of the ``numel`` parameters)."""
+    sync = s.dp_seconds(numel / s.pp * _itemsize(s.precision), (), float("inf"), 1)
+    update = s.update_seconds(numel / s.pp)
+    per_m = {}  # m -> (the stages' summed seconds per micro-batch, the slowest unit's)
+    out = []
+    for m, _, v in options:
+        if m not in per_m:
+            seconds = units.seconds(s.rows / m)
+            per_m[m] = seconds.sum(), seconds.max()
+        total, slowest = per_m[m]
+        out.append(max((m + (s.pp - 1) / v) * total / s.pp, m * slowest) + sync + update)
+    return out
 
 
 def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, schedule: str,
