@@ -260,32 +260,40 @@ class Setup:
 def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> tuple[PipelineCost | None, float]:
     """The fastest (micro-batch count, schedule, virtual stages) whose cuts let every stage fit,
     tried in the order of their lower bounds until the bound loses to the best found or
-    ``best_s``; and the lowest bound of those not tried. inf when all were tried, and also when one
-    that could still win did not fit (then None means: nothing fits here, try what saves memory)."""
+    ``best_s``; and the lowest bound of those not tried or not simulated (their cuts fit, but the busiest
+    rank's work alone lost). inf when all were costed, and also when one that could still win did not
+    fit (then None means: nothing fits here, try what saves memory)."""
     state = _unit_state(units, setup)
     numel = sum(sum(g) for unit in units.groups for g in unit)
     allowed = list(_options(len(units), setup))
     options = sorted((bound, *option) for bound, option in zip(_bounds(units, setup, allowed, numel), allowed))
     best, tried, overflow_at = None, set(), {}
     overflow_bound = float("inf")  # the lowest bound of the options that did not fit
+    lost_bound = float("inf")  # the lowest bound of the options that fit but were not simulated (they lose)
     for bound, m, schedule, v in options:
         if bound >= min(best_s, best.step_s if best else float("inf")):
-            overflowed = overflow_bound < float("inf")
-            return _refused(best, overflow_bound), float("inf") if overflowed and best is None else bound
+            break
         if schedule == "gpipe" and m in tried:  # 1F1B ran the same work in no more memory: GPipe cannot gain
             continue
         if m <= overflow_at.get((schedule, v), 0):  # fewer, larger micro-batches hold no less per stage
             overflow_bound = min(overflow_bound, bound)
             continue
-        found = cost_pipeline(units, setup, state, m, schedule, v)
+        found = cost_pipeline(units, setup, state, m, schedule, v,
+                              beat_s=min(best_s, best.step_s if best else float("inf")))
         if schedule == "1f1b":
             tried.add(m)
+        if isinstance(found, Loses):
+            lost_bound = min(lost_bound, found.bound_s)
+            continue
         if found is None:
             overflow_at[(schedule, v)] = max(m, overflow_at.get((schedule, v), 0))
             overflow_bound = min(overflow_bound, bound)
         if found is not None and (best is None or found.step_s < best.step_s):
             best = found
-    return _refused(best, overflow_bound), float("inf")
+    else:
+        bound = float("inf")  # every option was tried
+    overflowed = overflow_bound < float("inf")
+    return _refused(best, overflow_bound), float("inf") if overflowed and best is None else min(bound, lost_bound)
 
 
 def _refused(best: PipelineCost | None, overflow_bound: float) -> PipelineCost | None:
@@ -350,12 +358,21 @@ def _bounds(units: Units, s: Setup, options: list[tuple[int, str, int]], numel: 
     return out
 
 
+@dataclass(frozen=True)
+class Loses:
+    """cost_pipeline's answer where cuts fit but cannot beat the time asked: the busiest rank's own work,
+    with gradient sync and update, already takes ``bound_s`` (no schedule was simulated)."""
+
+    bound_s: float
+
+
 def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, schedule: str,
-                  v: int, simulated: bool = True) -> PipelineCost | None:
+                  v: int, simulated: bool = True, beat_s: float = float("inf")) -> PipelineCost | Loses | None:
     """This (m, schedule)'s fastest cuts whose every stage fits (``state``: each unit's parameter
-    memory), simulated; None when no cuts fit. ``simulated=False`` times the schedule by the
-    equal-stage formula instead, (m + (p-1)/v) x the busiest rank's micro-batch (for a split that
-    does not fit, whose memory is what matters)."""
+    memory), simulated; None when no cuts fit, :class:`Loses` when they cannot take less than
+    ``beat_s``. ``simulated=False`` times the schedule by the equal-stage formula instead,
+    (m + (p-1)/v) x the busiest rank's micro-batch (for a split that does not fit, whose memory is
+    what matters)."""
     n, chunks, rows = len(units), s.pp * v, s.rows / m
     seconds = units.seconds(rows)
     send = np.concatenate([[0.0], s.send(units.send_bytes[1:] * rows), [0.0]])  # per cut 0..n: the ends send nothing
@@ -404,6 +421,17 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
         activations = units.activation_bytes[i:j].sum() * rows * held[c] + rerun
         memory = _sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, activations, bucket)])
         stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[-1], backward[-1], memory))
+    numel = max(sum(sum(g) for unit in units.groups[i:j] for g in unit)
+                for i, j in ((edges[c], edges[c + 1]) for c in range(chunks)))
+    groups = max((tuple(g for unit in units.groups[i:j] for g in unit) for i, j in zip(edges, edges[1:])),
+                 key=lambda gs: sum(map(sum, gs)))
+    # a stage's gradients sync in its last micro-batch's backward, beside the backwards still to run there
+    dp_comm = s.dp_seconds(numel * _itemsize(s.precision), groups, min(backward), m)
+    update = s.update_seconds(numel)
+    if simulated and beat_s < float("inf"):  # no rank's span is shorter than its own work
+        busiest = max(m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp))
+        if (busiest + dp_comm + update) * (1 - 1e-12) >= beat_s:
+            return Loses(busiest + dp_comm + update)
     if simulated:
         key = (schedule, s.pp, m, v, tuple(forward), tuple(backward))  # cuts that differ only in memory time alike
         if key not in s.memo:
@@ -418,13 +446,7 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     compute = m * sum(rows * units.compute_s[i:j].sum() + units.overhead_s[i:j].sum() for i, j in ranges)
     op_comm = m * sum(rows * units.comm_s[i:j].sum() + units.latency_s[i:j].sum() for i, j in ranges)
     p2p = m * sum(forward[c] + backward[c] - seconds[i:j].sum() for c, (i, j) in zip(mine, ranges))
-    numel = max(sum(sum(g) for unit in units.groups[i:j] for g in unit)
-                for i, j in ((edges[c], edges[c + 1]) for c in range(chunks)))
-    groups = max((tuple(g for unit in units.groups[i:j] for g in unit) for i, j in zip(edges, edges[1:])),
-                 key=lambda gs: sum(map(sum, gs)))
-    # a stage's gradients sync in its last micro-batch's backward, beside the backwards still to run there
-    dp_comm = s.dp_seconds(numel * _itemsize(s.precision), groups, min(backward), m)
-    compute += s.update_seconds(numel)
+    compute += update
     fullest = max(range(s.pp), key=lambda r: sum(stages[c].memory.total_bytes for c in range(r, chunks, s.pp)))
     memory = _sum_memory([stages[c].memory for c in range(fullest, chunks, s.pp)])
     return PipelineCost(schedule, m, v, tuple(units.starts[i] for i in cuts), compute, op_comm, p2p,
