@@ -2,6 +2,7 @@
 
     python bench/bench_published.py                 # every row (a few minutes on 2 cores)
     python bench/bench_published.py --rows 1.7B,GPT-3-175B@384 --json
+    python bench/bench_published.py --rows 1T --repeats 3   # planning time: the fastest of three
 
 Per row: the published configuration priced by polyshard's cost model (its dp / tp / pp, global
 batch, full recompute that issues a layer's collectives again as Megatron-LM's does, its optimizer
@@ -133,6 +134,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     p.add_argument("--json", action="store_true", help="also print one JSON line per row")
+    p.add_argument("--repeats", type=int, default=1, help="plan each pick this many times; plan s is the fastest")
     args = p.parse_args(argv)
     names = set(filter(None, args.rows.split(",")))
     rows = [r for r in RUNS if not names or r.name in names]
@@ -147,6 +149,8 @@ def main(argv=None) -> None:
                      overlap=0 if run.reduce_after_backward else None)
         published, _ = price(run, base)
         pick, seconds = price(run, Fixed())
+        for _ in range(args.repeats - 1):  # on a shared machine the fastest is the least disturbed
+            seconds = min(seconds, price(run, Fixed())[1])
         flops = run.flops_per_step() / run.gpus / 1e12
         pub_tflops, pick_tflops = flops / published["step_s"], flops / pick["step_s"]
         err = pub_tflops / run.tflops - 1
