@@ -428,17 +428,17 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     # a stage's gradients sync in its last micro-batch's backward, beside the backwards still to run there
     dp_comm = s.dp_seconds(numel * _itemsize(s.precision), groups, min(backward), m)
     update = s.update_seconds(numel)
-    if simulated and beat_s < float("inf"):  # no rank's span is shorter than its own work
-        busiest = max(m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp))
-        if (busiest + dp_comm + update) * (1 - 1e-12) >= beat_s:
-            return Loses(busiest + dp_comm + update)
+    work = [m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp)]  # per rank
+    least = max(work) + dp_comm + update  # no span is shorter than a rank's own work
+    if simulated and beat_s < float("inf") and least * (1 - 1e-12) >= beat_s:
+        return Loses(least)
     if simulated:
         key = (schedule, s.pp, m, v, tuple(forward), tuple(backward))  # cuts that differ only in memory time alike
         if key not in s.memo:
             s.memo[key] = _simulated(*key)
         span, busy = s.memo[key]
     else:
-        busy = [m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp)]
+        busy = work
         span = max(busy) * (1 + (s.pp - 1) / (v * m))
     rank = max(range(s.pp), key=busy.__getitem__)
     mine = [c for c in range(chunks) if c % s.pp == rank]
