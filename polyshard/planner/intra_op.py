@@ -15,10 +15,10 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
-from torch import fx
+from torch import fx, nn
 
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
@@ -142,8 +142,9 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
 def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recomputed = Recomputed(),
                   offload: str = "none", precision: str = "fp32", sequence: bool | None = None) -> Terms:
     """:func:`build_program`'s data with rows left open; ``sequence``: see :class:`RuleContext`."""
-    options, copied, rep = _enumerated(gm, op_axes, sequence)
-    modules = dict(gm.named_modules())
+    found = _enumerated(gm, op_axes, sequence)
+    options, copied, rep = found.options, found.copied, found.rep
+    modules = found.modules
     nodes = list(gm.graph.nodes)
     var_of: dict[tuple[str, int], int] = {}
     for n in nodes:
@@ -152,6 +153,8 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
                 var_of[(n.name, i)] = len(var_of)
     seen_params: set[int] = set()
     dtype, itemsize = DTYPES[precision]
+    seconds = found.seconds.setdefault((cluster, precision), {})  # (node, passes) -> its options' seconds
+    moves = found.moves.setdefault((cluster, precision), {})  # (producer, consumer, passes) -> edge seconds
     per_node: dict[str, np.ndarray] = {}  # [candidate, (seconds, bytes), (per row, fixed)]; a twin's is its twin's
     node_uses: Counter[tuple[str, str]] = Counter()  # (stand-in, node costed) -> how many nodes it stands for
     owned = parameters_of(gm).owned
@@ -159,9 +162,12 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
         if n.name in copied and not _shares_params(n, owned, seen_params):
             per_node[n.name] = per_node[copied[n.name]]
         else:
-            per_node[n.name] = np.array([[_op_seconds(n, d, modules, op_axes, cluster, dtype, itemsize, rc),
-                                          _op_memory(n, d, modules, seen_params, rc, offload)]
-                                         for d in options[n.name]]).reshape(len(options[n.name]), 2, 2)
+            key = (n.name, passes(n.name, rc))
+            if key not in seconds:
+                seconds[key] = np.array([_op_seconds(n, d, modules, op_axes, cluster, dtype, itemsize, rc)
+                                         for d in options[n.name]]).reshape(len(options[n.name]), 2)
+            memory = np.array([_op_memory(n, d, modules, seen_params, rc, offload) for d in options[n.name]])
+            per_node[n.name] = np.stack([seconds[key], memory.reshape(len(options[n.name]), 2)], axis=1)
         node_uses[(rep[n.name], _source(n.name, copied, per_node))] += 1
         if n.op == "call_module":
             seen_params.update(id(p) for _, _, p in owned[n.target])
@@ -183,14 +189,18 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
             if costs is None and k < len(shared_inputs) and shared_inputs[k] is u:
                 costs = per_edge[(u.name, twin.name)]
             if costs is None or u.name in returned:
-                # a value the model returns is moved to the output's layout once, and its other consumers
-                # that take it so share that move (lowering inserts one redistribution per value and layout)
-                shared = returned.get(u.name) if n.op != "output" else None
-                costs = np.array([[(0.0, 0.0) if shared is not None and d.inputs.get(u.name) == shared else
-                                   _edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster,
-                                                 passes(n.name, rc)[1], itemsize)
-                                   for d in options[n.name]] for o in options[u.name]]).reshape(
-                    len(options[u.name]), len(options[n.name]), 2)
+                comm_passes = passes(n.name, rc)[1]
+                key = (u.name, n.name, comm_passes)
+                costs = moves.get(key)
+                if costs is None:
+                    # a value the model returns is moved to the output's layout once, and its other consumers
+                    # that take it so share that move (lowering inserts one redistribution per value and layout)
+                    shared = returned.get(u.name) if n.op != "output" else None
+                    costs = moves[key] = np.array(
+                        [[(0.0, 0.0) if shared is not None and d.inputs.get(u.name) == shared else
+                          _edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster, comm_passes, itemsize)
+                          for d in options[n.name]] for o in options[u.name]]).reshape(
+                        len(options[u.name]), len(options[n.name]), 2)
             per_edge[(u.name, n.name)] = costs
             by_id[id(costs)] = costs
             edge_uses[((rep[u.name], rep[n.name]), id(costs))] += 1
@@ -198,9 +208,8 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     for (key, costs_id), uses in edge_uses.items():
         summed[key] = summed.get(key, 0) + uses * by_id[costs_id]
     edges = {key: (costs[..., 0], costs[..., 1]) for key, costs in summed.items()}
-    conflicts = list(_shared_param_conflicts(nodes, options, rep, modules))
     return Terms(options, rep, var_of, (totals[:, 0, 0], totals[:, 0, 1]), (totals[:, 1, 0], totals[:, 1, 1]),
-                 edges, conflicts)
+                 edges, found.conflicts)
 
 
 def _source(name: str, copied: dict[str, str], per_node: dict[str, np.ndarray]) -> str:
@@ -218,17 +227,36 @@ def _returned_layouts(nodes: list[fx.Node], options: dict[str, list[NodePlan]]) 
     return dict(options[out.name][0].inputs)
 
 
-_ENUMERATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: what recompute and offload share
+_ENUMERATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: what settings share
 
 
-def _enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None):
-    """:func:`candidates` and each node's stand-in, once per graph and operator axes (a search asks
+@dataclass
+class _Enumeration:
+    """What every recompute mode, offload and row count of one graph on one set of operator axes
+    share: the candidates, each node's stand-in, the shared-parameter conflicts, and the seconds of
+    ops and moves already costed (per cluster and precision), which a setting changes only where
+    it runs a node again."""
+
+    options: dict[str, list[NodePlan]]
+    copied: dict[str, str]
+    rep: dict[str, str]
+    modules: dict[str, nn.Module]
+    conflicts: list[tuple[tuple[str, int], tuple[str, int]]]
+    seconds: dict = field(default_factory=dict)
+    moves: dict = field(default_factory=dict)
+
+
+def _enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None) -> _Enumeration:
+    """:func:`candidates` and what derives from them, once per graph and operator axes (a search asks
     again for every recompute mode and offload)."""
     per_graph = _ENUMERATED.setdefault(gm, {})
     key = (op_axes, sequence)
     if key not in per_graph:
         options, copied = candidates(gm, op_axes, sequence)
-        per_graph[key] = options, copied, _representatives(list(gm.graph.nodes), options, copied)
+        nodes, modules = list(gm.graph.nodes), dict(gm.named_modules())
+        rep = _representatives(nodes, options, copied)
+        per_graph[key] = _Enumeration(options, copied, rep, modules,
+                                      list(_shared_param_conflicts(nodes, options, rep, modules)))
     return per_graph[key]
 
 
@@ -261,7 +289,6 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     program = terms.at(rows)
     options, rep, var_of = program.options, program.rep, program.var_of
     nodes = list(gm.graph.nodes)
-    modules = dict(gm.named_modules())
     node_cost, node_mem = program.node_cost, program.node_mem
     # Seconds can be 1e-9 and bytes 1e11: scale both to order one so the solver's tolerances bite.
     scale = 1.0 / max(node_cost.max(initial=0.0), *(c.max() for c in program.edges.values() if np.size(c)), 1e-30)
@@ -273,8 +300,8 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     num_x = len(var_of)
     h.addVars(num_x, np.zeros(num_x), np.ones(num_x))
     h.changeColsCost(num_x, np.arange(num_x, dtype=np.int32), node_cost * scale)
-    picks = [np.array([var_of[(name, i)] for i in range(len(options[name]))], dtype=np.int32)
-             for name in dict.fromkeys(rep[n.name] for n in nodes)]
+    stand_ins = list(dict.fromkeys(rep[n.name] for n in nodes))
+    picks = [np.array([var_of[(name, i)] for i in range(len(options[name]))], dtype=np.int32) for name in stand_ins]
     _add_rows(h, picks, [np.ones(len(idx)) for idx in picks], 1.0, 1.0)
     paid, pairs = [], []  # y >= x_i + x_j - 1: a pair's redistribution is paid when both are picked
     for (u, v), costs in program.edges.items():
@@ -300,10 +327,9 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     h.run()
     x = np.array(h.getSolution().col_value[:num_x])
     plan = Plan(op_axes=op_axes, recompute=recompute, recompute_comm=recompute_comm, offload=offload)
-    for n in nodes:
-        pick = max(range(len(options[n.name])), key=lambda i: x[var_of[(rep[n.name], i)]])
-        plan.nodes[n.name] = options[n.name][pick]
-    _fill_params(gm, plan, modules, op_axes)
+    chosen = {name: int(np.argmax(x[idx])) for name, idx in zip(stand_ins, picks)}
+    plan.nodes.update({n.name: options[n.name][chosen[rep[n.name]]] for n in nodes})
+    _fill_params(gm, plan, op_axes)
     cost = h.getInfo().objective_function_value / scale
     return IntraOpResult(plan, cost, min(lower, cost), float(node_mem @ np.round(x)), h.getNumCol())
 
@@ -390,12 +416,15 @@ def _shared_param_conflicts(nodes, options, rep, modules):
                         yield (rep[a], i), (rep[b], j)
 
 
-def _fill_params(gm: fx.GraphModule, plan: Plan, modules, op_axes: Axes) -> None:
+def _fill_params(gm: fx.GraphModule, plan: Plan, op_axes: Axes) -> None:
     listed = parameters_of(gm)
     for node in gm.graph.nodes:
-        for pname, layout in plan.nodes[node.name].params.items():
-            plan.params.setdefault(listed.name_of[id(getattr(modules[node.target], pname))], layout)
+        chosen = plan.nodes[node.name].params
+        for pname, _, p in listed.owned.get(node.target, ()) if chosen else ():
+            if pname in chosen:
+                plan.params.setdefault(listed.name_of[id(p)], chosen[pname])
     for name, p in listed.named:
-        plan.params.setdefault(name, Layout.replicated(op_axes, p.ndim))
+        if name not in plan.params:
+            plan.params[name] = Layout.replicated(op_axes, p.ndim)
     plan.row_splits.update(row_splits(gm, plan.nodes))
 

@@ -27,16 +27,23 @@ def _costs_alike(node: fx.Node, twin: fx.Node, plan: Plan) -> bool:
     mine, theirs = plan.nodes.get(node.name), plan.nodes.get(twin.name)
     if mine is None or theirs is None:
         return mine is theirs
-    if not (mine.impl == theirs.impl and mine.output == theirs.output and mine.params == theirs.params
+    if not (mine.impl == theirs.impl and _same(mine.output, theirs.output) and _same(mine.params, theirs.params)
             and mine.shape_divisors == theirs.shape_divisors):
         return False
     for a, b in zip(node.all_input_nodes, twin.all_input_nodes):
         dst = mine.inputs.get(a.name)
-        src = plan.nodes[a.name].output if a.name in plan.nodes else None
-        if dst != theirs.inputs.get(b.name) or shape_of(a) != shape_of(b) or \
-                src != (plan.nodes[b.name].output if b.name in plan.nodes else None):
+        if not _same(dst, theirs.inputs.get(b.name)):
             return False
-        if isinstance(src, Layout) and dst is not None and src != dst and \
+        src = plan.nodes[a.name].output if a.name in plan.nodes else None
+        if a is not b and (shape_of(a) != shape_of(b) or
+                           not _same(src, plan.nodes[b.name].output if b.name in plan.nodes else None)):
+            return False
+        if isinstance(src, Layout) and dst is not None and not _same(src, dst) and \
                 first_to_take(node, a, dst, plan) != first_to_take(twin, b, dst, plan):
             return False
     return True
+
+
+def _same(x, y) -> bool:
+    """Equal, most often by being one object (a twin's choice shares its layouts)."""
+    return x is y or x == y

@@ -473,8 +473,9 @@ def row_splits(gm: fx.GraphModule, nodes: dict) -> dict[str, tuple[int, ...]]:
     """The rows per piece of each table a pin splits unevenly (its node runs "rows"), by parameter name."""
     listed = parameters_of(gm)
     out = {}
-    for node in gm.graph.nodes:
-        if node.name not in nodes or nodes[node.name].impl != "rows":
+    split = {name for name, d in nodes.items() if d.impl == "rows"}
+    for node in gm.graph.nodes if split else ():
+        if node.name not in split:
             continue
         weight = gm.get_submodule(node.target).weight
         sharers = sorted({n.target for n in gm.graph.nodes if n.op == "call_module" and n.target != node.target
