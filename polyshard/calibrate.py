@@ -32,6 +32,9 @@ MIN_BYTES = 4 * 2**10
 _BATCH_BYTES = 256 * 2**10
 # Large enough to run at full rate, small enough to take well under a second per product.
 _MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
+# A product timed for a rate is no larger than one that takes about this long: a type the device only emulates
+# (bfloat16 on a CPU without it) runs at a hundredth of float32's rate at every size, so a smaller one times it.
+_MATMUL_BUDGET_S = 0.25
 # Causal attention timed per (sequence, head dim) of one head's slice: from tiny test models to real heads.
 _ATTENTION_SIZES = {"cpu": ((16, 8), (64, 32), (256, 64), (1024, 64)),
                     "cuda": ((256, 64), (1024, 64), (4096, 128))}
@@ -67,6 +70,19 @@ def measure_matmul(dtype: torch.dtype, size: int, repeats: int) -> float:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     return 2 * size**3 / statistics.median(_times(lambda: torch.matmul(a, b), repeats, device))
+
+
+def timeable_matmul_size(dtype: torch.dtype, size: int) -> int:
+    """The largest n of ``size`` / 8, / 4, / 2 and ``size`` whose (n x n) @ (n x n) product on this rank's
+    device takes no more than _MATMUL_BUDGET_S (each doubling costs eight times the last)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    n = max(1, size // 8)
+    while n < size:
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        if 8 * _times(lambda: torch.matmul(a, b), 1, device)[0] > _MATMUL_BUDGET_S:
+            break
+        n *= 2
+    return n
 
 
 def measure_attention_share(dtype: torch.dtype, seq: int, head_dim: int, peak: float, repeats: int) -> float:
@@ -221,7 +237,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     if len(sizes) < 2:
         raise PolyshardError(f"calibration needs at least two message sizes of {4 * world} bytes or more; "
                              f"got {len(sizes)}")
-    flops, notes = _flops(base.device_type, repeats)
+    flops, matmul_sizes, notes = _flops(base.device_type, repeats)
     attention = _attention_shares(base.device_type, flops, repeats, notes)
     op_overhead, split_overhead = measure_op_overheads(repeats)
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
@@ -239,7 +255,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     if base.devices_per_node == 1:
         notes.append("one device per node: intra_node is a copy of inter_node (no link inside a node to time)")
     cuda = base.device_type == "cuda"
-    efficiency, depths = measured_product_shares(base, _MATMUL_SIZE[base.device_type])
+    efficiency, depths = measured_product_shares(base, matmul_sizes.get("float32", _MATMUL_SIZE[base.device_type]))
     cluster = replace(
         base,
         device_name=torch.cuda.get_device_name() if cuda else "cpu",
@@ -273,17 +289,25 @@ def measured_product_shares(base: Cluster, depth: int) -> tuple[float, tuple[tup
     return 1.0, tuple((d, min(1.0, share / at_depth)) for d, share in base.matmul_depth_shares)
 
 
-def _flops(device_type: str, repeats: int) -> tuple[dict[str, float], list[str]]:
-    """Matmul FLOP/s per dtype, of the slowest rank (all ranks compute at once, as in training)."""
-    flops, notes = {}, []
+def _flops(device_type: str, repeats: int) -> tuple[dict[str, float], dict[str, int], list[str]]:
+    """Matmul FLOP/s per dtype, of the slowest rank (all ranks compute at once, as in training), and the
+    size of the products timed (every rank times the same)."""
+    flops, sizes, notes = {}, {}, []
     for name in ("float32", "bfloat16", "float16"):
+        dtype = getattr(torch, name)
         try:
-            rate = measure_matmul(getattr(torch, name), _MATMUL_SIZE[device_type], repeats)
+            size = int(_all_reduce([timeable_matmul_size(dtype, _MATMUL_SIZE[device_type])], dist.ReduceOp.MIN,
+                                   None)[0])
+            rate = measure_matmul(dtype, size, repeats)
         except RuntimeError as e:
             notes.append(f"{name}: skipped, this device cannot multiply it ({str(e).splitlines()[0]})")
             continue
         flops[name] = _all_reduce([rate], dist.ReduceOp.MIN, None)[0]
-    return flops, notes
+        sizes[name] = size
+        if size < _MATMUL_SIZE[device_type]:
+            notes.append(f"{name}: timed on {size} x {size} products (one of {_MATMUL_SIZE[device_type]} would "
+                         f"take over {_MATMUL_BUDGET_S} s)")
+    return flops, sizes, notes
 
 
 def _attention_shares(device_type: str, flops: dict[str, float], repeats: int,

@@ -3,7 +3,9 @@
 import dataclasses
 
 import pytest
+import torch
 
+from polyshard import calibrate
 from polyshard.calibrate import fit_alpha_beta, measured_product_shares, message_sizes
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
@@ -62,3 +64,10 @@ def test_rates_measured_on_products_count_from_the_depth_measured():
     cpu = Cluster.preset("cpu-gloo:2")  # no depths: every product at the measured rate
     assert measured_product_shares(cpu, 1024) == (1.0, ())
 
+
+
+@pytest.mark.parametrize("budget_s,expected", [(1e-12, 16), (1e9, 128)])
+def test_products_are_timed_at_the_largest_size_within_the_budget(budget_s, expected, monkeypatch):
+    """Too slow for the budget at every size: the smallest probe; no limit: the size asked."""
+    monkeypatch.setattr(calibrate, "_MATMUL_BUDGET_S", budget_s)
+    assert calibrate.timeable_matmul_size(torch.float32, 128) == expected
