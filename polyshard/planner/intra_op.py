@@ -16,6 +16,7 @@ import itertools
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from torch import fx, nn
@@ -130,6 +131,21 @@ class Terms:
         return Program(self.options, self.rep, self.var_of, rows * self.cost[0] + self.cost[1],
                        rows * self.mem[0] + self.mem[1], {k: rows * a + b for k, (a, b) in self.edges.items()},
                        self.conflicts)
+
+    @cached_property
+    def columns(self) -> tuple[list[np.ndarray], np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """What the program has at every row count: each stand-in's columns, and the pairs of columns whose
+        redistribution costs something, with that cost (per row, fixed): zero at one row count, zero at all."""
+        picks = [np.array([self.var_of[(name, i)] for i in range(len(self.options[name]))], dtype=np.int32)
+                 for name in dict.fromkeys(self.rep.values())]
+        pairs, per_row, fixed = [np.zeros((0, 2), np.int32)], [np.zeros(0)], [np.zeros(0)]
+        for (u, v), (a, b) in self.edges.items():
+            i, j = np.nonzero(a + b)
+            pairs.append(np.stack([np.array([self.var_of[(u, k)] for k in i], dtype=np.int32),
+                                   np.array([self.var_of[(v, k)] for k in j], dtype=np.int32)], axis=1).reshape(-1, 2))
+            per_row.append(a[i, j])
+            fixed.append(b[i, j])
+        return picks, np.concatenate(pairs), (np.concatenate(per_row), np.concatenate(fixed))
 
 
 def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int,
@@ -286,12 +302,12 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
 
     terms = terms or program_terms(gm, op_axes, cluster, recomputed(gm, recompute, recompute_comm), offload, precision,
                                    sequence)
-    program = terms.at(rows)
-    options, rep, var_of = program.options, program.rep, program.var_of
-    nodes = list(gm.graph.nodes)
-    node_cost, node_mem = program.node_cost, program.node_mem
+    options, rep, var_of = terms.options, terms.rep, terms.var_of
+    picks, pairs, (paid_per_row, paid_fixed) = terms.columns
+    node_cost, node_mem = rows * terms.cost[0] + terms.cost[1], rows * terms.mem[0] + terms.mem[1]
+    paid = rows * paid_per_row + paid_fixed
     # Seconds can be 1e-9 and bytes 1e11: scale both to order one so the solver's tolerances bite.
-    scale = 1.0 / max(node_cost.max(initial=0.0), *(c.max() for c in program.edges.values() if np.size(c)), 1e-30)
+    scale = 1.0 / max(node_cost.max(initial=0.0), paid.max(initial=0.0), 1e-30)
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", time_limit_s)
@@ -300,21 +316,13 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     num_x = len(var_of)
     h.addVars(num_x, np.zeros(num_x), np.ones(num_x))
     h.changeColsCost(num_x, np.arange(num_x, dtype=np.int32), node_cost * scale)
-    stand_ins = list(dict.fromkeys(rep[n.name] for n in nodes))
-    picks = [np.array([var_of[(name, i)] for i in range(len(options[name]))], dtype=np.int32) for name in stand_ins]
     _add_rows(h, picks, [np.ones(len(idx)) for idx in picks], 1.0, 1.0)
-    paid, pairs = [], []  # y >= x_i + x_j - 1: a pair's redistribution is paid when both are picked
-    for (u, v), costs in program.edges.items():
-        i, j = np.nonzero(costs)
-        paid.append(costs[i, j])
-        pairs.append(np.stack([np.array([var_of[(u, a)] for a in i], dtype=np.int32),
-                               np.array([var_of[(v, b)] for b in j], dtype=np.int32)], axis=1).reshape(-1, 2))
-    paid, pairs = np.concatenate([[], *paid]), np.concatenate([np.zeros((0, 2), np.int32), *pairs])
+    # y >= x_i + x_j - 1: a pair's redistribution is paid when both are picked
     h.addCols(len(paid), paid * scale, np.zeros(len(paid)), np.ones(len(paid)), 0, np.zeros(len(paid), np.int32),
               np.array([], np.int32), np.array([]))
     y = np.arange(num_x, num_x + len(paid), dtype=np.int32)
     _add_rows(h, np.column_stack([y, pairs]), np.tile([1.0, -1.0, -1.0], (len(paid), 1)), -1.0, highspy.kHighsInf)
-    for a, b in program.conflicts:
+    for a, b in terms.conflicts:
         h.addRow(-highspy.kHighsInf, 1.0, 2, np.array([var_of[a], var_of[b]], dtype=np.int32), np.array([1.0, 1.0]))
     h.addRow(-highspy.kHighsInf, 1.0, num_x, np.arange(num_x, dtype=np.int32), node_mem / memory_limit_bytes)
     h.run()
@@ -327,8 +335,8 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     h.run()
     x = np.array(h.getSolution().col_value[:num_x])
     plan = Plan(op_axes=op_axes, recompute=recompute, recompute_comm=recompute_comm, offload=offload)
-    chosen = {name: int(np.argmax(x[idx])) for name, idx in zip(stand_ins, picks)}
-    plan.nodes.update({n.name: options[n.name][chosen[rep[n.name]]] for n in nodes})
+    chosen = {name: int(np.argmax(x[idx])) for name, idx in zip(dict.fromkeys(rep.values()), picks)}
+    plan.nodes.update({name: options[name][chosen[rep[name]]] for name in rep})
     _fill_params(gm, plan, op_axes)
     cost = h.getInfo().objective_function_value / scale
     return IntraOpResult(plan, cost, min(lower, cost), float(node_mem @ np.round(x)), h.getNumCol())
