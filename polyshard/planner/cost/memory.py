@@ -8,9 +8,10 @@ own again while its backward runs.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
-from torch import fx
+from torch import fx, nn
 
 from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
@@ -69,6 +70,40 @@ def _kept(node: fx.Node) -> float:
     return (node.name in saved(node.graph)) + node.meta.get(KEPT_INSIDE, 0.0)
 
 
+@dataclass(frozen=True)
+class _Backward:
+    """What :func:`backward_peaks` reads of a graph whatever the plan, nodes in reverse (backward's) order:
+    each node's elements (None: not a tensor), the copies of its output autograd keeps, for an op with a
+    backward the inputs whose gradients it makes (and whether the gradient of its log-probabilities is
+    alive too), and the parameters of a module call."""
+
+    order: tuple[str, ...]
+    numel: dict[str, float | None]
+    kept: dict[str, float]
+    grad_inputs: dict[str, tuple[tuple[str, ...], bool]]
+    params: dict[str, tuple[tuple[str, nn.Parameter], ...]]
+    position: dict[str, int]
+
+
+_BACKWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: every plan asks again
+
+
+def _backward(gm: fx.GraphModule) -> _Backward:
+    found = _BACKWARD.get(gm.graph)
+    if found is None:
+        owned = parameters_of(gm).owned
+        nodes = list(gm.graph.nodes)
+        numel = {n.name: (math.prod(shape) if (shape := shape_of(n)) is not None else None) for n in nodes}
+        kept = {n.name: copies for n in nodes if (copies := _kept(n))}
+        grad_inputs = {n.name: (tuple(i.name for i in n.all_input_nodes if needs_grad(i)),
+                                op_name(n) in ("cross_entropy", "cross_entropy_loss"))
+                       for n in nodes if not is_shape_op(n) and needs_grad(n)}
+        params = {n.name: tuple((name, p) for _, name, p in owned[n.target]) for n in nodes if n.op == "call_module"}
+        found = _BACKWARD[gm.graph] = _Backward(tuple(n.name for n in reversed(nodes)), numel, kept, grad_inputs,
+                                                params, {n.name: i for i, n in enumerate(nodes)})
+    return found
+
+
 def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1,
                    itemsize: int = 4, grad_share: float = 1.0) -> tuple[float, float]:
     """(most activation bytes alive at once, most activation plus gradient bytes alive at once).
@@ -80,45 +115,40 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
     its inputs are alive too. Under gradient accumulation the last micro-batch's backward begins with
     every gradient made. ``grad_share``: the part of each parameter's gradient a rank keeps
     (optimizer parallel from level 2 reduce-scatters them as they come)."""
+    graph = _backward(gm)
     size, transient, grads, seen = {}, {}, {}, set()  # transient: gradients alive while an op's backward runs
-    owned = parameters_of(gm).owned
-
     held_of: dict[str, float] = {}  # a value's bytes, asked for once per consumer
 
-    def held(value: fx.Node) -> float:
-        if value.name not in held_of:
-            entry, shape = plan.nodes.get(value.name), shape_of(value)
-            ok = entry is not None and shape is not None and isinstance(entry.output, Layout)
-            held_of[value.name] = local_numel(shape, entry.output) * itemsize * rows if ok else 0.0
-        return held_of[value.name]
+    def held(name: str) -> float:
+        if name not in held_of:
+            entry, numel = plan.nodes.get(name), graph.numel[name]
+            ok = entry is not None and numel is not None and isinstance(entry.output, Layout)
+            held_of[name] = numel / entry.output.pieces * itemsize * rows if ok else 0.0
+        return held_of[name]
 
-    for node in reversed(gm.graph.nodes):
-        if _kept(node):
-            size[node.name] = held(node) * _kept(node)
-        if not is_shape_op(node) and needs_grad(node):
-            inputs = sum(held(i) for i in node.all_input_nodes if needs_grad(i))
-            through_log_probs = op_name(node) in ("cross_entropy", "cross_entropy_loss")  # their gradient too
-            transient[node.name] = held(node) + inputs * (1 + through_log_probs)
-        if node.op == "call_module":
-            for _, name, p in owned[node.target]:
-                if id(p) not in seen and name in plan.params:
-                    seen.add(id(p))
-                    grads[node.name] = grads.get(node.name, 0.0) + \
-                        param_numel(plan, name, p.shape) * itemsize * grad_share
-    position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    for name in graph.order:
+        if name in graph.kept:
+            size[name] = held(name) * graph.kept[name]
+        if name in graph.grad_inputs:
+            inputs, through_log_probs = graph.grad_inputs[name]  # the loss's gradient of its log-probabilities too
+            transient[name] = held(name) + sum(map(held, inputs)) * (1 + through_log_probs)
+        for pname, p in graph.params.get(name, ()):
+            if id(p) not in seen and pname in plan.params:
+                seen.add(id(p))
+                grads[name] = grads.get(name, 0.0) + param_numel(plan, pname, p.shape) * itemsize * grad_share
     last_of = {}  # a region's last node -> the bytes its recompute brings back
     for region in rc.regions:
-        names = sorted((name for name in region if name in position), key=position.__getitem__)
+        names = sorted((name for name in region if name in graph.position), key=graph.position.__getitem__)
         if names:
             last_of[names[-1]] = sum(size.get(n, 0.0) for n in names)
     alive = sum(b for name, b in size.items() if name not in rc.freed)
     made = sum(grads.values()) if plan.micro_batches > 1 else 0.0  # the earlier micro-batches' gradients
     act_peak = joint_peak = alive
-    for node in reversed(gm.graph.nodes):
-        alive += last_of.get(node.name, 0.0)  # backward enters a region at its last node: recompute it
-        act_peak, joint_peak = max(act_peak, alive), max(joint_peak, alive + made + transient.get(node.name, 0.0))
-        alive -= size.get(node.name, 0.0)
-        made += grads.get(node.name, 0.0)
+    for name in graph.order:
+        alive += last_of.get(name, 0.0)  # backward enters a region at its last node: recompute it
+        act_peak, joint_peak = max(act_peak, alive), max(joint_peak, alive + made + transient.get(name, 0.0))
+        alive -= size.get(name, 0.0)
+        made += grads.get(name, 0.0)
     return act_peak, max(joint_peak, made)
 
 
