@@ -84,17 +84,16 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
     fields = {key: np.bincount(costed, [getattr(cost, key) for cost in costs], minlength=n)
               for key in ("compute_s", "comm_s", "overhead_s", "latency_s")}
     activation, rerun, crossing = np.zeros(n), np.zeros(n), np.zeros(n + 1)
-    kept = Recomputed(rc.rerun, rc.freed)  # without the region held again in backward
     groups: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
     model_groups = []
-    for node, u, shape, reach in facts.values:
+    for node, u, shape, reach, copies in facts.values:
         out = plan.nodes[node.name].output
         if isinstance(out, Layout):
             size = local_numel(shape, out) * itemsize
-            if held := kept_copies(node, kept):
-                activation[u] += size * held
+            if node.name in rc.freed:  # recompute frees it (alive again while its region's backward runs)
+                rerun[u] += size * copies
             else:
-                rerun[u] += size * kept_copies(node, Recomputed())
+                activation[u] += size * copies
             if reach > u:  # it crosses every cut after its unit up to its last consumer's
                 crossing[u + 1] += size
                 crossing[reach + 1] -= size
@@ -112,10 +111,11 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
 @dataclass(frozen=True)
 class _UnitFacts:
     """What :func:`unit_costs` reads of a graph whatever the plan: each valued node with its unit,
-    shape and the last unit that reads it; each module's parameters new to its unit (name, shape)
-    with the indices of those new to the model; each unit's span of module paths."""
+    shape, the last unit that reads it and the copies of it autograd keeps; each module's parameters
+    new to its unit (name, shape) with the indices of those new to the model; each unit's span of
+    module paths."""
 
-    values: list[tuple[fx.Node, int, tuple, int]]
+    values: list[tuple[fx.Node, int, tuple, int, float]]
     params: list[tuple[int, list[tuple[str, tuple]], list[int]]]
     span: tuple[tuple[str, str], ...]
 
@@ -142,7 +142,7 @@ def _unit_facts(gm: fx.GraphModule, unit_of: dict[str, int], starts: tuple[str, 
         paths[u] += [path for path, _ in stack.values() if path not in holders][:1]
         if shape is not None:
             reach = max((unit_of.get(user.name, last) for user in node.users), default=u)
-            values.append((node, u, shape, reach))
+            values.append((node, u, shape, reach, kept_copies(node, Recomputed())))
         if node.op == "call_module":
             own = [p for _, _, p in listed.owned[node.target] if id(p) not in seen[u]]
             seen[u].update(id(p) for p in own)
