@@ -175,7 +175,8 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     node_uses: Counter[tuple[str, str]] = Counter()  # (stand-in, node costed) -> how many nodes it stands for
     owned = parameters_of(gm).owned
     for n in nodes:
-        if n.name in copied and not _shares_params(n, owned, seen_params):
+        if n.name in copied and _recomputed_alike(rc, n.name, copied[n.name]) and \
+                not _shares_params(n, owned, seen_params):
             per_node[n.name] = per_node[copied[n.name]]
         else:
             key = (n.name, passes(n.name, rc))
@@ -197,13 +198,13 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     twin_of = twins(gm)
     for n in nodes:
         twin = twin_of.get(n.name) if n.name in copied else None
-        # a value from outside the block (a rotary table) comes in as it does to the twin, costed alike
-        shared_inputs = twin.all_input_nodes if twin is not None and passes(n.name, rc) == passes(twin.name, rc) \
-            else ()
+        twin_inputs = twin.all_input_nodes if twin is not None and _recomputed_alike(rc, n.name, twin.name) else ()
         for k, u in enumerate(n.all_input_nodes):
-            costs = per_edge.get((copied.get(u.name), copied.get(n.name)))  # the twin edge, inside a block
-            if costs is None and k < len(shared_inputs) and shared_inputs[k] is u:
-                costs = per_edge[(u.name, twin.name)]
+            costs = None
+            if twin_inputs:  # the twin edge, inside a block; or a value from outside it (a rotary table) as it comes in
+                costs = per_edge.get((copied.get(u.name), twin.name))  # to the twin, costed alike
+                if costs is None and twin_inputs[k] is u:
+                    costs = per_edge[(u.name, twin.name)]
             if costs is None or u.name in returned:
                 comm_passes = passes(n.name, rc)[1]
                 key = (u.name, n.name, comm_passes)
@@ -226,6 +227,13 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     edges = {key: (costs[..., 0], costs[..., 1]) for key, costs in summed.items()}
     return Terms(options, rep, var_of, (totals[:, 0, 0], totals[:, 0, 1]), (totals[:, 1, 0], totals[:, 1, 1]),
                  edges, found.conflicts)
+
+
+def _recomputed_alike(rc: Recomputed, name: str, twin: str) -> bool:
+    """Whether recompute treats a node as its twin: both run again or neither, and both outputs are freed
+    or kept alike (a module marked for recompute in one layer only differs from its twin)."""
+    return (name in rc.rerun) == (twin in rc.rerun) and (name in rc.freed) == (twin in rc.freed) and \
+        (name in rc.held) == (twin in rc.held)
 
 
 def _source(name: str, copied: dict[str, str], per_node: dict[str, np.ndarray]) -> str:

@@ -6,7 +6,9 @@ import pytest
 import polyshard as ps
 from polyshard.cluster import Cluster
 from polyshard.graph.capture import capture
+from polyshard.graph.regions import recomputed
 from polyshard.graph.twins import twins
+from polyshard.planner import intra_op
 from polyshard.planner.cost import overlap
 from polyshard.planner.propagate import propagate
 from polyshard.planner.search import search
@@ -49,3 +51,20 @@ def test_a_layer_laid_out_otherwise_is_costed_on_its_own(monkeypatch):
     costs = overlap.op_costs(gm, plan, CLUSTER, "bfloat16", 2)
     assert costs == _each_on_its_own(monkeypatch, gm, plan)
 
+
+
+def test_a_module_recomputed_in_one_layer_only_is_costed_on_its_own(monkeypatch):
+    """The integer program's terms with twins reusing costs are those of costing every node alone."""
+    found = []
+    for alone in (False, True):
+        model = _llama()
+        ps.recompute(model.model.layers[3].mlp.down_proj)
+        gm = capture(model, hf.batch(model, 1, 8))
+        rc = recomputed(gm, "none")
+        with monkeypatch.context() as m:
+            if alone:
+                m.setattr(intra_op, "twins", lambda _: {})
+            found.append(intra_op.program_terms(gm, (("tp", 2),), CLUSTER, rc, "none", "bf16"))
+    assert len(found[0].var_of) == len(found[1].var_of) and rc.rerun
+    for mine, alone in zip(found[0].cost + found[0].mem, found[1].cost + found[1].mem):
+        assert mine == pytest.approx(alone, rel=1e-12)
