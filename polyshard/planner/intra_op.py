@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -58,7 +59,7 @@ class IntraOpResult:
 
 
 def candidates(gm: fx.GraphModule, op_axes: Axes,
-               sequence: bool | None = None) -> tuple[dict[str, list[NodePlan]], dict[str, str]]:
+               sequence: bool | None = None) -> tuple[dict[str, Sequence[NodePlan]], dict[str, str]]:
     """Every node's candidate strategies, in graph order, and the nodes whose came from a twin.
 
     A node in the third or later of a run of identical blocks takes its twin's candidates (in
@@ -69,15 +70,13 @@ def candidates(gm: fx.GraphModule, op_axes: Axes,
     nodes = list(gm.graph.nodes)
     table = twins(gm)
     values: dict[str, list] = {}
-    out: dict[str, list[NodePlan]] = {}
+    out: dict[str, Sequence[NodePlan]] = {}
     copied: dict[str, str] = {}
     for node in nodes:
         inputs = node.all_input_nodes
         twin = table.get(node.name)
         if twin is not None and all(_same(values[a.name], values[b.name]) for a, b in zip(inputs, twin.all_input_nodes)):
-            rename = {b.name: a.name for a, b in zip(inputs, twin.all_input_nodes)}
-            out[node.name] = [NodePlan(d.impl, {rename[k]: v for k, v in d.inputs.items()}, d.output, d.params,
-                                       d.shape_divisors) for d in out[twin.name]]
+            out[node.name] = _Renamed(out[twin.name], {b.name: a.name for a, b in zip(inputs, twin.all_input_nodes)})
             values[node.name] = values[twin.name]
             copied[node.name] = twin.name
             continue
@@ -88,6 +87,27 @@ def candidates(gm: fx.GraphModule, op_axes: Axes,
         out[node.name] = found
         values[node.name] = list({_key(d.output): d.output for d in found}.values())
     return out, copied
+
+
+class _Renamed(Sequence):
+    """A twin's candidates with this node's inputs in place of the twin's, each made when first read: a
+    search reads one of most nodes' candidates (its pick), and of a stack of layers enumerates two."""
+
+    def __init__(self, twin: list[NodePlan], rename: dict[str, str]):
+        self._twin, self._rename, self._made = twin, rename, {}
+
+    def __len__(self) -> int:
+        return len(self._twin)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # a negative index counts from the end, one out of range raises
+        if i not in self._made:
+            d = self._twin[i]
+            self._made[i] = NodePlan(d.impl, {self._rename[k]: v for k, v in d.inputs.items()}, d.output, d.params,
+                                     d.shape_divisors)
+        return self._made[i]
 
 
 def _same(a: list, b: list) -> bool:
@@ -104,7 +124,7 @@ class Program:
     blocks share variables); var_of: (stand-in, candidate) -> column; node_cost / node_mem: per
     column; edges: (producer stand-in, consumer stand-in) -> cost matrix [producer pick, consumer pick]."""
 
-    options: dict[str, list[NodePlan]]
+    options: dict[str, Sequence[NodePlan]]
     rep: dict[str, str]
     var_of: dict[tuple[str, int], int]
     node_cost: np.ndarray
@@ -119,7 +139,7 @@ class Terms:
     fixed part (collective latencies, per-op overheads, parameters), so one enumeration serves
     every split that shares the operator axes."""
 
-    options: dict[str, list[NodePlan]]
+    options: dict[str, Sequence[NodePlan]]
     rep: dict[str, str]
     var_of: dict[tuple[str, int], int]
     cost: tuple[np.ndarray, np.ndarray]  # (per row, fixed) per column
@@ -243,7 +263,7 @@ def _source(name: str, copied: dict[str, str], per_node: dict[str, np.ndarray]) 
     return name
 
 
-def _returned_layouts(nodes: list[fx.Node], options: dict[str, list[NodePlan]]) -> dict[str, Layout]:
+def _returned_layouts(nodes: list[fx.Node], options: dict[str, Sequence[NodePlan]]) -> dict[str, Layout]:
     """The layout the graph's output takes each returned value in (it has one choice)."""
     out = next((n for n in reversed(nodes) if n.op == "output"), None)
     if out is None or len(options[out.name]) != 1:
@@ -261,7 +281,7 @@ class _Enumeration:
     ops and moves already costed (per cluster and precision), which a setting changes only where
     it runs a node again."""
 
-    options: dict[str, list[NodePlan]]
+    options: dict[str, Sequence[NodePlan]]
     copied: dict[str, str]
     rep: dict[str, str]
     modules: dict[str, nn.Module]
