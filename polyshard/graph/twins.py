@@ -16,20 +16,29 @@ from polyshard.graph.capture import shape_of
 _TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: every split asks again
 
 
+_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def twins(gm: fx.GraphModule) -> dict[str, fx.Node]:
     """Node name -> the node at the same position in the second block of its run (third block on)."""
     found = _TWINS.get(gm)
     if found is None:
-        found = _TWINS[gm] = _twins(list(gm.graph.nodes), dict(gm.named_modules()))
+        found = _TWINS[gm] = _twins(blocks(gm), dict(gm.named_modules()))
     return found
 
 
-def _twins(nodes: list[fx.Node], modules: dict[str, nn.Module]) -> dict[str, fx.Node]:
-    blocks: dict[str, list[fx.Node]] = {}
-    for n in nodes:
-        block = block_of(n)
-        if block:
-            blocks.setdefault(block, []).append(n)
+def blocks(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Each block's nodes in graph order (see :func:`block_of`), by block."""
+    found = _BLOCKS.get(gm)
+    if found is None:
+        found = _BLOCKS[gm] = {}
+        for n in gm.graph.nodes:
+            if block := block_of(n):
+                found.setdefault(block, []).append(n)
+    return found
+
+
+def _twins(blocks: dict[str, list[fx.Node]], modules: dict[str, nn.Module]) -> dict[str, fx.Node]:
     out: dict[str, fx.Node] = {}
     run: list[list[fx.Node]] = []
     for members in list(blocks.values()) + [[]]:

@@ -26,7 +26,7 @@ from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
-from polyshard.graph.twins import block_of, stripped, twins
+from polyshard.graph.twins import blocks, stripped, twins
 from polyshard.layout import Axes, Layout
 from polyshard.planner.cost.comm import comm_seconds, own_bytes
 from polyshard.graph.regions import Recomputed, recomputed
@@ -298,7 +298,7 @@ def _enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None) -> _En
     if key not in per_graph:
         options, copied = candidates(gm, op_axes, sequence)
         nodes, modules = list(gm.graph.nodes), dict(gm.named_modules())
-        rep = _representatives(nodes, options, copied)
+        rep = _representatives(nodes, blocks(gm), options, copied)
         per_graph[key] = _Enumeration(options, copied, rep, modules,
                                       list(_shared_param_conflicts(nodes, options, rep, modules)))
     return per_graph[key]
@@ -415,16 +415,12 @@ def _edge_seconds(u: fx.Node, src, dst, axes, cluster, comm_passes: int, itemsiz
     return comm_passes * transfer, comm_passes * latency
 
 
-def _representatives(nodes: list[fx.Node], options, copied: dict[str, str]) -> dict[str, str]:
+def _representatives(nodes: list[fx.Node], block_nodes: dict[str, list[fx.Node]], options,
+                     copied: dict[str, str]) -> dict[str, str]:
     """Each node's stand-in: the same position in the first of a run of identical blocks."""
-    blocks: dict[str, list[fx.Node]] = {}
-    for n in nodes:
-        block = block_of(n)
-        if block:
-            blocks.setdefault(block, []).append(n)
     rep = {n.name: n.name for n in nodes}
     firsts: dict[tuple, list[fx.Node]] = {}
-    for members in blocks.values():
+    for members in block_nodes.values():
         if all(m.name in copied for m in members):  # a twin's stand-in is already known
             rep.update({m.name: rep[copied[m.name]] for m in members})
             continue
