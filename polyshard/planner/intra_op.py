@@ -194,7 +194,14 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     per_node: dict[str, np.ndarray] = {}  # [candidate, (seconds, bytes), (per row, fixed)]; a twin's is its twin's
     node_uses: Counter[tuple[str, str]] = Counter()  # (stand-in, node costed) -> how many nodes it stands for
     owned = parameters_of(gm).owned
+    repeated = [r for r in found.repeats if not (rc.rerun or rc.freed) or
+                all(_recomputed_alike(rc, m, t) for m, t in zip(r.members, r.twins))]
+    skipped = {m for r in repeated for m in r.members}  # counted as their twins, in bulk below
     for n in nodes:
+        if n.name in skipped:
+            if n.op == "call_module":
+                seen_params.update(id(p) for _, _, p in owned[n.target])
+            continue
         if n.name in copied and _recomputed_alike(rc, n.name, copied[n.name]) and \
                 not _shares_params(n, owned, seen_params):
             per_node[n.name] = per_node[copied[n.name]]
@@ -208,6 +215,9 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
         node_uses[(rep[n.name], _source(n.name, copied, per_node))] += 1
         if n.op == "call_module":
             seen_params.update(id(p) for _, _, p in owned[n.target])
+    for twin_block, count in Counter(r.twins for r in repeated).items():
+        for t in twin_block:
+            node_uses[(rep[t], t)] += count
     totals = np.zeros((len(var_of), 2, 2))
     for (stand_in, source), uses in node_uses.items():
         totals[[var_of[(stand_in, i)] for i in range(len(options[stand_in]))]] += uses * per_node[source]
@@ -216,10 +226,15 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     by_id: dict[int, np.ndarray] = {}
     returned = _returned_layouts(nodes, options)
     twin_of = twins(gm)
+    boundary = {name: ks for r in repeated for name, ks in r.boundary.items()}
     for n in nodes:
+        if n.name in skipped and n.name not in boundary:
+            continue
         twin = twin_of.get(n.name) if n.name in copied else None
         twin_inputs = twin.all_input_nodes if twin is not None and _recomputed_alike(rc, n.name, twin.name) else ()
         for k, u in enumerate(n.all_input_nodes):
+            if n.name in skipped and k not in boundary[n.name]:
+                continue
             costs = None
             if twin_inputs:  # the twin edge, inside a block; or a value from outside it (a rotary table) as it comes in
                 costs = per_edge.get((copied.get(u.name), twin.name))  # to the twin, costed alike
@@ -241,6 +256,9 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
             per_edge[(u.name, n.name)] = costs
             by_id[id(costs)] = costs
             edge_uses[((rep[u.name], rep[n.name]), id(costs))] += 1
+    for twin_edges, count in Counter(r.twin_edges for r in repeated).items():  # a repeat's edges are its twins'
+        for u, t in twin_edges:  # but for those from the block before it
+            edge_uses[((rep[u], rep[t]), id(per_edge[(u, t)]))] += count
     summed: dict[tuple[str, str], np.ndarray] = {}
     for (key, costs_id), uses in edge_uses.items():
         summed[key] = summed.get(key, 0) + uses * by_id[costs_id]
@@ -286,8 +304,52 @@ class _Enumeration:
     rep: dict[str, str]
     modules: dict[str, nn.Module]
     conflicts: list[tuple[tuple[str, int], tuple[str, int]]]
+    repeats: list[_Repeat]
     seconds: dict = field(default_factory=dict)
     moves: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Repeat:
+    """A block whose every node took its twin's candidates (the third and later of a run), whose values the
+    model does not return and whose parameters are its own: where recompute treats each node as its twin,
+    the block's terms are its twin block's, but for the edges in from the block before it.
+
+    members and twins: node names, position by position; boundary: node -> positions of its inputs from
+    outside the block that are not its twin's inputs; twin_edges: (producer, consumer) of the twin's edges
+    the others map onto."""
+
+    members: tuple[str, ...]
+    twins: tuple[str, ...]
+    boundary: dict[str, tuple[int, ...]]
+    twin_edges: tuple[tuple[str, str], ...]
+
+
+def _repeats(gm: fx.GraphModule, copied: dict[str, str], returned: dict[str, Layout]) -> list[_Repeat]:
+    """The blocks of ``gm`` whose terms can be counted as their twin block's (see :class:`_Repeat`)."""
+    twin_of, owned, seen, shares = twins(gm), parameters_of(gm).owned, set(), set()
+    for n in gm.graph.nodes:  # a node using a parameter met before (a tied weight) is costed on its own
+        if _shares_params(n, owned, seen):
+            shares.add(n.name)
+        if n.op == "call_module":
+            seen.update(id(p) for _, _, p in owned[n.target])
+    out = []
+    for members in blocks(gm).values():
+        names = {m.name for m in members}
+        if not all(m.name in copied and m.name not in shares and m.name not in returned and
+                   not any(u.name in returned for u in m.all_input_nodes) for m in members):
+            continue
+        boundary, twin_edges = {}, []
+        for m in members:
+            t = twin_of[m.name]
+            for k, (u, v) in enumerate(zip(m.all_input_nodes, t.all_input_nodes)):
+                if (u.name in names and copied[u.name] == v.name) or (u is v and u.name not in copied):
+                    twin_edges.append((v.name, t.name))
+                else:
+                    boundary.setdefault(m.name, []).append(k)
+        out.append(_Repeat(tuple(m.name for m in members), tuple(twin_of[m.name].name for m in members),
+                           {n: tuple(ks) for n, ks in boundary.items()}, tuple(twin_edges)))
+    return out
 
 
 def _enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None) -> _Enumeration:
@@ -300,7 +362,8 @@ def _enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None) -> _En
         nodes, modules = list(gm.graph.nodes), dict(gm.named_modules())
         rep = _representatives(nodes, blocks(gm), options, copied)
         per_graph[key] = _Enumeration(options, copied, rep, modules,
-                                      list(_shared_param_conflicts(nodes, options, rep, modules)))
+                                      list(_shared_param_conflicts(nodes, options, rep, modules)),
+                                      _repeats(gm, copied, _returned_layouts(nodes, options)))
     return per_graph[key]
 
 
