@@ -7,7 +7,8 @@ variable per pair of neighbouring picks carries the redistribution's cost. Minim
 plus communication (seconds); subject to: per-device memory under the limit, and shared
 parameters laid out alike at every use. Repeated blocks (a ModuleList of identical layers)
 share one set of variables, so a 96-layer model is solved as one layer. The LP relaxation's
-optimum bounds the true optimum from below: the gap reported is how far the plan can be from it.
+optimum bounds the true optimum from below: the gap reported is how far the plan can be from it
+(where that optimum picks whole strategies, it is the plan, and no branching is needed).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.transitions import transition_bytes
 
 MAX_COMBOS = 64  # input-layout combinations tried per op
+INTEGRAL_TOLERANCE = 1e-6  # a relaxed pick this close to 0 or 1 is one
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,9 @@ class _Renamed(Sequence):
         return len(self._twin)
 
     def __getitem__(self, i):
+        made = self._made.get(i)
+        if made is not None:
+            return made
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         i = range(len(self))[i]  # a negative index counts from the end, one out of range raises
@@ -151,6 +156,11 @@ class Terms:
         return Program(self.options, self.rep, self.var_of, rows * self.cost[0] + self.cost[1],
                        rows * self.mem[0] + self.mem[1], {k: rows * a + b for k, (a, b) in self.edges.items()},
                        self.conflicts)
+
+    @cached_property
+    def chosen(self) -> dict[tuple[int, ...], Plan]:
+        """The strategies of each set of picks solved so far (one per stand-in, in order)."""
+        return {}
 
     @cached_property
     def columns(self) -> tuple[list[np.ndarray], np.ndarray, tuple[np.ndarray, np.ndarray]]:
@@ -422,13 +432,21 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
         raise PolyshardError(f"no strategy fits {memory_limit_bytes / 2**30:.1f} GiB per device on op axes {dict(op_axes)}")
     if cutoff_s is not None and lower >= cutoff_s:
         return IntraOpResult(None, lower, lower, 0.0, h.getNumCol())
-    h.changeColsIntegrality(num_x, np.arange(num_x, dtype=np.int32), np.ones(num_x, dtype=np.uint8))
-    h.run()
     x = np.array(h.getSolution().col_value[:num_x])
-    plan = Plan(op_axes=op_axes, recompute=recompute, recompute_comm=recompute_comm, offload=offload)
+    if np.abs(x - np.round(x)).max(initial=0.0) > INTEGRAL_TOLERANCE:  # else the relaxation's optimum is a plan
+        h.changeColsIntegrality(num_x, np.arange(num_x, dtype=np.int32), np.ones(num_x, dtype=np.uint8))
+        h.run()
+        x = np.array(h.getSolution().col_value[:num_x])
     chosen = {name: int(np.argmax(x[idx])) for name, idx in zip(dict.fromkeys(rep.values()), picks)}
-    plan.nodes.update({name: options[name][chosen[rep[name]]] for name in rep})
-    _fill_params(gm, plan, op_axes)
+    key = tuple(chosen.values())
+    if key not in terms.chosen:  # another row count often picks the same
+        made = Plan(op_axes=op_axes)
+        made.nodes.update({name: options[name][chosen[rep[name]]] for name in rep})
+        _fill_params(gm, made, op_axes)
+        terms.chosen[key] = made
+    made = terms.chosen[key]
+    plan = Plan(op_axes=op_axes, recompute=recompute, recompute_comm=recompute_comm, offload=offload,
+                nodes=dict(made.nodes), params=dict(made.params), row_splits=dict(made.row_splits))
     cost = h.getInfo().objective_function_value / scale
     return IntraOpResult(plan, cost, min(lower, cost), float(node_mem @ np.round(x)), h.getNumCol())
 
