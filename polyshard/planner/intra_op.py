@@ -335,31 +335,42 @@ class _Repeat:
     twin_edges: tuple[tuple[str, str], ...]
 
 
-def _repeats(gm: fx.GraphModule, copied: dict[str, str], returned: dict[str, Layout]) -> list[_Repeat]:
-    """The blocks of ``gm`` whose terms can be counted as their twin block's (see :class:`_Repeat`)."""
+_REPEATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: every operator axes asks again
+
+
+def _repeats(gm: fx.GraphModule) -> list[_Repeat]:
+    """The blocks of ``gm`` with twins whose terms can be counted as their twin block's where every node took
+    its twin's candidates (see :class:`_Repeat`): none of their values, or those they read, is one the model
+    returns, and no parameter of theirs was met before (a tied weight is costed on its own)."""
+    found = _REPEATS.get(gm)
+    if found is not None:
+        return found
     twin_of, owned, seen, shares = twins(gm), parameters_of(gm).owned, set(), set()
-    for n in gm.graph.nodes:  # a node using a parameter met before (a tied weight) is costed on its own
+    for n in gm.graph.nodes:
         if _shares_params(n, owned, seen):
             shares.add(n.name)
         if n.op == "call_module":
             seen.update(id(p) for _, _, p in owned[n.target])
-    out = []
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    returned = {u.name for u in out.all_input_nodes} if out is not None else set()
+    found = _REPEATS[gm] = []
     for members in blocks(gm).values():
         names = {m.name for m in members}
-        if not all(m.name in copied and m.name not in shares and m.name not in returned and
+        if not all(m.name in twin_of and m.name not in shares and m.name not in returned and
                    not any(u.name in returned for u in m.all_input_nodes) for m in members):
             continue
         boundary, twin_edges = {}, []
         for m in members:
             t = twin_of[m.name]
+            # a value from the block maps onto its twin's; one from before block two (a rotary table) is shared
             for k, (u, v) in enumerate(zip(m.all_input_nodes, t.all_input_nodes)):
-                if (u.name in names and copied[u.name] == v.name) or (u is v and u.name not in copied):
+                if (u.name in names and twin_of[u.name] is v) or u is v:
                     twin_edges.append((v.name, t.name))
                 else:
                     boundary.setdefault(m.name, []).append(k)
-        out.append(_Repeat(tuple(m.name for m in members), tuple(twin_of[m.name].name for m in members),
-                           {n: tuple(ks) for n, ks in boundary.items()}, tuple(twin_edges)))
-    return out
+        found.append(_Repeat(tuple(m.name for m in members), tuple(twin_of[m.name].name for m in members),
+                             {n: tuple(ks) for n, ks in boundary.items()}, tuple(twin_edges)))
+    return found
 
 
 def _enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None) -> _Enumeration:
@@ -373,7 +384,7 @@ def _enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None) -> _En
         rep = _representatives(nodes, blocks(gm), options, copied)
         per_graph[key] = _Enumeration(options, copied, rep, modules,
                                       list(_shared_param_conflicts(nodes, options, rep, modules)),
-                                      _repeats(gm, copied, _returned_layouts(nodes, options)))
+                                      [r for r in _repeats(gm) if all(m in copied for m in r.members)])
     return per_graph[key]
 
 
