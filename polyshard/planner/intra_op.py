@@ -189,32 +189,38 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
                   offload: str = "none", precision: str = "fp32", sequence: bool | None = None) -> Terms:
     """:func:`build_program`'s data with rows left open; ``sequence``: see :class:`RuleContext`."""
     found = _enumerated(gm, op_axes, sequence)
-    options, copied, rep = found.options, found.copied, found.rep
-    modules = found.modules
-    nodes = list(gm.graph.nodes)
     var_of: dict[tuple[str, int], int] = {}
-    for n in nodes:
-        if rep[n.name] == n.name:
-            for i in range(len(options[n.name])):
-                var_of[(n.name, i)] = len(var_of)
-    seen_params: set[int] = set()
-    dtype, itemsize = DTYPES[precision]
-    seconds = found.seconds.setdefault((cluster, precision), {})  # (node, passes) -> its options' seconds
-    moves = found.moves.setdefault((cluster, precision), {})  # (producer, consumer, passes) -> edge seconds
-    per_node: dict[str, np.ndarray] = {}  # [candidate, (seconds, bytes), (per row, fixed)]; a twin's is its twin's
-    node_uses: Counter[tuple[str, str]] = Counter()  # (stand-in, node costed) -> how many nodes it stands for
-    owned = parameters_of(gm).owned
+    for name, stand_in in found.rep.items():
+        if stand_in == name:
+            for i in range(len(found.options[name])):
+                var_of[(name, i)] = len(var_of)
+    # a repeat that recompute treats as its twin block is counted as that block, in bulk
     repeated = [r for r in found.repeats if not (rc.rerun or rc.freed) or
                 all(_recomputed_alike(rc, m, t) for m, t in zip(r.members, r.twins))]
-    skipped = {m for r in repeated for m in r.members}  # counted as their twins, in bulk below
-    for n in nodes:
+    totals = _node_terms(gm, found, var_of, repeated, op_axes, cluster, rc, offload, precision)
+    edges = _edge_terms(gm, found, repeated, op_axes, cluster, rc, precision)
+    return Terms(found.options, found.rep, var_of, (totals[:, 0, 0], totals[:, 0, 1]),
+                 (totals[:, 1, 0], totals[:, 1, 1]), edges, found.conflicts)
+
+
+def _node_terms(gm: fx.GraphModule, found: _Enumeration, var_of: dict[tuple[str, int], int],
+                repeated: list[_Repeat], op_axes: Axes, cluster: Cluster, rc: Recomputed, offload: str,
+                precision: str) -> np.ndarray:
+    """Each column's [(seconds, bytes), (per row, fixed)], summed over the nodes its stand-in stands for."""
+    options, copied, rep, modules = found.options, found.copied, found.rep, found.modules
+    dtype, itemsize = DTYPES[precision]
+    seconds = found.seconds.setdefault((cluster, precision), {})  # (node, passes) -> its options' seconds
+    per_node: dict[str, np.ndarray] = {}  # [candidate, (seconds, bytes), (per row, fixed)]; a twin's is its twin's
+    node_uses: Counter[tuple[str, str]] = Counter()  # (stand-in, node costed) -> how many nodes it stands for
+    owned, seen_params = parameters_of(gm).owned, set()
+    skipped = {m for r in repeated for m in r.members}
+    for n in gm.graph.nodes:
         if n.name in skipped:
-            if n.op == "call_module":
-                seen_params.update(id(p) for _, _, p in owned[n.target])
-            continue
-        if n.name in copied and _recomputed_alike(rc, n.name, copied[n.name]) and \
+            pass
+        elif n.name in copied and _recomputed_alike(rc, n.name, copied[n.name]) and \
                 not _shares_params(n, owned, seen_params):
             per_node[n.name] = per_node[copied[n.name]]
+            node_uses[(rep[n.name], _source(n.name, copied, per_node))] += 1
         else:
             key = (n.name, passes(n.name, rc))
             if key not in seconds:
@@ -222,7 +228,7 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
                                          for d in options[n.name]]).reshape(len(options[n.name]), 2)
             memory = np.array([_op_memory(n, d, modules, seen_params, rc, offload) for d in options[n.name]])
             per_node[n.name] = np.stack([seconds[key], memory.reshape(len(options[n.name]), 2)], axis=1)
-        node_uses[(rep[n.name], _source(n.name, copied, per_node))] += 1
+            node_uses[(rep[n.name], n.name)] += 1
         if n.op == "call_module":
             seen_params.update(id(p) for _, _, p in owned[n.target])
     for twin_block, count in Counter(r.twins for r in repeated).items():
@@ -231,12 +237,24 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     totals = np.zeros((len(var_of), 2, 2))
     for (stand_in, source), uses in node_uses.items():
         totals[[var_of[(stand_in, i)] for i in range(len(options[stand_in]))]] += uses * per_node[source]
+    return totals
+
+
+def _edge_terms(gm: fx.GraphModule, found: _Enumeration, repeated: list[_Repeat], op_axes: Axes,
+                cluster: Cluster, rc: Recomputed, precision: str) -> dict[tuple[str, str], tuple[np.ndarray, ...]]:
+    """Each pair of stand-ins' redistribution seconds [producer pick, consumer pick], (per row, fixed),
+    summed over the edges it stands for."""
+    options, copied, rep = found.options, found.copied, found.rep
+    itemsize = DTYPES[precision][1]
+    moves = found.moves.setdefault((cluster, precision), {})  # (producer, consumer, passes) -> edge seconds
     edge_uses: Counter[tuple[tuple[str, str], int]] = Counter()  # (stand-in pair, id of costs) -> uses
     per_edge: dict[tuple[str, str], np.ndarray] = {}
     by_id: dict[int, np.ndarray] = {}
+    nodes = list(gm.graph.nodes)
     returned = _returned_layouts(nodes, options)
     twin_of = twins(gm)
-    boundary = {name: ks for r in repeated for name, ks in r.boundary.items()}
+    skipped = {m for r in repeated for m in r.members}
+    boundary = {name: ks for r in repeated for name, ks in r.boundary.items()}  # what of a repeat is walked
     for n in nodes:
         if n.name in skipped and n.name not in boundary:
             continue
@@ -272,9 +290,7 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     summed: dict[tuple[str, str], np.ndarray] = {}
     for (key, costs_id), uses in edge_uses.items():
         summed[key] = summed.get(key, 0) + uses * by_id[costs_id]
-    edges = {key: (costs[..., 0], costs[..., 1]) for key, costs in summed.items()}
-    return Terms(options, rep, var_of, (totals[:, 0, 0], totals[:, 0, 1]), (totals[:, 1, 0], totals[:, 1, 1]),
-                 edges, found.conflicts)
+    return {key: (costs[..., 0], costs[..., 1]) for key, costs in summed.items()}
 
 
 def _recomputed_alike(rc: Recomputed, name: str, twin: str) -> bool:
