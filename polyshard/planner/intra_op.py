@@ -102,11 +102,11 @@ class _Renamed(Sequence):
         return len(self._twin)
 
     def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
         made = self._made.get(i)
         if made is not None:
             return made
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
         i = range(len(self))[i]  # a negative index counts from the end, one out of range raises
         if i not in self._made:
             d = self._twin[i]

@@ -10,7 +10,7 @@ from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
-from polyshard.planner.intra_op import build_program, evaluate, solve
+from polyshard.planner.intra_op import build_program, candidates, evaluate, solve
 
 CLUSTERS = ["cpu-gloo:2", "2xA100-80G"]
 
@@ -81,3 +81,19 @@ def test_identical_blocks_share_variables_and_tied_weights_agree():
 def _block(node) -> str:
     paths = [p for p, _ in (node.meta.get("nn_module_stack") or {}).values()]
     return next((p for p in paths if p.startswith("blocks.") and p.count(".") == 1), "")
+
+
+def test_a_copied_layers_candidates_are_its_twins_on_its_own_inputs():
+    """Layers 2 and later read their twins' candidates lazily; read whole, they are the twin's with every input
+    renamed to the layer's own, as enumerating the layer would give."""
+    model = models.build("gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8", device="meta")
+    gm = capture(model, model.example_inputs(1))
+    options, copied = candidates(gm, (("tp", 2),))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert len(copied) > 10
+    for name, twin in copied.items():
+        rename = {b.name: a.name for a, b in zip(nodes[name].all_input_nodes, nodes[twin].all_input_nodes)}
+        mine, theirs = list(options[name]), options[twin]
+        assert len(mine) == len(theirs) and options[name][-1] == mine[-1] and options[name][:2] == mine[:2]
+        assert all(m.inputs == {rename[k]: v for k, v in t.inputs.items()} and
+                   (m.impl, m.output, m.params) == (t.impl, t.output, t.params) for m, t in zip(mine, theirs))
