@@ -14,9 +14,7 @@ from torch import fx, nn
 from polyshard.graph.capture import shape_of
 
 _TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: every split asks again
-
-
-_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: twins and the planner group alike
 
 
 def twins(gm: fx.GraphModule) -> dict[str, fx.Node]:
@@ -38,10 +36,10 @@ def blocks(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     return found
 
 
-def _twins(blocks: dict[str, list[fx.Node]], modules: dict[str, nn.Module]) -> dict[str, fx.Node]:
+def _twins(block_nodes: dict[str, list[fx.Node]], modules: dict[str, nn.Module]) -> dict[str, fx.Node]:
     out: dict[str, fx.Node] = {}
     run: list[list[fx.Node]] = []
-    for members in list(blocks.values()) + [[]]:
+    for members in list(block_nodes.values()) + [[]]:
         if run and _signature(members, modules) == _signature(run[0], modules):
             run.append(members)
             continue
