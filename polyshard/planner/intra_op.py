@@ -1,8 +1,7 @@
 """Intra-op search: one strategy per op, chosen by an integer program (Alpa's formulation).
 
-Each op gets candidate strategies (the op rules' decisions for every layout its inputs may
-arrive in, and every alternative a rule offers: column/row/replicated Linear, split/whole
-Embedding, vocabulary-parallel/plain loss). A binary variable picks one per op; an edge
+Each op gets candidate strategies (:mod:`polyshard.planner.candidates`: column/row/replicated Linear,
+split/whole Embedding, vocabulary-parallel/plain loss, ...). A binary variable picks one per op; an edge
 variable per pair of neighbouring picks carries the redistribution's cost. Minimised: compute
 plus communication (seconds); subject to: per-device memory under the limit, and shared
 parameters laid out alike at every use. Repeated blocks (a ModuleList of identical layers)
@@ -13,33 +12,30 @@ optimum bounds the true optimum from below: the gap reported is how far the plan
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from torch import fx, nn
+from torch import fx
 
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
-from polyshard.graph.twins import blocks, stripped, twins
+from polyshard.graph.twins import twins
 from polyshard.layout import Axes, Layout
+from polyshard.planner.candidates import Enumeration, Repeat, enumerated, shares_params
 from polyshard.planner.cost.comm import comm_seconds, own_bytes
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
 from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
 from polyshard.plan import DTYPES, NodePlan, Plan
-from polyshard.planner.rules import RuleContext, decide_all, row_splits
-from polyshard.planner.rules.base import INPUT_LAYOUTS
+from polyshard.planner.rules import row_splits
 from polyshard.transitions import transition_bytes
 
-MAX_COMBOS = 64  # input-layout combinations tried per op
 INTEGRAL_TOLERANCE = 1e-6  # a relaxed pick this close to 0 or 1 is one
 
 
@@ -58,69 +54,6 @@ class IntraOpResult:
     @property
     def gap(self) -> float:
         return max(0.0, (self.cost_s - self.lower_bound_s) / self.cost_s) if self.cost_s else 0.0
-
-
-def candidates(gm: fx.GraphModule, op_axes: Axes,
-               sequence: bool | None = None) -> tuple[dict[str, Sequence[NodePlan]], dict[str, str]]:
-    """Every node's candidate strategies, in graph order, and the nodes whose came from a twin.
-
-    A node in the third or later of a run of identical blocks takes its twin's candidates (in
-    the run's second block, renamed) when its inputs may arrive in the same layouts: a 96-layer
-    model is enumerated as two layers."""
-    modules = dict(gm.named_modules())
-    ctx = RuleContext(op_axes, modules, {}, {}, lambda msg: None, sequence, gm.meta.get(INPUT_LAYOUTS, {}))
-    nodes = list(gm.graph.nodes)
-    table = twins(gm)
-    values: dict[str, list] = {}
-    out: dict[str, Sequence[NodePlan]] = {}
-    copied: dict[str, str] = {}
-    for node in nodes:
-        inputs = node.all_input_nodes
-        twin = table.get(node.name)
-        if twin is not None and all(_same(values[a.name], values[b.name]) for a, b in zip(inputs, twin.all_input_nodes)):
-            out[node.name] = _Renamed(out[twin.name], {b.name: a.name for a, b in zip(inputs, twin.all_input_nodes)})
-            values[node.name] = values[twin.name]
-            copied[node.name] = twin.name
-            continue
-        found: list[NodePlan] = []
-        for combo in itertools.islice(itertools.product(*(values[i.name] for i in inputs)), MAX_COMBOS):
-            ctx.layouts.update({i.name: v for i, v in zip(inputs, combo)})
-            found += [d for d in decide_all(node, ctx) if d not in found]
-        out[node.name] = found
-        values[node.name] = list({_key(d.output): d.output for d in found}.values())
-    return out, copied
-
-
-class _Renamed(Sequence):
-    """A twin's candidates with this node's inputs in place of the twin's, each made when first read: a
-    search reads one of most nodes' candidates (its pick), and of a stack of layers enumerates two."""
-
-    def __init__(self, twin: list[NodePlan], rename: dict[str, str]):
-        self._twin, self._rename, self._made = twin, rename, {}
-
-    def __len__(self) -> int:
-        return len(self._twin)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        made = self._made.get(i)
-        if made is not None:
-            return made
-        i = range(len(self))[i]  # a negative index counts from the end, one out of range raises
-        if i not in self._made:
-            d = self._twin[i]
-            self._made[i] = NodePlan(d.impl, {self._rename[k]: v for k, v in d.inputs.items()}, d.output, d.params,
-                                     d.shape_divisors)
-        return self._made[i]
-
-
-def _same(a: list, b: list) -> bool:
-    return a is b or a == b  # a copied node shares its twin's list: most checks end at `is`
-
-
-def _key(value):
-    return repr(value)
 
 
 @dataclass
@@ -188,7 +121,7 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
 def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recomputed = Recomputed(),
                   offload: str = "none", precision: str = "fp32", sequence: bool | None = None) -> Terms:
     """:func:`build_program`'s data with rows left open; ``sequence``: see :class:`RuleContext`."""
-    found = _enumerated(gm, op_axes, sequence)
+    found = enumerated(gm, op_axes, sequence)
     var_of: dict[tuple[str, int], int] = {}
     for name, stand_in in found.rep.items():
         if stand_in == name:
@@ -203,8 +136,8 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
                  (totals[:, 1, 0], totals[:, 1, 1]), edges, found.conflicts)
 
 
-def _node_terms(gm: fx.GraphModule, found: _Enumeration, var_of: dict[tuple[str, int], int],
-                repeated: list[_Repeat], op_axes: Axes, cluster: Cluster, rc: Recomputed, offload: str,
+def _node_terms(gm: fx.GraphModule, found: Enumeration, var_of: dict[tuple[str, int], int],
+                repeated: list[Repeat], op_axes: Axes, cluster: Cluster, rc: Recomputed, offload: str,
                 precision: str) -> np.ndarray:
     """Each column's [(seconds, bytes), (per row, fixed)], summed over the nodes its stand-in stands for."""
     options, copied, rep, modules = found.options, found.copied, found.rep, found.modules
@@ -218,7 +151,7 @@ def _node_terms(gm: fx.GraphModule, found: _Enumeration, var_of: dict[tuple[str,
         if n.name in skipped:
             pass
         elif n.name in copied and _recomputed_alike(rc, n.name, copied[n.name]) and \
-                not _shares_params(n, owned, seen_params):
+                not shares_params(n, owned, seen_params):
             per_node[n.name] = per_node[copied[n.name]]
             node_uses[(rep[n.name], _source(n.name, copied, per_node))] += 1
         else:
@@ -240,7 +173,7 @@ def _node_terms(gm: fx.GraphModule, found: _Enumeration, var_of: dict[tuple[str,
     return totals
 
 
-def _edge_terms(gm: fx.GraphModule, found: _Enumeration, repeated: list[_Repeat], op_axes: Axes,
+def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], op_axes: Axes,
                 cluster: Cluster, rc: Recomputed, precision: str) -> dict[tuple[str, str], tuple[np.ndarray, ...]]:
     """Each pair of stand-ins' redistribution seconds [producer pick, consumer pick], (per row, fixed),
     summed over the edges it stands for."""
@@ -313,95 +246,6 @@ def _returned_layouts(nodes: list[fx.Node], options: dict[str, Sequence[NodePlan
     if out is None or len(options[out.name]) != 1:
         return {}
     return dict(options[out.name][0].inputs)
-
-
-_ENUMERATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: what settings share
-
-
-@dataclass
-class _Enumeration:
-    """What every recompute mode, offload and row count of one graph on one set of operator axes
-    share: the candidates, each node's stand-in, the shared-parameter conflicts, and the seconds of
-    ops and moves already costed (per cluster and precision), which a setting changes only where
-    it runs a node again."""
-
-    options: dict[str, Sequence[NodePlan]]
-    copied: dict[str, str]
-    rep: dict[str, str]
-    modules: dict[str, nn.Module]
-    conflicts: list[tuple[tuple[str, int], tuple[str, int]]]
-    repeats: list[_Repeat]
-    seconds: dict = field(default_factory=dict)
-    moves: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Repeat:
-    """A block whose every node took its twin's candidates (the third and later of a run), whose values the
-    model does not return and whose parameters are its own: where recompute treats each node as its twin,
-    the block's terms are its twin block's, but for the edges in from the block before it.
-
-    members and twins: node names, position by position; boundary: node -> positions of its inputs from
-    outside the block that are not its twin's inputs; twin_edges: (producer, consumer) of the twin's edges
-    the others map onto."""
-
-    members: tuple[str, ...]
-    twins: tuple[str, ...]
-    boundary: dict[str, tuple[int, ...]]
-    twin_edges: tuple[tuple[str, str], ...]
-
-
-_REPEATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: every operator axes asks again
-
-
-def _repeats(gm: fx.GraphModule) -> list[_Repeat]:
-    """The blocks of ``gm`` with twins whose terms can be counted as their twin block's where every node took
-    its twin's candidates (see :class:`_Repeat`): none of their values, or those they read, is one the model
-    returns, and no parameter of theirs was met before (a tied weight is costed on its own)."""
-    found = _REPEATS.get(gm)
-    if found is not None:
-        return found
-    twin_of, owned, seen, shares = twins(gm), parameters_of(gm).owned, set(), set()
-    for n in gm.graph.nodes:
-        if _shares_params(n, owned, seen):
-            shares.add(n.name)
-        if n.op == "call_module":
-            seen.update(id(p) for _, _, p in owned[n.target])
-    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
-    returned = {u.name for u in out.all_input_nodes} if out is not None else set()
-    found = _REPEATS[gm] = []
-    for members in blocks(gm).values():
-        names = {m.name for m in members}
-        if not all(m.name in twin_of and m.name not in shares and m.name not in returned and
-                   not any(u.name in returned for u in m.all_input_nodes) for m in members):
-            continue
-        boundary, twin_edges = {}, []
-        for m in members:
-            t = twin_of[m.name]
-            # a value from the block maps onto its twin's; one from before block two (a rotary table) is shared
-            for k, (u, v) in enumerate(zip(m.all_input_nodes, t.all_input_nodes)):
-                if (u.name in names and twin_of[u.name] is v) or u is v:
-                    twin_edges.append((v.name, t.name))
-                else:
-                    boundary.setdefault(m.name, []).append(k)
-        found.append(_Repeat(tuple(m.name for m in members), tuple(twin_of[m.name].name for m in members),
-                             {n: tuple(ks) for n, ks in boundary.items()}, tuple(twin_edges)))
-    return found
-
-
-def _enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None) -> _Enumeration:
-    """:func:`candidates` and what derives from them, once per graph and operator axes (a search asks
-    again for every recompute mode and offload)."""
-    per_graph = _ENUMERATED.setdefault(gm, {})
-    key = (op_axes, sequence)
-    if key not in per_graph:
-        options, copied = candidates(gm, op_axes, sequence)
-        nodes, modules = list(gm.graph.nodes), dict(gm.named_modules())
-        rep = _representatives(nodes, blocks(gm), options, copied)
-        per_graph[key] = _Enumeration(options, copied, rep, modules,
-                                      list(_shared_param_conflicts(nodes, options, rep, modules)),
-                                      [r for r in _repeats(gm) if all(m in copied for m in r.members)])
-    return per_graph[key]
 
 
 def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
@@ -487,11 +331,6 @@ def _add_rows(h, indices, values, lower: float, upper: float) -> None:
               starts, np.concatenate(indices).astype(np.int32), np.concatenate(values).astype(float))
 
 
-def _shares_params(node: fx.Node, owned, seen: set[int]) -> bool:
-    """Whether a parameter of ``node`` was met before (a tied weight counts its memory once)."""
-    return node.op == "call_module" and any(id(p) in seen for _, _, p in owned[node.target])
-
-
 def _op_seconds(node, d: NodePlan, modules, axes, cluster, dtype, itemsize, rc: Recomputed) -> tuple[float, float]:
     """(seconds per row, fixed seconds) of one op."""
     plan = Plan(op_axes=axes, nodes={node.name: d})
@@ -521,39 +360,6 @@ def _edge_seconds(u: fx.Node, src, dst, axes, cluster, comm_passes: int, itemsiz
     sent = transition_bytes(src, dst, shape_of(u), itemsize, cluster.backend, cluster.all_to_all)
     transfer, latency = comm_seconds(sent, axes, cluster)
     return comm_passes * transfer, comm_passes * latency
-
-
-def _representatives(nodes: list[fx.Node], block_nodes: dict[str, list[fx.Node]], options,
-                     copied: dict[str, str]) -> dict[str, str]:
-    """Each node's stand-in: the same position in the first of a run of identical blocks."""
-    rep = {n.name: n.name for n in nodes}
-    firsts: dict[tuple, list[fx.Node]] = {}
-    for members in block_nodes.values():
-        if all(m.name in copied for m in members):  # a twin's stand-in is already known
-            rep.update({m.name: rep[copied[m.name]] for m in members})
-            continue
-        signature = tuple((m.op, stripped(m)) + tuple(_shape_key(options[m.name])) for m in members)
-        first = firsts.setdefault(signature, members)
-        rep.update({m.name: rep[f.name] for m, f in zip(members, first)})
-    return rep
-
-
-def _shape_key(decisions: list[NodePlan]) -> list[str]:
-    return [repr((d.impl, list(d.inputs.values()), d.output, d.params)) for d in decisions]
-
-
-def _shared_param_conflicts(nodes, options, rep, modules):
-    """Pairs of picks that would lay one shared parameter (a tied embedding) out two ways."""
-    uses: dict[int, list[tuple[str, str]]] = {}
-    for n in nodes:
-        for pname, p in (modules[n.target].named_parameters(recurse=False) if n.op == "call_module" else []):
-            uses.setdefault(id(p), []).append((n.name, pname))
-    for users in uses.values():
-        for (a, pa), (b, pb) in itertools.combinations(users, 2):
-            for i, da in enumerate(options[a]):
-                for j, db in enumerate(options[b]):
-                    if da.params.get(pa) != db.params.get(pb):
-                        yield (rep[a], i), (rep[b], j)
 
 
 def _fill_params(gm: fx.GraphModule, plan: Plan, op_axes: Axes) -> None:

@@ -10,7 +10,8 @@ from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
-from polyshard.planner.intra_op import build_program, candidates, evaluate, solve
+from polyshard.planner.candidates import candidates
+from polyshard.planner.intra_op import build_program, evaluate, solve
 
 CLUSTERS = ["cpu-gloo:2", "2xA100-80G"]
 

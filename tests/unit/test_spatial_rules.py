@@ -109,7 +109,7 @@ def test_upsampling_keeps_the_split_by_nearest_neighbours_or_bilinear(mode, kept
 
 def test_the_search_enumerates_each_layer_of_a_sequential_by_its_own_kind():
     """stem.1 (BatchNorm2d) and stem.2 (ReLU) are blocks of one node with alike names: not twins."""
-    from polyshard.planner.intra_op import candidates
+    from polyshard.planner.candidates import candidates
     from polyshard.planner.rules.base import INPUT_LAYOUTS
 
     gm = capture(ResNet(), (torch.zeros(1, 3, 32, 32), torch.zeros(1, dtype=torch.long)))
