@@ -22,6 +22,7 @@ from polyshard.layout import Axes
 
 DEFAULT_DATA_AXES = ("dp",)
 PIPELINE_AXIS = "pp"
+SPATIAL_AXES = ("h", "w")  # an image's height and width, in the order its dims lie
 
 
 # What each axis name does; the Python API takes other names when `init` is told their role.

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Callable
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.cli.k8s import add_parser as add_k8s
@@ -116,7 +118,7 @@ def _train(args) -> int:
         raise PolyshardError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     rendezvous = check_nodes(args.nnodes, args.node_rank, args.rdzv)
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1) * args.nnodes
-    shape, plan = check_config(cfg, world)
+    cfg, shape, plan = check_config(cfg, world)
     if not in_torchrun:
         check_against_model(cfg, shape, plan)
         if rendezvous is not None:
@@ -142,14 +144,16 @@ def _train(args) -> int:
 
 def _planning_flags(p: argparse.ArgumentParser) -> None:
     """What `plan` and `cost` share: the model, the cluster, the batch and the memory budget."""
-    p.add_argument("--model", required=True, help="a name from `polyshard models`, a shape such as "
-                   "'gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200' (ffn defaults to 4 x hidden), or a "
+    p.add_argument("--model", required=True, help="a name from `polyshard models` (image models too), a shape "
+                   "such as 'gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200' (ffn defaults to 4 x hidden), or a "
                    "transformers model: hf:llama-3-70b (shipped configs in `polyshard models`) or hf:CONFIG.json")
     p.add_argument("--cluster", required=True, help="NODESxDEVICESxTYPE (e.g. 128x8xA100-80G), cpu-gloo:N, or a YAML "
                    "file from `polyshard calibrate`")
     p.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=0,
                    help="sequences per optimizer step, over all devices (default: 1 per device)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--image-size", type=int, default=0, help="for an image model (unet-small, resnet-small): square "
+                   "images of N pixels a side (default 64); the search weighs splitting them by height and width")
     p.add_argument("--memory-limit", default="", help="bytes per device, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--memory-reserve", default="", help="of the limit, bytes plans leave free for the CUDA context, "
                    "communication buffers and allocator fragmentation (default: on GPUs the larger of 5%% and 2GiB)")
@@ -164,7 +168,6 @@ def _plan(args) -> int:
     import json
     import time
 
-    from polyshard import models
     from polyshard.cluster import Cluster, parse_bytes
     from polyshard.planner.config import Fixed
     from polyshard.planner.report import compare, render, summary
@@ -172,7 +175,6 @@ def _plan(args) -> int:
     from polyshard.planner.search import default_reserve_bytes, search
 
     cluster = Cluster.load(args.cluster)
-    cfg = models.config(args.model, args.seq_len)
     fixed = Fixed.parse(args.config)
     fixed.check_devices(cluster.num_devices)
     batch = args.batch_size or cluster.num_devices
@@ -185,40 +187,94 @@ def _plan(args) -> int:
         raise PolyshardError(f"--pin file {args.pin!r} does not exist")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise PolyshardError(f"--out {args.out!r} is in a folder that does not exist; create it first")
+    planned = _planned_model(args, cluster.num_devices, batch, fixed)
     start = time.perf_counter()
-    model = models.build(args.model, device="meta", seq_len=args.seq_len)
+    model = planned.build()
     if args.pin:
         from polyshard.train.config import apply_strategies
 
         apply_strategies(model, args.pin)
     graph = capture(model, model.example_inputs(1))
-    plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, reserve_bytes=reserve,
-                     pp_plan=args.pp_plan, graph=graph)
-    plan = dataclasses.replace(plan, model=args.model if args.seq_len is None else models.shape_spec(cfg))
+    options = dict(meshes=planned.meshes, dataset_strategy=planned.dataset_strategy, reserve_bytes=reserve,
+                   pp_plan=args.pp_plan, graph=graph)
+    plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, **options)
+    plan = dataclasses.replace(plan, model=planned.name)
     seconds = time.perf_counter() - start
     pick = None
     if getattr(args, "compare", False):
-        pick, _ = search(model, model.example_inputs(1), cluster, batch, limit, reserve_bytes=reserve,
-                         pp_plan=args.pp_plan, graph=graph)
+        pick, _ = search(model, model.example_inputs(1), cluster, batch, limit, **options)
     if args.json:
-        print(json.dumps({**summary(plan, cfg, cluster.num_devices), "planning_s": round(seconds, 3),
+        print(json.dumps({**summary(plan, planned.cfg, cluster.num_devices), "planning_s": round(seconds, 3),
                           "fixed": fixed.text(),
-                          **({"pick": summary(pick, cfg, cluster.num_devices)} if pick else {})}))
+                          **({"pick": summary(pick, planned.cfg, cluster.num_devices)} if pick else {})}))
     else:
         print(f"planned {args.model} on {cluster.num_devices} devices ({args.cluster}), global batch {batch} "
-              f"x {cfg.seq_len} tokens, in {seconds:.1f} s")
+              f"x {planned.row}, in {seconds:.1f} s")
         if fixed.text():
             kept = {kv.split("=")[0] for kv in fixed.text().split(",")}
             chosen = [kv for kv in plan.report["config"].split(",") if kv.split("=")[0] not in kept]
             print(f"kept {fixed.text()}; the search chose {','.join(chosen) or 'nothing else'}")
         print(render(plan))
         if pick is not None:
-            print(compare(summary(plan, cfg, cluster.num_devices), summary(pick, cfg, cluster.num_devices)))
+            print(compare(summary(plan, planned.cfg, cluster.num_devices),
+                          summary(pick, planned.cfg, cluster.num_devices)))
     if args.out:
         Path(args.out).write_text(plan.to_json())
         if not args.json:
-            print(f"plan: {args.out}")
+            print(f"plan: {args.out} (train it with `polyshard train --plan {args.out}{planned.train_flags}`)")
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """What `plan` and `cost` plan: the model's name for the plan file, its token shape (None for an image
+    model), one row in words, the model built on the meta device (planned at full size without its memory),
+    the meshes to weigh (None: every dp x pp x tp split), how its inputs split, the flags that train it."""
+
+    name: str
+    cfg: object
+    row: str
+    build: Callable
+    meshes: list | None = None
+    dataset_strategy: tuple | None = None
+    train_flags: str = ""
+
+
+def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
+    """The flags' model checked before any planning: a token model at --seq-len, or an image model at
+    --image-size over every dp x h x w split of the devices it can train on."""
+    from polyshard import models
+    from polyshard.models.vision import (DEFAULT_IMAGE_SIZE, VISION, build_vision, check_image_size,
+                                         dataset_strategy, image_meshes)
+
+    foreign = {"h", "w"} if args.model not in VISION else {"tp", "pp", "sp", "schedule", "v", "cuts"}
+    misplaced = sorted(k for k in foreign if getattr(fixed, k) is not None)
+    if misplaced:
+        raise PolyshardError(f"--config {misplaced[0]}: {args.model} " + (
+            "reads tokens, and h and w split images by height and width" if args.model not in VISION else
+            "splits its images over dp, h and w only (tp, pipelines and sequence parallel are for token models)"))
+    if args.model not in VISION:
+        if args.image_size:
+            raise PolyshardError(f"--image-size sizes an image model's images; {args.model} reads tokens: use "
+                                 f"--model {' or '.join(VISION)}, or leave out --image-size")
+        cfg = models.config(args.model, args.seq_len)
+        return _Planned(args.model if args.seq_len is None else models.shape_spec(cfg), cfg, f"{cfg.seq_len} tokens",
+                        functools.partial(models.build, args.model, device="meta", seq_len=args.seq_len))
+    for flag, given in (("--seq-len", args.seq_len is not None), ("--pp-plan", args.pp_plan)):
+        if given:
+            raise PolyshardError(f"{flag} is for token models; {args.model} reads images: leave it out")
+    if args.image_size < 0:
+        raise PolyshardError(f"--image-size must be a positive number of pixels, got {args.image_size}")
+    size = args.image_size or DEFAULT_IMAGE_SIZE
+    check_image_size(args.model, size, {})
+    meshes = image_meshes(args.model, size, devices, batch)
+    if not meshes:
+        raise PolyshardError(f"no dp x h x w split of {devices} devices takes --global-batch {batch} of {size} x "
+                             f"{size} images: use a batch that {devices} divides, or an image size of a multiple "
+                             f"of {devices * 2 ** VISION[args.model].halvings}")
+    return _Planned(args.model, None, f"{size} x {size} images",
+                    functools.partial(build_vision, args.model, size, device="meta"), meshes,
+                    dataset_strategy(args.model), f" --image-size {size}")
 
 
 def _check_reserve(limit: int, reserve: int | None, default: int) -> None:

@@ -14,7 +14,8 @@ from polyshard.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MOD
 class Fixed:
     """Settings the search must keep; None leaves one to the search.
 
-    dp / tp / pp: data-parallel replicas, operator-parallel ranks, pipeline stages; sp: sequence
+    dp / tp / pp: data-parallel replicas, operator-parallel ranks, pipeline stages; h / w: ranks that
+    split each image by height / width (an image model's spatial parallel); sp: sequence
     parallel (1: row-parallel products reduce-scatter along the sequence wherever they can, 0: never;
     left out, the search decides op by op); mbs: rows per
     micro-batch; m: micro-batches per step (pipeline micro-batches, or gradient accumulation when
@@ -31,6 +32,8 @@ class Fixed:
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    h: int | None = None
+    w: int | None = None
     sp: int | None = None
     mbs: int | None = None
     m: int | None = None
@@ -77,16 +80,16 @@ class Fixed:
             raise PolyshardError(f"--config v={self.v} needs schedule=interleaved, not {self.schedule!r}")
 
     def check_devices(self, devices: int) -> None:
-        """Raise unless the fixed dp / tp / pp can split ``devices``."""
-        given = {k: getattr(self, k) for k in ("dp", "tp", "pp") if getattr(self, k) is not None}
+        """Raise unless the fixed dp / tp / pp / h / w can split ``devices``."""
+        given = {k: getattr(self, k) for k in ("dp", "tp", "pp", "h", "w") if getattr(self, k) is not None}
         product = 1
         for key, size in given.items():
             product *= size
             if devices % product:
                 raise PolyshardError(f"--config {','.join(f'{k}={v}' for k, v in given.items())} does not divide the "
                                      f"{devices} devices of the cluster; choose sizes that divide {devices}")
-        if len(given) == 3 and product != devices:
-            raise PolyshardError(f"--config dp x tp x pp = {product}, and the cluster has {devices} devices")
+        if {"dp", "tp", "pp"} <= set(given) and product != devices:
+            raise PolyshardError(f"--config {' x '.join(given)} = {product}, and the cluster has {devices} devices")
 
     def allows(self, **settings) -> bool:
         """Whether every given setting agrees with what is fixed."""

@@ -12,19 +12,24 @@ def chosen_row(report: dict) -> dict | None:
     return next((c for c in report.get("candidates", ()) if c["mesh"] == report.get("chosen")), None)
 
 
-def summary(plan: Plan, cfg: GPTConfig, num_devices: int) -> dict:
+def summary(plan: Plan, cfg: GPTConfig | None, num_devices: int) -> dict:
     """The chosen candidate's figures as plain JSON: predicted seconds per step and their parts,
-    memory per device, the configuration in the ``--config`` spelling, and model TFLOP/s per device
-    (PaLM's 6N + 12 L H T FLOPs per token, polyshard.models.flops_per_token)."""
+    memory per device, the configuration in the ``--config`` spelling, and for a token model (``cfg``)
+    model TFLOP/s per device (PaLM's 6N + 12 L H T FLOPs per token, polyshard.models.flops_per_token),
+    for an image model (``cfg`` None) images per second."""
     rep = plan.report
     chosen = chosen_row(rep)
-    tokens = plan.global_batch * cfg.seq_len
+    if cfg is None:
+        rate = {"images_per_s": plan.global_batch / chosen["step_s"]}
+    else:
+        tokens = plan.global_batch * cfg.seq_len
+        rate = {"tokens_per_s": tokens / chosen["step_s"],
+                "model_tflops_per_device": flops_per_token(cfg) * tokens / chosen["step_s"] / num_devices / 1e12}
     return {"step_s": chosen["step_s"], "memory_bytes_per_device": chosen["memory"]["total"],
             "config": rep["config"], "mesh": chosen["mesh"],
             "breakdown": {k: chosen[k] for k in ("compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s")},
             "memory": chosen["memory"], "limit_bytes": rep["limit_bytes"], "reserve_bytes": rep.get("reserve_bytes", 0),
-            "tokens_per_s": tokens / chosen["step_s"],
-            "model_tflops_per_device": flops_per_token(cfg) * tokens / chosen["step_s"] / num_devices / 1e12}
+            **rate}
 
 
 def compare(given: dict, pick: dict) -> str:

@@ -34,7 +34,7 @@ from polyshard.cluster import Cluster, format_bytes
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.graph.regions import recomputed
-from polyshard.mesh import PIPELINE_AXIS
+from polyshard.mesh import PIPELINE_AXIS, SPATIAL_AXES
 from polyshard.planner.cost.comm import axis_link, collective_latency
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
@@ -127,8 +127,10 @@ class Candidate:
 
     def config(self, data_axes: tuple[str, ...] = ("dp",)) -> Fixed:
         """This candidate's settings in the ``--config`` spelling."""
-        p, tp = self.pipeline, _op_size(self.mesh, data_axes)
-        return Fixed(dp=_data_size(self.mesh, data_axes), tp=tp, pp=self.pp, sp=int(self.sequence) if tp > 1 else None,
+        p, tp, spatial = self.pipeline, _op_size(self.mesh, data_axes), _spatial(self.mesh)
+        tp //= math.prod(spatial.values())
+        return Fixed(dp=_data_size(self.mesh, data_axes), tp=tp if tp > 1 or not spatial else None, pp=self.pp,
+                     **spatial, sp=int(self.sequence) if tp > 1 else None,
                      mbs=self.rows // self.micro_batches, m=self.micro_batches, schedule=p.schedule if p else None,
                      v=p.virtual_stages if p else None, zero=self.zero, recompute=self.recompute,
                      precision=self.precision, offload=self.offload)
@@ -194,7 +196,7 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     best_s = float("inf")
     allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks),
                                                     None if fixed.tp else cluster.devices_per_node)
-               if fixed.allows(dp=_data_size(m, data_axes), tp=_op_size(m, data_axes), pp=_pp(m))]
+               if _keeps(fixed, m, data_axes)]
     for mesh in costs.order(allowed):
         if global_batch % _data_size(mesh, data_axes):
             continue
@@ -514,6 +516,19 @@ def _op_size(mesh, data_axes) -> int:
 
 def _data_size(mesh, data_axes) -> int:
     return math.prod(s for n, s in mesh if n in data_axes)
+
+
+def _keeps(fixed: Fixed, mesh, data_axes) -> bool:
+    """Whether the mesh's sizes agree with the dp / tp / pp / h / w that ``fixed`` keeps."""
+    spatial = _spatial(mesh)
+    return fixed.allows(dp=_data_size(mesh, data_axes), tp=_op_size(mesh, data_axes) // math.prod(spatial.values()),
+                        pp=_pp(mesh), h=spatial.get("h", 1), w=spatial.get("w", 1))
+
+
+def _spatial(mesh) -> dict[str, int]:
+    """An image mesh's height and width splits (``{"h": 2, "w": 1}``); empty for other meshes."""
+    sizes = dict(mesh)
+    return {a: sizes.get(a, 1) for a in SPATIAL_AXES} if sizes.keys() & set(SPATIAL_AXES) else {}
 
 
 def _pp(mesh) -> int:

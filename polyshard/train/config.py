@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -111,11 +111,6 @@ def token_source(cfg: TrainConfig) -> tuple[str, str]:
     return cfg.data, cfg.data_dtype
 
 
-def model_name(cfg: TrainConfig, plan: Plan | None) -> str:
-    """The model to train: the flag's, else the plan's, else the default."""
-    return cfg.model or (plan.model if plan is not None else "") or DEFAULT_MODEL
-
-
 def build_model(cfg: TrainConfig, name: str, device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
     """The model ``name`` as this run trains it (an image model at the run's image size)."""
     if name in VISION:
@@ -153,10 +148,12 @@ def load_plan(path: str, what: str = "--plan") -> Plan:
         raise PolyshardError(f"{what} {path!r}: {exc}") from exc
 
 
-def check_config(cfg: TrainConfig, world_size: int) -> tuple[dict[str, int], Plan | None]:
-    """Every flag checked against the others and the world; returns the mesh shape and the --plan file's plan."""
+def check_config(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, dict[str, int], Plan | None]:
+    """Every flag checked against the others and the world; returns the config with its model named (the
+    flag's, else the --plan file's, else the default), the mesh shape and the --plan file's plan."""
     plan = load_plan(cfg.plan) if cfg.plan else None
     _check_model_name(cfg, plan)
+    cfg = replace(cfg, model=cfg.model or (plan.model if plan is not None else "") or DEFAULT_MODEL)
     shape = _check_mesh(cfg, plan, world_size)
     _check_image_flags(cfg, shape)
     _check_numbers(cfg)
@@ -176,11 +173,11 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[dict[str, int], Pla
     _check_memory_flags(cfg, data, settings)
     _check_paths(cfg)
     _check_checkpoint_flags(cfg)
-    return shape, plan
+    return cfg, shape, plan
 
 
 def _check_model_name(cfg: TrainConfig, plan: Plan | None) -> None:
-    name = model_name(cfg, plan)
+    name = cfg.model or (plan.model if plan is not None else "") or DEFAULT_MODEL
     if name.startswith("hf:"):
         from polyshard.models.hf import config_dict
 
@@ -383,7 +380,7 @@ def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | No
     from polyshard.planner.propagate import propagate
     from polyshard.graph.stage_cuts import block_paths
 
-    model = build_model(cfg, model_name(cfg, plan), device="meta")
+    model = build_model(cfg, cfg.model, device="meta")
     if cfg.data and not cfg.vision:
         check_tokens(open_tokens(*token_source(cfg)), cfg.data, model.cfg.vocab_size, model.cfg.seq_len)
     if cfg.strategies:
@@ -400,12 +397,12 @@ def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | No
         op_axes = tuple((n, s) for n, s in shape.items() if n not in data_axes and n != PIPELINE_AXIS and s > 1)
         propagate(gm, op_axes, lambda msg: None, cfg.sequence_parallel)
     optimizer = dict(cfg.settings).get("optimizer", plan.optimizer if plan is not None else "adamw")
-    check_resume(cfg, model_name(cfg, plan), {n: tuple(p.shape) for n, p in gm.named_parameters()}, optimizer)
+    check_resume(cfg, cfg.model, {n: tuple(p.shape) for n, p in gm.named_parameters()}, optimizer)
     pp, virtual = shape.get(PIPELINE_AXIS, 1), dict(cfg.settings).get("virtual_stages", 1)
     blocks = len(block_paths(gm))
     if pp > 1 and not cfg.plan and pp * virtual > blocks:
         raise PolyshardError(f"pp={pp} x {virtual} virtual stages make {pp * virtual} stages, and "
-                             f"{model_name(cfg, plan)} has {blocks} blocks to cut; use fewer stages")
+                             f"{cfg.model} has {blocks} blocks to cut; use fewer stages")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -41,7 +41,7 @@ from polyshard.runtime.resume import restore_run, resume_path, save_run
 from polyshard.runtime.stall import is_timeout, stalled
 from polyshard.runtime.timeline import draw_timeline
 from polyshard.train.config import (
-    TrainConfig, apply_strategies, build_model, check_config, model_name, token_source,
+    TrainConfig, apply_strategies, build_model, check_config, token_source,
 )
 from polyshard.runtime.zero import ZeroOptimizer, setup_zero
 
@@ -51,22 +51,21 @@ def train(cfg: TrainConfig) -> list[dict]:
     from tqdm import tqdm
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    shape, plan = check_config(cfg, world)
-    name = model_name(cfg, plan)
+    cfg, shape, plan = check_config(cfg, world)
     if cfg.auto or cfg.memory_limit:  # --auto: every mesh; --memory-limit alone: the mesh given
-        meta = build_model(cfg, name, device="meta")
+        meta = build_model(cfg, cfg.model, device="meta")
         limit = parse_bytes(cfg.memory_limit) if cfg.memory_limit else None
         meshes = [tuple(shape.items())] if not cfg.auto else \
-            image_meshes(name, cfg.image_side, world, cfg.batch_size // cfg.accum) if cfg.vision else None
+            image_meshes(cfg.model, cfg.image_side, world, cfg.batch_size // cfg.accum) if cfg.vision else None
         plan, _ = search(meta, meta.example_inputs(1), Cluster.from_env(), cfg.batch_size // cfg.accum, limit,
                          meshes=meshes, fixed=Fixed(sp=1) if cfg.sequence_parallel else Fixed(),
-                         dataset_strategy=dataset_strategy(name) if cfg.vision else None)
-        plan, shape = dataclasses.replace(plan, model=name), dict(plan.mesh)
+                         dataset_strategy=dataset_strategy(cfg.model) if cfg.vision else None)
+        plan, shape = dataclasses.replace(plan, model=cfg.model), dict(plan.mesh)
     if plan is not None and cfg.settings:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
     mesh = init(shape, timeout=cfg.collective_timeout or None)
     lead = dist.get_rank() == 0
-    model = build_model(cfg, name, seed=cfg.seed)
+    model = build_model(cfg, cfg.model, seed=cfg.seed)
     pinned = apply_strategies(model, cfg.strategies) if cfg.strategies else []
     # without a pipeline, a plan's micro-batches are gradient accumulation, on top of --accum
     accum = cfg.accum * (plan.micro_batches if plan is not None and mesh.pp == 1 else 1)
@@ -86,7 +85,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             planned = Path(cfg.metrics).parent / "plan.json"
             planned.parent.mkdir(parents=True, exist_ok=True)
             planned.write_text(pm.plan.to_json())
-            print(f"plan: {planned} (train it again with --plan {planned})")
+            size = f" --image-size {cfg.image_side}" if cfg.vision else ""
+            print(f"plan: {planned} (train it again with --plan {planned}{size})")
         nodes = f" on {mesh.cluster.num_nodes} machines" if mesh.cluster and mesh.cluster.num_nodes > 1 else ""
         print(f"mesh: {mesh}  ({world} processes{nodes}, {torch.get_num_threads()} thread each)")
         if pm.plan.copies > 1 or cfg.copies == "auto":
@@ -151,7 +151,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             if pending is not None:
                 _committed(pending.wait(), lead, bar)
-            pending = save_run(cfg.save_dir, pm, opt, batches, step, history, model=name, keep=cfg.keep,
+            pending = save_run(cfg.save_dir, pm, opt, batches, step, history, model=cfg.model, keep=cfg.keep,
                                async_save=cfg.async_save, group=save_group)
             if not cfg.async_save:
                 _committed(pending.wait(), lead, bar)
@@ -161,7 +161,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     batches.close()
     bar.close()
     if pipelined and cfg.timeline:
-        draw_measured_timeline(pm, cfg.timeline, partial(predicted_timings, cfg, name, pm.plan, micro, mesh))
+        draw_measured_timeline(pm, cfg.timeline, partial(predicted_timings, cfg, cfg.model, pm.plan, micro, mesh))
     if lead and isinstance(opt, OffloadedOptimizer):
         print(f"where training state lives (rank 0, {pm.plan.offload} offload):\n{opt.ledger()}")
     if metrics_file:

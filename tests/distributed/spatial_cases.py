@@ -61,16 +61,17 @@ def image_parity(model: str, mesh: str, strategy: tuple, steps: int = 3, batch: 
             "spatial": sorted(n for n, e in pm.plan.nodes.items() if e.impl == "spatial")}
 
 
-def train_images(root: str, mesh: str, model: str, steps: int = 3) -> list[float]:
-    """``polyshard train``'s losses for an image model on generated 32-pixel images (float64), on ``mesh``."""
+def train_images(root: str, mesh: str, model: str, plan: str = "", steps: int = 3) -> list[float]:
+    """``polyshard train``'s losses for an image model on generated 32-pixel images (float64), on ``mesh`` or
+    as the ``plan`` file lays it out."""
     from polyshard.train.config import TrainConfig
     from polyshard.train.trainer import train
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        cfg = TrainConfig(model=model, mesh=mesh, steps=steps, batch_size=4, image_size=32, lr=1e-2, log_every=100,
-                          metrics=f"{root}/metrics.jsonl")
+        cfg = TrainConfig(model=model, mesh=mesh, plan=plan, steps=steps, batch_size=4, image_size=32, lr=1e-2,
+                          log_every=100, metrics=f"{root}/metrics.jsonl")
         return [r["loss"] for r in train(cfg)]
     finally:
         torch.set_default_dtype(default)

@@ -6,6 +6,7 @@ import functools
 
 import pytest
 
+from polyshard.cli.main import main
 from tests.distributed import spatial_cases as cases
 
 TOL = 1e-10
@@ -52,3 +53,13 @@ def test_polyshard_train_on_split_images_matches_one_process(pools, tmp_path, mo
     split = pools(4).run(cases.train_images, str(tmp_path / "split"), mesh, model)
     assert all(s == pytest.approx(one, rel=1e-6) for s in split), (one, split)
     assert one[-1] < one[0]
+
+
+def test_a_plan_file_of_split_images_trains_as_one_process(pools, tmp_path):
+    """`polyshard plan` of an image model with its split kept, then `polyshard train --plan` with no --model."""
+    path = str(tmp_path / "p.json")
+    assert main(["plan", "--model", "unet-small", "--image-size", "32", "--cluster", "cpu-gloo:4", "--global-batch",
+                 "4", "--config", "dp=1,h=2,w=2", "--out", path]) == 0
+    one = pools(1).run(cases.train_images, str(tmp_path / "one"), "", "unet-small")[0]
+    split = pools(4).run(cases.train_images, str(tmp_path / "split"), "", "", path)
+    assert all(s == pytest.approx(one, rel=1e-6) for s in split), (one, split)

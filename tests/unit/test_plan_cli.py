@@ -61,6 +61,11 @@ def test_cost_compare_shows_the_pick_beside_the_configuration_term_by_term(capsy
     (("--config", "pipes=2"), "unknown"),
     (("--model", "gpt:layers=2"), "needs hidden"),
     (("--global-batch", "-4"), "at least 1"),
+    (("--image-size", "64"), "reads tokens"),
+    (("--model", "unet-small", "--seq-len", "64"), "--seq-len is for token models"),
+    (("--model", "unet-small", "--image-size", "30"), "use a multiple of 4"),
+    (("--model", "unet-small", "--config", "tp=2"), "over dp, h and w only"),
+    (("--config", "h=2"), "h and w split images"),
 ])
 def test_bad_planning_input_is_one_clear_error(capsys, args, needle):
     base = {"--model": SHAPE, "--cluster": "8xA100-80G", "--global-batch": "16"}
@@ -114,3 +119,19 @@ def test_plan_takes_a_transformers_config(capsys, tmp_path):
     config_kv = dict(kv.split("=") for kv in result["config"].split(","))
     assert int(config_kv["dp"]) * int(config_kv["tp"]) * int(config_kv["pp"]) == 16
     assert result["step_s"] > 0 and result["model_tflops_per_device"] > 0
+
+
+def test_plan_of_an_image_model_weighs_height_and_width_splits(capsys, tmp_path):
+    """An image model is planned over dp x h x w splits and its plan is spelled in them (no tp)."""
+    args = ("--model", "unet-small", "--image-size", "1024", "--cluster", "1x4xA100-80G", "--global-batch", "4")
+    code, out, _ = _run(capsys, "plan", *args, "--memory-limit", "6GiB", "--memory-reserve", "0", "--json")
+    assert code == 0
+    result = json.loads(out)
+    config = dict(kv.split("=") for kv in result["config"].split(","))
+    assert "tp" not in config and int(config["dp"]) * int(config["h"]) * int(config["w"]) == 4, config
+    assert result["images_per_s"] == pytest.approx(4 / result["step_s"])
+    path = tmp_path / "p.json"
+    code, out, _ = _run(capsys, "cost", *args, "--config", "dp=1,h=2,w=2", "--out", str(path))
+    assert code == 0 and "kept dp=1,h=2,w=2" in out and "--image-size 1024" in out
+    plan = Plan.from_json(path.read_text())
+    assert plan.model == "unet-small" and dict(plan.mesh) == {"dp": 1, "h": 2, "w": 2}
