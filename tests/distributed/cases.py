@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -225,6 +226,59 @@ def unruled_op_runs_replicated() -> dict:
         g = to_dtensor(p.grad, layout, layout.global_shape(p.shape), ps.current_mesh()).full_tensor()
         grad_err = max(grad_err, rel_err(g, full_grads[name]))
     return {"warnings": messages, "loss_err": rel_err(loss.detach(), ref_loss.detach()), "grad_err": grad_err}
+
+
+class RowsThenFeatures(torch.nn.Module):
+    """Two products, pinned so that the first splits its input's rows and the second its features: the
+    hidden activations move their split from dim 0 to dim 1 in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def all_to_all_parity(allowed: bool, steps: int = 3) -> dict:
+    """RowsThenFeatures on tp=2 with all-to-all allowed or not, against one device: losses, parameters, the
+    collectives one training step issues, and the all-to-alls DTensor was asked for (gloo has none: torch
+    runs each as a gather and a chunk, so the wire alone cannot tell them apart)."""
+    from torch.distributed.tensor import placement_types
+
+    asked = []
+    torch_all_to_all = placement_types.shard_dim_alltoall
+
+    def counted(*args, **kwargs):
+        asked.append(args[1:3])  # (gather dim, shard dim)
+        return torch_all_to_all(*args, **kwargs)
+
+    ps.init("tp=2", allow_all_to_all=allowed)
+    torch.manual_seed(0)
+    ref = RowsThenFeatures().double()
+    par = RowsThenFeatures().double()
+    par.load_state_dict(ref.state_dict())
+    ps.shard(par.fc1, in_strategy=((2, 1), (1, 1)))  # rows split, weight whole
+    ps.shard(par.fc2, in_strategy=((1, 2), (1, 2)))  # features split, with the weight's in-features
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (6,), generator=g))
+               for _ in range(steps)]
+    pm = ps.parallelize(par, example_inputs=batches[0])
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    loss_err, issued = 0.0, None
+    for x, y in batches:
+        ref_loss = ref(x, y)
+        with CommCounter() as counter, mock.patch.object(placement_types, "shard_dim_alltoall", counted):
+            loss = pm(x, y)
+            loss.backward()
+        issued = issued or counter.ops()
+        ref_loss.backward()
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+        loss_err = max(loss_err, rel_err(loss.detach(), ref_loss.detach()))
+    full = pm.full_state_dict()
+    return {"loss_err": loss_err, "param_err": max(rel_err(full[k], p.detach()) for k, p in ref.named_parameters()),
+            "collectives": issued, "all_to_alls_per_step": len(asked) // steps}
 
 
 def pinned_gpt_parity(mesh: str = "tp=2", steps: int = 5) -> dict:

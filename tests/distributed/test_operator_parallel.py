@@ -57,6 +57,17 @@ def test_a_mesh_without_all_to_all_gathers_and_slices(pools):
             assert {k: v for k, v in r["predicted"].items() if v} == r["measured"], r
 
 
+def test_training_without_all_to_all_equals_one_device_and_issues_none(pools):
+    """The hidden activations' split moves from rows to features: by all-to-all where the mesh allows one
+    (forward, and its gradient's way back), by gathering and slicing where it does not; both train as one
+    device does."""
+    for allowed in (True, False):
+        for r in pools(2).run(cases.all_to_all_parity, allowed):
+            assert r["loss_err"] < TOL and r["param_err"] < TOL, r
+            assert r["all_to_alls_per_step"] == (2 if allowed else 0), r
+            assert "all_gather" in r["collectives"], r
+
+
 @pytest.mark.parametrize("src,dst,src_p,dst_p", TRANSITIONS)
 def test_redistribution_bytes_match_the_wire(pools, src, dst, src_p, dst_p):
     results = pools(4).run(cases.redistribution_bytes, "a=2,b=2", src, dst, src_p, dst_p)
