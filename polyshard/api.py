@@ -15,7 +15,6 @@ from polyshard.pin import Strategy, make_pin
 from polyshard.plan import Plan
 from polyshard.planner.check import check_plan
 from polyshard.planner.plan_model import plan_captured, plan_model
-from polyshard.runtime.sync import DEFAULT_BUCKET_BYTES
 from polyshard.runtime.parallel import ParallelModule, compile_captured
 from polyshard.runtime.pipeline import PipelineModule
 
@@ -53,18 +52,18 @@ __all__ = ["shard"]
 
 
 def compile(model: nn.Module, plan: Plan, example_inputs: Sequence | Mapping | None = None,  # noqa: A001
-            mesh: Mesh | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelModule | PipelineModule:
+            mesh: Mesh | None = None) -> ParallelModule | PipelineModule:
     """This rank's share of ``model`` as ``plan`` (from :func:`plan`, or edited by hand) lays it out, checked
-    against the model first; ``bucket_bytes``: the data-parallel gradient buckets' size."""
+    against the model first."""
     mesh = mesh or current_mesh()
     example_inputs = example_inputs_of(model, example_inputs)
     gm = capture(model, example_inputs)
     check_plan(plan, gm, mesh.axes)
-    return compile_captured(model, gm, example_inputs, plan, mesh, bucket_bytes)
+    return compile_captured(model, gm, example_inputs, plan, mesh)
 
 
 def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = None, mesh: Mesh | None = None,
-                plan: Plan | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                plan: Plan | None = None, bucket_bytes: int | None = None,
                 copies: int | str | None = None, search: bool = False,
                 memory_limit_bytes: float | None = None, recompute: str | None = None,
                 recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
@@ -99,11 +98,13 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
     (``(None, None, "h", "w")``), or None for whole; each rank is then called with its piece
     (:meth:`ParallelModule.local_batch` cuts them). Convolutions, pooling and batch norm keep the split.
     ``settings``: other :class:`Plan` fields to set as given (``optimizer``, ``zero``, ``precision``, ``offload``, ...).
+    ``bucket_bytes``: gradients per data-parallel collective (default 25 MiB, or a given plan's); the plan's first
+    bucket is small only where communication runs beside compute.
     """
     mesh = mesh or current_mesh()
     example_inputs = example_inputs_of(model, example_inputs)
     gm = capture(model, example_inputs)
     made = plan_captured(model, gm, example_inputs, mesh, plan, copies, search, memory_limit_bytes, recompute,
                          recompute_comm, schedule, micro_batches, virtual_stages, sequence_parallel, tp_plan,
-                         pp_plan, dataset_strategy, settings)
-    return compile_captured(model, gm, example_inputs, made, mesh, bucket_bytes)
+                         pp_plan, dataset_strategy, settings, bucket_bytes)
+    return compile_captured(model, gm, example_inputs, made, mesh)

@@ -7,6 +7,7 @@ from collections.abc import Hashable, Sequence
 
 from polyshard.errors import PolyshardError
 
+BUCKET_BYTES = 25 * 2**20  # gradients per collective (as DDP's default)
 FIRST_BUCKET_BYTES = 2**20  # a small first bucket starts communication early in backward (as DDP does)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from polyshard.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from polyshard.errors import PolyshardError
 from polyshard.layout import Axes, Layout
 
@@ -107,6 +108,8 @@ class Plan:
       virtual_stages: stages per rank under the interleaved schedule;
     zero: optimizer parallel level over the data axes (1: optimizer state, 2: and gradients,
       3: and parameters sharded); zero_threshold_bytes: smaller parameters stay whole;
+    bucket_bytes: gradients per data-parallel collective; first_bucket_bytes: the first bucket backward
+      closes (small where communication runs beside compute, so it starts early);
     optimizer: "adamw", "sgd" or "lamb"; precision: "fp32", "bf16" or "fp16" (fp32 master weights);
     offload: optimizer state (and its step) kept on the "host" or on "disk" instead of the device;
     model/global_batch: what it was made for, when a search made it; report: the search's figures;
@@ -127,6 +130,8 @@ class Plan:
     virtual_stages: int = 1
     zero: int = 0
     zero_threshold_bytes: int = 64 * 1024
+    bucket_bytes: int = BUCKET_BYTES
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES
     optimizer: Optimizer = Optimizer.ADAMW
     precision: Precision = Precision.FP32
     offload: Offload = Offload.NONE
@@ -150,7 +155,7 @@ class Plan:
             check_choice(name, getattr(self, name), allowed)
             if isinstance(allowed[0], Choice):
                 object.__setattr__(self, name, type(allowed[0])(getattr(self, name)))
-        for name in ("copies", "micro_batches", "virtual_stages"):
+        for name in ("copies", "micro_batches", "virtual_stages", "bucket_bytes", "first_bucket_bytes"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise PolyshardError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
         object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))  # a list read from JSON
@@ -211,7 +216,8 @@ class Plan:
 _CHOICES = {"recompute": RECOMPUTE_MODES, "recompute_comm": RECOMPUTE_COMMS, "schedule": SCHEDULES,
             "zero": ZERO_LEVELS, "optimizer": OPTIMIZERS, "precision": PRECISIONS, "offload": OFFLOADS}
 # Whole-model settings: plain JSON scalars, absent from older plan files (which then take the defaults).
-_SETTINGS = ("copies", "micro_batches", "virtual_stages", "zero_threshold_bytes", *_CHOICES)
+_SETTINGS = ("copies", "micro_batches", "virtual_stages", "zero_threshold_bytes", "bucket_bytes", "first_bucket_bytes",
+             *_CHOICES)
 
 
 def _axes_in(raw) -> Axes:

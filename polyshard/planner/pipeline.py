@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 from torch import fx
 
+from polyshard.buckets import BUCKET_BYTES
 from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
 from polyshard.graph.regions import Recomputed
@@ -30,7 +31,6 @@ from polyshard.plan import DTYPES, Plan
 from polyshard.schedule import schedule_actions, simulated_times
 from polyshard.planner.stages import even_partition, min_max_partition
 
-BUCKET_BYTES = 25 * 2**20  # the gradient bucket a stage holds without optimizer parallel (as estimate_memory)
 # Schedules of more micro-batches than this many per stage are simulated at this many, and the rest
 # added at the steady state's pace (each further micro-batch, or group of pp interleaved, adds what the
 # last did): 1F1B is steady from pp on, interleaving once v x pp forwards have filled the pipe.

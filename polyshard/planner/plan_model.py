@@ -23,7 +23,7 @@ from polyshard.pin import COPIES_ATTR, tp_plan_pins
 from polyshard.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
 from polyshard.planner.check import check_plan
 from polyshard.planner.config import Fixed
-from polyshard.planner.cost.overlap import choose_copies
+from polyshard.planner.cost.overlap import choose_copies, first_bucket_bytes
 from polyshard.planner.dataset import input_layouts
 from polyshard.planner.propagate import propagate
 from polyshard.planner.search import search as search_plan
@@ -36,7 +36,7 @@ def plan_model(model: nn.Module, example_inputs: Sequence | Mapping | None = Non
     """The Plan :func:`polyshard.compile` runs for ``model`` on ``mesh`` (default: the current one). The
     ``options`` are :func:`polyshard.parallelize`'s: ``plan``, ``copies``, ``search``, ``memory_limit_bytes``,
     ``recompute``, ``recompute_comm``, ``schedule``, ``micro_batches``, ``virtual_stages``,
-    ``sequence_parallel``, ``tp_plan``, ``pp_plan``, ``dataset_strategy`` and ``settings``."""
+    ``sequence_parallel``, ``tp_plan``, ``pp_plan``, ``dataset_strategy``, ``settings`` and ``bucket_bytes``."""
     mesh = mesh or current_mesh()
     example_inputs = example_inputs_of(model, example_inputs)
     return plan_captured(model, capture(model, example_inputs), example_inputs, mesh, **options)
@@ -48,8 +48,9 @@ def plan_captured(model: nn.Module, gm: fx.GraphModule, example_inputs: Sequence
                   recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
                   virtual_stages: int | None = None, sequence_parallel: bool = False, tp_plan: bool = False,
                   pp_plan: bool = False, dataset_strategy: Sequence | None = None,
-                  settings: Mapping[str, object] | None = None) -> Plan:
+                  settings: Mapping[str, object] | None = None, bucket_bytes: int | None = None) -> Plan:
     """:func:`plan_model` on ``gm``, ``model`` captured on ``example_inputs`` (the caller lowers it next)."""
+    given = plan is not None
     if recompute is not None:
         check_choice("recompute", recompute, RECOMPUTE_MODES)
     if recompute_comm is not None:
@@ -83,6 +84,10 @@ def plan_captured(model: nn.Module, gm: fx.GraphModule, example_inputs: Sequence
                  virtual_stages=virtual_stages)
     plan = dataclasses.replace(plan, copies=copies or plan.copies,
                                **{**(settings or {}), **{k: v for k, v in asked.items() if v is not None}})
+    if not given or bucket_bytes is not None:  # a given plan keeps its buckets unless asked otherwise
+        size = bucket_bytes or plan.bucket_bytes
+        plan = dataclasses.replace(plan, bucket_bytes=size,
+                                   first_bucket_bytes=first_bucket_bytes(mesh.cluster or Cluster.from_env(), size))
     if mesh.pp > 1:
         plan = _cut_stages(model, gm, plan, mesh.pp, pp_plan)
     return plan

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
+from polyshard.buckets import BUCKET_BYTES
 from polyshard.cluster import Cluster, format_bytes
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
@@ -39,9 +40,9 @@ from polyshard.planner.cost.comm import axis_link, collective_latency
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
 from polyshard.planner.cost.compute import optimizer_seconds
-from polyshard.planner.cost.overlap import op_costs
+from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.intra_op import IntraOpResult, Terms, program_terms, solve
-from polyshard.planner.pipeline import (BUCKET_BYTES, PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
+from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
                                         leanest_pipeline, level3_traffic, state_memory, unit_costs)
 from polyshard.planner.config import Fixed
 from polyshard.planner.dataset import input_layouts
@@ -249,6 +250,7 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     hints = {"tp_plan": tp_plan_agreement(model, plans[best.key].params),
              "pp_plan": pp_plan_agreement(model, costs.gm, plans[best.key].stage_boundaries, costs.blocks)}
     plan = dataclasses.replace(plans[best.key], global_batch=global_batch,
+                               first_bucket_bytes=first_bucket_bytes(cluster, plans[best.key].bucket_bytes),
                                report=report | {k: v for k, v in hints.items() if v})
     return plan, ranked
 

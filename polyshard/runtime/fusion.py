@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from polyshard.errors import PolyshardError
-from polyshard.buckets import FIRST_BUCKET_BYTES, cut_buckets
+from polyshard.buckets import cut_buckets
 
 FUSION_ATTR = "_polyshard_fusion"
 
@@ -45,9 +45,10 @@ def fusion_groups(root: nn.Module) -> dict[int, int]:
     return out
 
 
-def plan_buckets(params: Sequence[nn.Parameter], bucket_bytes: int, key=lambda p: None,
-                 first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[list[nn.Parameter]]:
-    """``params`` (forward order) cut into buckets in backward order; a bucket holds one ``key(p)`` only."""
+def plan_buckets(params: Sequence[nn.Parameter], bucket_bytes: int, first_bucket_bytes: int,
+                 key=lambda p: None) -> list[list[nn.Parameter]]:
+    """``params`` (forward order) cut into buckets in backward order, the first closed at ``first_bucket_bytes``;
+    a bucket holds one ``key(p)`` only."""
     order = list(reversed(params))  # backward meets the last layers first
     cuts = cut_buckets([p.numel() * p.element_size() for p in order], [key(p) for p in order], bucket_bytes,
                        first_bucket_bytes)

@@ -18,7 +18,7 @@ from polyshard.layout import Layout
 from polyshard.mesh import Mesh
 from polyshard.pin import COPIES_ATTR
 from polyshard.plan import Plan
-from polyshard.runtime.sync import DEFAULT_BUCKET_BYTES, data_parallel
+from polyshard.runtime.sync import data_parallel
 from polyshard.runtime.fusion import fusion_groups
 from polyshard.compiler.interleave import interleave
 from polyshard.runtime.pipeline import PipelineModule, compile_pipeline
@@ -29,8 +29,7 @@ from polyshard.compiler.recompute import apply_recompute
 class ParallelModule(nn.Module):
     """This rank's share of a model. Call it with this rank's batch (see :meth:`local_batch`)."""
 
-    def __init__(self, program: fx.GraphModule, plan: Plan, mesh: Mesh, bucket_bytes: int,
-                 recompute_paths: dict[str, str] | None = None):
+    def __init__(self, program: fx.GraphModule, plan: Plan, mesh: Mesh, recompute_paths: dict[str, str] | None = None):
         super().__init__()
         object.__setattr__(self, "_single_copy", program)  # not a submodule: the same parameters
         self.recompute_paths = recompute_paths or {}
@@ -38,8 +37,8 @@ class ParallelModule(nn.Module):
         self.program = self._runnable(plan.copies)
         self.mesh = mesh
         group = mesh.data_group()
-        self.grad_sync = data_parallel(list(program.parameters()), group, bucket_bytes, fusion_groups(program)) \
-            if group is not None else None
+        self.grad_sync = data_parallel(list(program.parameters()), group, plan.bucket_bytes, plan.first_bucket_bytes,
+                                       fusion_groups(program)) if group is not None else None
         self.zero = None  # the ZeroOptimizer whose engine syncs gradients instead (see use_optimizer)
 
     def set_copies(self, copies: int) -> None:
@@ -108,14 +107,14 @@ def _piece(t: torch.Tensor, layout, mesh: Mesh) -> torch.Tensor:
 
 
 def compile_captured(model: nn.Module, gm: fx.GraphModule, example_inputs: Sequence | Mapping, plan: Plan,
-                     mesh: Mesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelModule | PipelineModule:
+                     mesh: Mesh) -> ParallelModule | PipelineModule:
     """This rank's share of ``plan`` for ``model`` (``gm``: its capture on ``example_inputs``, which lowering
     rewrites); the plan was checked against ``gm``. Staged plans give a :class:`PipelineModule`."""
     if dist.is_initialized() and dist.get_world_size() != mesh.world_size:
         raise PolyshardError(f"mesh {mesh} does not match the world of {dist.get_world_size()} processes")
     if mesh.pp > 1:
-        return compile_pipeline(model, example_inputs, plan, mesh, bucket_bytes)
-    return ParallelModule(lower(gm, plan, mesh), plan, mesh, bucket_bytes, marked_modules(model))
+        return compile_pipeline(model, example_inputs, plan, mesh)
+    return ParallelModule(lower(gm, plan, mesh), plan, mesh, marked_modules(model))
 
 
 def micro_batch_interleaved(model: nn.Module, copies: int = 2) -> nn.Module:

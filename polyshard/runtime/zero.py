@@ -33,7 +33,8 @@ from polyshard.errors import PolyshardError
 from polyshard.optim import Lamb, NormSpec, build_optimizer
 from polyshard.plan import ZERO_LEVELS
 from polyshard.runtime.fusion import fusion_groups, plan_buckets
-from polyshard.runtime.sync import DEFAULT_BUCKET_BYTES, Bucket, GradientSync
+from polyshard.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from polyshard.runtime.sync import Bucket, GradientSync
 from polyshard.runtime.sync.gather import ModuleGathers
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.precision import LossScaler, cast_inputs, compute_casts_in, compute_dtype
@@ -54,10 +55,10 @@ class ZeroOptimizer:
     """
 
     def __init__(self, module: nn.Module, optimizer: str | Callable = "adamw", level: int = 1, group=None,
-                 threshold_bytes: int = 64 * 1024, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 threshold_bytes: int = 64 * 1024, bucket_bytes: int = BUCKET_BYTES,
                  precision: str = "fp32", shard_accumulated_grads: bool = False,
                  split_groups: Mapping[int, tuple] | None = None, parts: Sequence[nn.Module] = (),
-                 solo: Iterable[nn.Parameter] = (), **optimizer_kwargs):
+                 solo: Iterable[nn.Parameter] = (), first_bucket_bytes: int = FIRST_BUCKET_BYTES, **optimizer_kwargs):
         if level not in ZERO_LEVELS:
             raise PolyshardError(f"ZeRO level must be one of {ZERO_LEVELS}, got {level!r}")
         if threshold_bytes < 0:
@@ -90,7 +91,7 @@ class ZeroOptimizer:
         self.buckets = [bucket(unit, True, resident=False) for unit in units]
         rest = [p for p in params if id(p) not in in_units]
         self.buckets += [bucket(b, sharded(b[0]), resident=True) for b in plan_buckets(
-            rest, bucket_bytes, lambda p: (part_of[id(p)], fusion.get(id(p)), sharded(p), p.dtype))]
+            rest, bucket_bytes, first_bucket_bytes, lambda p: (part_of[id(p)], fusion.get(id(p)), sharded(p), p.dtype))]
         self.sync = GradientSync(self.buckets, group, level, shard_accumulated_grads)  # syncs gradients
         self.comm = self.sync.comm
         masters = [b.master for b in self.buckets]
@@ -225,26 +226,28 @@ def _call_units(root: nn.Module) -> list[nn.Module]:
 
 
 def setup_zero(pm, level: int | None = None, optimizer: str | Callable | None = None, precision: str | None = None,
-               threshold_bytes: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+               threshold_bytes: int | None = None, bucket_bytes: int | None = None,
                shard_accumulated_grads: bool = False, **optimizer_kwargs) -> ZeroOptimizer:
     """Optimizer parallel for a ParallelModule or PipelineModule over its data group; returns the optimizer to step.
 
     The optimizer's sync engine replaces ``pm.grad_sync`` (``pm.zero`` is the optimizer), so ``pm.no_sync()``
     keeps working. On a pipeline it covers this rank's chunks,
     each chunk a part of its own, and tied copies get buckets of their own, summed over stages before the step.
-    Arguments left None come from ``pm.plan`` (zero, optimizer, precision, zero_threshold_bytes); the plan is
-    left as it is.
+    Arguments left None come from ``pm.plan`` (zero, optimizer, precision, zero_threshold_bytes, bucket_bytes);
+    the first bucket is the plan's (no larger than the others); the plan is left as it is.
     """
     plan = pm.plan
     level = plan.zero if level is None else level
     optimizer = plan.optimizer if optimizer is None else optimizer
     precision = plan.precision if precision is None else precision
     threshold_bytes = plan.zero_threshold_bytes if threshold_bytes is None else threshold_bytes
+    bucket_bytes = plan.bucket_bytes if bucket_bytes is None else bucket_bytes
     group = pm.mesh.data_group()
     pipelined = isinstance(pm, PipelineModule)
     layout = dict(parts=list(pm.chunks.values()), solo=[p for p, _ in pm.tied]) if pipelined else {}
     opt = ZeroOptimizer(pm, optimizer, level, group, threshold_bytes, bucket_bytes, precision, shard_accumulated_grads,
-                        _split_groups(pm), **layout, **optimizer_kwargs)
+                        _split_groups(pm), **layout, first_bucket_bytes=plan.first_bucket_bytes,
+                        **optimizer_kwargs)
     pm.use_optimizer(opt, compute_dtype(precision))
     return opt
 

@@ -49,3 +49,19 @@ def test_plan_refuses_cuts_that_do_not_make_the_stages():
     with pytest.raises(ps.PolyshardError, match="has 4 repeated blocks .* to cut into 8 pipeline stages"):
         ps.plan(model, model.example_inputs(8), _mesh((("pp", 4),), data_axes=(), pipeline_axis="pp"),
                 schedule="interleaved", virtual_stages=2, micro_batches=4)
+
+
+@pytest.mark.parametrize("cluster,first", [("cpu-gloo:4", 25 * 2**20), ("1x4xA100-80G", 2**20)])
+def test_the_first_gradient_bucket_is_small_only_where_communication_hides(cluster, first):
+    """On GPUs a small first bucket starts the gradients' all-reduce early in backward; on CPU gloo runs on the
+    cores that compute, so nothing hides, and a first bucket as large as the others saves a collective."""
+    model = _gpt()
+    mesh = dataclasses.replace(_mesh((("dp", 4),)), cluster=Cluster.preset(cluster))
+    for plan in (ps.plan(model, model.example_inputs(8), mesh), ps.plan(model, model.example_inputs(8), mesh,
+                                                                       search=True)):
+        assert (plan.bucket_bytes, plan.first_bucket_bytes) == (25 * 2**20, first)
+    asked = ps.plan(model, model.example_inputs(8), mesh, bucket_bytes=2**19)
+    assert (asked.bucket_bytes, asked.first_bucket_bytes) == (2**19, min(first, 2**19))
+    kept = ps.plan(model, model.example_inputs(8), mesh, plan=dataclasses.replace(asked, first_bucket_bytes=4096))
+    assert kept.first_bucket_bytes == 4096  # a given plan keeps its buckets
+    assert ps.Plan.from_json(asked.to_json()).first_bucket_bytes == asked.first_bucket_bytes

@@ -153,7 +153,7 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
 
 
 def estimate_memory(gm: fx.GraphModule, plan: Plan, data_world: int = 1, rows: int = 1,
-                    bucket_bytes: int = 25 * 2**20, rc: Recomputed | None = None) -> MemoryEstimate:
+                    rc: Recomputed | None = None) -> MemoryEstimate:
     """The per-device memory of training ``gm`` under ``plan`` (captured at one row) on ``rows`` rows,
     over ``data_world`` data-parallel ranks: the plan's optimizer-parallel level, precision (half
     precision weights, gradients and activations over fp32 masters and state) and offload; ``rc``: the
@@ -166,14 +166,14 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, data_world: int = 1, rows: i
              for n in gm.graph.nodes if n.op == "call_module"]
     numel = sum(param_numel(plan, name, params[name].shape) for name in plan.params if name in params)
     held = state_bytes_per_rank([u for u in units if u] or [0], plan.zero, data_world, plan.zero_threshold_bytes,
-                                itemsize, optimizer_states=1, bucket_bytes=bucket_bytes,
-                                accumulating=plan.micro_batches > 1)
+                                itemsize, optimizer_states=1, bucket_bytes=plan.bucket_bytes,
+                                accumulating=plan.micro_batches > 1, first_bucket_bytes=plan.first_bucket_bytes)
     scale = numel / max(sum(map(sum, units)), 1)  # parameters used outside modules (rare) count like the rest
     param_bytes, grad_bytes = held["params"] * scale, held["grads"] * scale
     state = held["optimizer"] / itemsize * state_per_element * scale
     rc = rc or recomputed(gm, plan.recompute, plan.recompute_comm)
     activations, together = backward_peaks(gm, plan, rc, rows, itemsize, grad_bytes / max(numel * itemsize, 1))
-    buffers = min(bucket_bytes, param_bytes) if data_world > 1 and plan.zero == 0 else 0.0
+    buffers = min(plan.bucket_bytes, param_bytes) if data_world > 1 and plan.zero == 0 else 0.0
     on_device = state if plan.offload == "none" else 0.0
     return MemoryEstimate(param_bytes, grad_bytes, on_device, activations, buffers, state - on_device,
                           activations + grad_bytes - together)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from polyshard.buckets import FIRST_BUCKET_BYTES
 from polyshard.cluster import Cluster
 from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes
 from polyshard.graph.regions import Recomputed, recomputed
@@ -82,6 +83,13 @@ def step_seconds(costs: list[OpCost], copies: int, overlap: bool = True) -> floa
             else:
                 ready[c] = compute_free
     return max([compute_free, comm_free, *ready])
+
+
+def first_bucket_bytes(cluster: Cluster, bucket_bytes: int) -> int:
+    """The first gradient bucket backward closes: small where collectives run beside compute (GPUs), so
+    communication starts early in backward; where they take the cores that compute (gloo on CPU) nothing
+    hides and every bucket more pays one latency more, so it is as large as the others."""
+    return min(FIRST_BUCKET_BYTES, bucket_bytes) if cluster.device_type == "cuda" else bucket_bytes
 
 
 def choose_copies(gm: fx.GraphModule, plan: Plan, cluster: Cluster, batch_rows: int,

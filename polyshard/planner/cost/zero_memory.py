@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from polyshard.buckets import cut_buckets, padded
+from polyshard.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, cut_buckets, padded
 from polyshard.errors import PolyshardError
 
 def state_bytes_per_rank(param_numels: Sequence[int | Sequence[int]], level: int, world: int,
                          threshold_bytes: int, itemsize: int = 4, optimizer_states: int = 2,
-                         bucket_bytes: int = 25 * 2**20, accumulating: bool = False) -> dict[str, int]:
+                         bucket_bytes: int = BUCKET_BYTES, accumulating: bool = False,
+                         first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> dict[str, int]:
     """Predicted bytes of parameters, gradients, optimizer state and buffers one rank holds after a step.
 
     ``param_numels``: this rank's parameter sizes in forward order, grouped by the module that uses them
@@ -45,7 +46,8 @@ def state_bytes_per_rank(param_numels: Sequence[int | Sequence[int]], level: int
         full = [padded(sum(n for n in unit if next(marks)), world) for unit in units]
     else:
         order = list(reversed(range(len(flat))))
-        buckets = cut_buckets([flat[i] * itemsize for i in order], [sharded[i] for i in order], bucket_bytes)
+        buckets = cut_buckets([flat[i] * itemsize for i in order], [sharded[i] for i in order], bucket_bytes,
+                              first_bucket_bytes)
         full = [padded(sum(flat[order[j]] for j in b), world) for b in buckets if sharded[order[b[0]]]]
     total_full = sum(full)
     shard = total_full // world

@@ -22,7 +22,7 @@ from polyshard.graph.export import SIGNATURE_KEY, CallSignature
 from polyshard.graph.regions import marked_modules
 from polyshard.mesh import Mesh
 from polyshard.plan import Plan
-from polyshard.runtime.sync import DEFAULT_BUCKET_BYTES, Pausable, data_parallel
+from polyshard.runtime.sync import Pausable, data_parallel
 from polyshard.compiler.recompute import apply_recompute
 from polyshard.runtime.pipeline.executor import Step
 from polyshard.schedule import ActionTime, schedule_actions
@@ -37,7 +37,6 @@ class PipelineModule(nn.Module, Pausable):
         return self.mesh.local_rows(*tensors)
 
     def __init__(self, chunks: dict[int, fx.GraphModule], split: Split, plan: Plan, mesh: Mesh,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  recompute_paths: dict[str, str] | None = None, signature: CallSignature | None = None):
         super().__init__()
         self.signature = signature  # how keyword calls map to the graph's inputs (captured by export)
@@ -47,8 +46,8 @@ class PipelineModule(nn.Module, Pausable):
         self._names = {id(p): split.canonical[n] for m in chunks.values() for n, p in m.named_parameters()}
         self.actions = schedule_actions(plan.schedule, mesh.pp, plan.micro_batches, plan.virtual_stages)[mesh.stage]
         self.data_group = mesh.data_group()
-        self.grad_sync = data_parallel(list(self.chunks.parameters()), self.data_group, bucket_bytes,
-                                       parts=list(self.chunks.values())) if self.data_group is not None else None
+        self.grad_sync = data_parallel(list(self.chunks.parameters()), self.data_group, plan.bucket_bytes,
+                                       plan.first_bucket_bytes, parts=list(self.chunks.values())) if self.data_group is not None else None
         self.tied = [(chunks[c].get_parameter(name), [mesh.stage_rank(k % mesh.pp) for k in sorted(by_chunk)])
                      for by_chunk in split.tied.values() for c, name in by_chunk.items() if c in chunks]
         self.pipe_group = mesh.axis_mesh(mesh.pipeline_axis).get_group()
@@ -136,12 +135,11 @@ class PipelineModule(nn.Module, Pausable):
         return [t for part in parts for t in part] if parts is not None else None
 
 
-def compile_pipeline(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan, mesh: Mesh,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PipelineModule:
+def compile_pipeline(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan, mesh: Mesh) -> PipelineModule:
     """The pipeline path of :func:`polyshard.compile`: each rank builds only its own chunks."""
     if plan.copies != 1:
         raise PolyshardError(f"copies={plan.copies} (multi-copy interleave) does not combine with pipeline "
                              "stages; micro-batches already overlap the stages' work: use copies=1")
     gm, split = pipeline_split(model, example_inputs, plan, mesh.pp)
     mine = {c: build_chunk(gm, plan, split, c, mesh) for c in range(mesh.stage, split.chunks, mesh.pp)}
-    return PipelineModule(mine, split, plan, mesh, bucket_bytes, marked_modules(model), gm.meta.get(SIGNATURE_KEY))
+    return PipelineModule(mine, split, plan, mesh, marked_modules(model), gm.meta.get(SIGNATURE_KEY))

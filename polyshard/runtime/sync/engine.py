@@ -18,8 +18,6 @@ from torch import nn
 from polyshard.runtime.fusion import CommStats, plan_buckets
 from polyshard.runtime.sync.bucket import Bucket
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-
 
 class Pausable:
     """Something that syncs gradients after backward unless paused: ``syncing`` is False inside
@@ -132,13 +130,14 @@ class GradientSync(Pausable):
                 b.release()
 
 
-def data_parallel(params: Sequence[nn.Parameter], group, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def data_parallel(params: Sequence[nn.Parameter], group, bucket_bytes: int, first_bucket_bytes: int,
                   fusion: Mapping[int, int] | None = None, parts: Sequence[nn.Module] = ()) -> GradientSync:
-    """Level 0 over ``group``: ``params`` in buckets of ``bucket_bytes`` (one comm_fusion group, one part
-    and one dtype each; ``fusion``: id(parameter) -> its group), all-reduced as backward makes them."""
+    """Level 0 over ``group``: ``params`` in buckets of ``bucket_bytes``, the first closed at ``first_bucket_bytes``
+    (one comm_fusion group, one part and one dtype each; ``fusion``: id(parameter) -> its group), all-reduced
+    as backward makes them."""
     trainable = [p for p in dict.fromkeys(params) if p.requires_grad]
     part_of = {id(p): i for i, part in enumerate(parts) for p in part.parameters()}
     buckets = [Bucket(members, False, 1, 0, members[0].dtype, True, part_of.get(id(members[0]), 0))
-               for members in plan_buckets(trainable, bucket_bytes, lambda p: (part_of.get(id(p), 0),
-                                                                               (fusion or {}).get(id(p)), p.dtype))]
+               for members in plan_buckets(trainable, bucket_bytes, first_bucket_bytes,
+                                           lambda p: (part_of.get(id(p), 0), (fusion or {}).get(id(p)), p.dtype))]
     return GradientSync(buckets, group)
