@@ -47,7 +47,8 @@ class PipelineModule(nn.Module, Pausable):
         self.actions = schedule_actions(plan.schedule, mesh.pp, plan.micro_batches, plan.virtual_stages)[mesh.stage]
         self.data_group = mesh.data_group()
         self.grad_sync = data_parallel(list(self.chunks.parameters()), self.data_group, plan.bucket_bytes,
-                                       plan.first_bucket_bytes, parts=list(self.chunks.values())) if self.data_group is not None else None
+                                       plan.first_bucket_bytes, parts=list(self.chunks.values())) \
+            if self.data_group is not None else None
         self.tied = [(chunks[c].get_parameter(name), [mesh.stage_rank(k % mesh.pp) for k in sorted(by_chunk)])
                      for by_chunk in split.tied.values() for c, name in by_chunk.items() if c in chunks]
         self.pipe_group = mesh.axis_mesh(mesh.pipeline_axis).get_group()
@@ -135,7 +136,8 @@ class PipelineModule(nn.Module, Pausable):
         return [t for part in parts for t in part] if parts is not None else None
 
 
-def compile_pipeline(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan, mesh: Mesh) -> PipelineModule:
+def compile_pipeline(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: Plan,
+                     mesh: Mesh) -> PipelineModule:
     """The pipeline path of :func:`polyshard.compile`: each rank builds only its own chunks."""
     if plan.copies != 1:
         raise PolyshardError(f"copies={plan.copies} (multi-copy interleave) does not combine with pipeline "
