@@ -51,6 +51,7 @@ class ZeroOptimizer:
     ``parts``: submodules of ``module`` run (forward and backward) apart, as pipeline chunks are; a bucket holds
     one part's parameters and a backward syncs only the parts it reached (default: ``module`` as one part).
     ``solo``: parameters given buckets of their own, so :meth:`master_of` is theirs alone (pipeline tied copies).
+    ``bucket_bytes`` / ``first_bucket_bytes``: the buckets' size, and the first one's (a plan's, by setup_zero).
     State dicts hold this rank's shard only.
     """
 
@@ -58,7 +59,8 @@ class ZeroOptimizer:
                  threshold_bytes: int = 64 * 1024, bucket_bytes: int = BUCKET_BYTES,
                  precision: str = "fp32", shard_accumulated_grads: bool = False,
                  split_groups: Mapping[int, tuple] | None = None, parts: Sequence[nn.Module] = (),
-                 solo: Iterable[nn.Parameter] = (), first_bucket_bytes: int = FIRST_BUCKET_BYTES, **optimizer_kwargs):
+                 solo: Iterable[nn.Parameter] = (), first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+                 **optimizer_kwargs):
         if level not in ZERO_LEVELS:
             raise PolyshardError(f"ZeRO level must be one of {ZERO_LEVELS}, got {level!r}")
         if threshold_bytes < 0:
