@@ -152,8 +152,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, dict[s
     """Every flag checked against the others and the world; returns the config with its model named (the
     flag's, else the --plan file's, else the default), the mesh shape and the --plan file's plan."""
     plan = load_plan(cfg.plan) if cfg.plan else None
-    _check_model_name(cfg, plan)
-    cfg = replace(cfg, model=cfg.model or (plan.model if plan is not None else "") or DEFAULT_MODEL)
+    cfg = _with_model_named(cfg, plan)
     shape = _check_mesh(cfg, plan, world_size)
     _check_image_flags(cfg, shape)
     _check_numbers(cfg)
@@ -176,7 +175,11 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, dict[s
     return cfg, shape, plan
 
 
-def _check_model_name(cfg: TrainConfig, plan: Plan | None) -> None:
+def _with_model_named(cfg: TrainConfig, plan: Plan | None) -> TrainConfig:
+    """``cfg`` with its model named and checked: the flag's, else the plan's, else the default."""
+    if plan is not None and cfg.model and plan.model and cfg.model != plan.model:
+        raise PolyshardError(f"--plan {cfg.plan!r} was made for {plan.model}, not --model {cfg.model}; leave out "
+                             f"--model or plan {cfg.model} with `polyshard plan`")
     name = cfg.model or (plan.model if plan is not None else "") or DEFAULT_MODEL
     if name.startswith("hf:"):
         from polyshard.models.hf import config_dict
@@ -188,9 +191,7 @@ def _check_model_name(cfg: TrainConfig, plan: Plan | None) -> None:
         raise PolyshardError(f"--model {name!r} is unknown; use a name `polyshard models` lists "
                              f"({', '.join([*models.CONFIGS, *VISION])}), a shape such as "
                              "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=256, or hf:<family or config.json>")
-    if plan is not None and cfg.model and plan.model and cfg.model != plan.model:
-        raise PolyshardError(f"--plan {cfg.plan!r} was made for {plan.model}, not --model {cfg.model}; leave out "
-                             f"--model or plan {cfg.model} with `polyshard plan`")
+    return replace(cfg, model=name)
 
 
 def _check_image_flags(cfg: TrainConfig, shape: dict[str, int]) -> None:
