@@ -1,8 +1,8 @@
 """Intra-op search: one strategy per op, chosen by an integer program (Alpa's formulation).
 
 Each op gets candidate strategies (:mod:`polyshard.planner.candidates`: column/row/replicated Linear,
-split/whole Embedding, vocabulary-parallel/plain loss, ...). A binary variable picks one per op; an edge
-variable per pair of neighbouring picks carries the redistribution's cost. Minimised: compute
+split/whole Embedding, vocabulary-parallel/plain loss, ...). A binary variable picks one per op; a pair
+variable per two picks of neighbouring ops, tied to both, carries the redistribution's cost. Minimised: compute
 plus communication (seconds); subject to: per-device memory under the limit, and shared
 parameters laid out alike at every use. Repeated blocks (a ModuleList of identical layers)
 share one set of variables, so a 96-layer model is solved as one layer. The LP relaxation's
@@ -96,19 +96,30 @@ class Terms:
         return {}
 
     @cached_property
-    def columns(self) -> tuple[list[np.ndarray], np.ndarray, tuple[np.ndarray, np.ndarray]]:
-        """What the program has at every row count: each stand-in's columns, and the pairs of columns whose
-        redistribution costs something, with that cost (per row, fixed): zero at one row count, zero at all."""
-        picks = [np.array([self.var_of[(name, i)] for i in range(len(self.options[name]))], dtype=np.int32)
-                 for name in dict.fromkeys(self.rep.values())]
-        pairs, per_row, fixed = [np.zeros((0, 2), np.int32)], [np.zeros(0)], [np.zeros(0)]
+    def columns(self) -> tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray], tuple[np.ndarray, ...]]:
+        """What the program has at every row count: each stand-in's columns; a pair variable for every two picks
+        of neighbours whose redistribution costs something, with that cost (per row, fixed); and the rows that
+        tie each pair's variables to the picks (see :func:`solve`), as (starts, columns, values) past the picks'."""
+        picks = {name: np.array([self.var_of[(name, i)] for i in range(len(self.options[name]))], dtype=np.int32)
+                 for name in dict.fromkeys(self.rep.values())}
+        paired = len(self.var_of)  # the next pair variable's column
+        per_row, fixed, values, lengths = [np.zeros(0)], [np.zeros(0)], [np.zeros(0)], []
+        index = [np.zeros(0, np.int32)]
         for (u, v), (a, b) in self.edges.items():
-            i, j = np.nonzero(a + b)
-            pairs.append(np.stack([np.array([self.var_of[(u, k)] for k in i], dtype=np.int32),
-                                   np.array([self.var_of[(v, k)] for k in j], dtype=np.int32)], axis=1).reshape(-1, 2))
-            per_row.append(a[i, j])
-            fixed.append(b[i, j])
-        return picks, np.concatenate(pairs), (np.concatenate(per_row), np.concatenate(fixed))
+            if not (a + b).any():  # free at every row count
+                continue
+            # pair[i, j]: u picks i and v picks j; a row per pick of u over its pairs, and one per pick of v
+            pair = paired + np.arange(a.size, dtype=np.int32).reshape(a.shape)
+            paired += a.size
+            for side, own in ((pair, picks[u]), (pair.T, picks[v])):
+                index.append(np.column_stack([side, own]).ravel())
+                values.append(np.tile(np.append(np.ones(side.shape[1]), -1.0), side.shape[0]))
+                lengths += [side.shape[1] + 1] * side.shape[0]
+            per_row.append(a.ravel())
+            fixed.append(b.ravel())
+        starts = np.cumsum([0] + lengths[:-1]).astype(np.int32) if lengths else np.zeros(0, np.int32)
+        index, values = np.concatenate(index).astype(np.int32), np.concatenate(values)
+        return list(picks.values()), (np.concatenate(per_row), np.concatenate(fixed)), (starts, index, values)
 
 
 def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int,
@@ -275,7 +286,7 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     terms = terms or program_terms(gm, op_axes, cluster, recomputed(gm, recompute, recompute_comm), offload, precision,
                                    sequence)
     options, rep, var_of = terms.options, terms.rep, terms.var_of
-    picks, pairs, (paid_per_row, paid_fixed) = terms.columns
+    picks, (paid_per_row, paid_fixed), (starts, index, values) = terms.columns
     node_cost, node_mem = rows * terms.cost[0] + terms.cost[1], rows * terms.mem[0] + terms.mem[1]
     paid = rows * paid_per_row + paid_fixed
     # Seconds can be 1e-9 and bytes 1e11: scale both to order one so the solver's tolerances bite.
@@ -289,11 +300,13 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     h.addVars(num_x, np.zeros(num_x), np.ones(num_x))
     h.changeColsCost(num_x, np.arange(num_x, dtype=np.int32), node_cost * scale)
     _add_rows(h, picks, [np.ones(len(idx)) for idx in picks], 1.0, 1.0)
-    # y >= x_i + x_j - 1: a pair's redistribution is paid when both are picked
+    # a pair variable z[i, j] per two picks of neighbours u and v, summing to u's pick i over j and to v's pick
+    # j over i (the local polytope): at whole picks it is 1 for the pair picked, and relaxed it stays tight, so
+    # the relaxation's optimum is most often whole (a weaker z >= x_i + x_j - 1 lets halves of picks pay nothing)
     h.addCols(len(paid), paid * scale, np.zeros(len(paid)), np.ones(len(paid)), 0, np.zeros(len(paid), np.int32),
               np.array([], np.int32), np.array([]))
-    y = np.arange(num_x, num_x + len(paid), dtype=np.int32)
-    _add_rows(h, np.column_stack([y, pairs]), np.tile([1.0, -1.0, -1.0], (len(paid), 1)), -1.0, highspy.kHighsInf)
+    if len(starts):
+        h.addRows(len(starts), np.zeros(len(starts)), np.zeros(len(starts)), len(index), starts, index, values)
     for a, b in terms.conflicts:
         h.addRow(-highspy.kHighsInf, 1.0, 2, np.array([var_of[a], var_of[b]], dtype=np.int32), np.array([1.0, 1.0]))
     h.addRow(-highspy.kHighsInf, 1.0, num_x, np.arange(num_x, dtype=np.int32), node_mem / memory_limit_bytes)
