@@ -37,7 +37,7 @@ from polyshard.graph.capture import capture
 from polyshard.graph.regions import recomputed
 from polyshard.mesh import PIPELINE_AXIS, SPATIAL_AXES
 from polyshard.planner.cost.comm import axis_link, collective_latency
-from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory
+from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory, frees_activations
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
 from polyshard.planner.cost.compute import optimizer_seconds
 from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
@@ -273,6 +273,7 @@ class _Costs:
         self._solved: dict[tuple, IntraOpResult] = {}
         self._terms: dict[tuple, Terms] = {}
         self.recomputed = functools.cache(functools.partial(recomputed, gm))
+        self._worth: dict[str, bool] = {}
         self._units: dict[tuple, tuple[Plan, Units]] = {}
         self._memo: dict = {}  # what pipelined splits share (see Setup)
         self.dataset_strategy = dataset_strategy
@@ -282,6 +283,15 @@ class _Costs:
         then the shallowest pipelines (the least bubble), then by their least data-parallel communication."""
         return sorted(meshes, key=lambda m: (abs(math.log(_op_size(m, self.data_axes) / self.cluster.devices_per_node)),
                                              _pp(m), self.floor(m, "none")))
+
+    def worth(self, recompute: str) -> bool:
+        """Whether a recompute mode may buy memory: it runs something again, and unless the user asked for it,
+        frees a kept activation (recompute around attention's views alone only adds time)."""
+        if recompute not in self._worth:
+            rc = self.recomputed(recompute, self.recompute_comm)
+            self._worth[recompute] = bool(rc.rerun) and (self.fixed.recompute is not None or
+                                                         frees_activations(self.gm, rc))
+        return self._worth[recompute]
 
     def floor(self, mesh, offload: str) -> float:
         """Seconds no plan on ``mesh`` saves: gradient communication left exposed however much
@@ -296,9 +306,9 @@ class _Costs:
     def split(self, mesh, setting: tuple[str, str], best_s: float) -> list[tuple[Candidate, Plan | None]]:
         """One split under one (recompute, offload) setting, costed at every optimizer-parallel level
         and precision that applies (no plan when a bound shows it cannot beat ``best_s``; nothing
-        when the recompute mode frees nothing here)."""
+        when the recompute mode can buy nothing here)."""
         recompute, offload = setting
-        if recompute != "none" and not self.recomputed(recompute, self.recompute_comm).rerun:
+        if recompute != "none" and not self.worth(recompute):
             return []
         if _pp(mesh) > max(len(self.blocks), 1):
             raise PolyshardError(f"{_pp(mesh)} pipeline stages need as many stage units (by default the repeated "

@@ -66,6 +66,11 @@ def kept_copies(node: fx.Node, rc: Recomputed) -> float:
     return _kept(node)
 
 
+def frees_activations(gm: fx.GraphModule, rc: Recomputed) -> bool:
+    """Whether recompute ``rc`` leaves unkept an activation autograd would keep (one over views frees none)."""
+    return any(_kept(n) for n in gm.graph.nodes if n.name in rc.freed)
+
+
 def _kept(node: fx.Node) -> float:
     return (node.name in saved(node.graph)) + node.meta.get(KEPT_INSIDE, 0.0)
 
