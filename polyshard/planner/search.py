@@ -317,12 +317,15 @@ class _Costs:
         rows = self.batch // _data_size(mesh, self.data_axes)
         floor = self.floor(mesh, offload)
         split_ways = math.prod(n for _, n in op_axes)
-        if split_ways > 1 and best_s < float("inf"):  # before a program of its own: the unsplit one's bound / ways
-            bound = self.unsplit_bound(recompute, rows / _pp(mesh), (best_s - floor) * split_ways) / split_ways
+        bounded_in = self.narrowest if offload == "none" else "fp32"  # offloaded state is stepped in fp32 (_variants)
+        if (split_ways > 1 or bounded_in != self.narrowest) and best_s < float("inf"):
+            # before a program of its own: the unsplit one's bound / ways, in the precision its plans compute in
+            bound = self.unsplit_bound(recompute, rows / _pp(mesh), (best_s - floor) * split_ways,
+                                       bounded_in) / split_ways
             if bound + floor >= best_s:
                 return [(Candidate(mesh, rows, bound, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
                                    recompute=recompute, offload=offload, pruned=True), None)]
-        solved = self.solved(op_axes, recompute, rows / _pp(mesh), best_s - floor)
+        solved = self.solved(op_axes, recompute, rows / _pp(mesh), best_s - floor, self.narrowest)
         if solved.plan is None:
             return [(Candidate(mesh, rows, solved.lower_bound_s, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
                                recompute=recompute, offload=offload, pruned=True), None)]
@@ -337,7 +340,8 @@ class _Costs:
             try:  # the shared plan's fastest variant does not fit: the leanest strategies that do, if any
                 lean = solve(self.gm, op_axes, self.cluster, rows, self.limit, cutoff_s=best_s - floor,
                              recompute=recompute, offload=offload, precision=self.narrowest,
-                             recompute_comm=self.recompute_comm, terms=self.terms(op_axes, recompute, offload))
+                             recompute_comm=self.recompute_comm,
+                             terms=self.terms(op_axes, recompute, offload, self.narrowest))
             except PolyshardError:
                 return out
             if lean.plan is not None and lean.plan.nodes != solved.plan.nodes:
@@ -345,36 +349,37 @@ class _Costs:
                 out = [mine if mine[0].memory.total_bytes <= self.limit else other for mine, other in zip(out, leaner)]
         return out
 
-    def solved(self, op_axes, recompute: str, rows: float, cutoff_s: float) -> IntraOpResult:
-        """The fastest strategies on ``op_axes`` at ``rows`` rows, memory aside (splits differ in
-        what else they hold); pruned where the LP bound reaches ``cutoff_s``."""
-        key = (op_axes, recompute, rows)
+    def solved(self, op_axes, recompute: str, rows: float, cutoff_s: float, precision: str) -> IntraOpResult:
+        """The fastest strategies on ``op_axes`` at ``rows`` rows computing in ``precision``, memory aside
+        (splits differ in what else they hold); pruned where the LP bound reaches ``cutoff_s``."""
+        key = (op_axes, recompute, rows, precision)
         found = self._solved.get(key)
         if found is None or (found.plan is None and found.lower_bound_s < cutoff_s):
             found = self._solved[key] = solve(self.gm, op_axes, self.cluster, rows, float("inf"),
-                                              cutoff_s=cutoff_s, recompute=recompute, precision=self.narrowest,
+                                              cutoff_s=cutoff_s, recompute=recompute, precision=precision,
                                               recompute_comm=self.recompute_comm,
-                                              terms=self.terms(op_axes, recompute, "none"))
+                                              terms=self.terms(op_axes, recompute, "none", precision))
         return found
 
-    def unsplit_bound(self, recompute: str, rows: float, enough_s: float) -> float:
-        """A lower bound of the unsplit program's cost at ``rows`` rows, solved only when the bounds at
-        other row counts fall short of ``enough_s``: costs grow with rows, and no faster than in
+    def unsplit_bound(self, recompute: str, rows: float, enough_s: float, precision: str) -> float:
+        """A lower bound of the unsplit program's cost at ``rows`` rows in ``precision``, solved only when the
+        bounds at other row counts fall short of ``enough_s``: costs grow with rows, and no faster than in
         proportion (every term is a per-row part plus a fixed part, both non-negative), so the
         bound at r0 rows bounds ``rows`` by min(1, rows / r0) of it."""
-        known = max((found.lower_bound_s * min(1.0, rows / r0) for (axes, mode, r0), found in self._solved.items()
-                     if axes == () and mode == recompute), default=0.0)
-        return known if known >= enough_s else self.solved((), recompute, rows, float("inf")).lower_bound_s
+        known = max((found.lower_bound_s * min(1.0, rows / r0) for (axes, mode, r0, p), found in self._solved.items()
+                     if axes == () and mode == recompute and p == precision), default=0.0)
+        return known if known >= enough_s else self.solved((), recompute, rows, float("inf"), precision).lower_bound_s
 
-    def terms(self, op_axes, recompute: str, offload: str) -> Terms:
-        """The integer program on ``op_axes`` with rows left open: enumerated once, solved per row count."""
-        key = (op_axes, recompute, offload)
+    def terms(self, op_axes, recompute: str, offload: str, precision: str) -> Terms:
+        """The integer program on ``op_axes`` in ``precision`` with rows left open: enumerated once, solved per
+        row count."""
+        key = (op_axes, recompute, offload, precision)
         if key not in self._terms:
             if self.dataset_strategy is not None:  # the inputs as they lie on these axes
                 self.gm.meta[INPUT_LAYOUTS] = input_layouts(self.gm, self.dataset_strategy, op_axes, absent_whole=True)
             self._terms[key] = program_terms(self.gm, op_axes, self.cluster,
                                              self.recomputed(recompute, self.recompute_comm), offload,
-                                             self.narrowest, self.sequence)
+                                             precision, self.sequence)
         return self._terms[key]
 
     def units(self, plan: Plan, mesh, precision: str) -> Units:

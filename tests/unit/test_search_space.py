@@ -28,14 +28,19 @@ def _settings(c) -> Fixed:
                  offload=c.offload)
 
 
-@pytest.mark.parametrize("name,cluster,batch", [("gpt-small", "cpu-gloo:4", 16), ("gpt-tiny", "8xA100-80G", 16),
-                                                ("gpt-small", "2x4xH100-80G", 32)])
-def test_every_pruned_bound_is_below_what_the_split_costs(name, cluster, batch):
-    _, ranked = _search(name, cluster, batch)
+@pytest.mark.parametrize("name,cluster,batch,limit_mib", [
+    ("gpt-small", "cpu-gloo:4", 16, None), ("gpt-tiny", "8xA100-80G", 16, None),
+    ("gpt-small", "2x4xH100-80G", 32, None),
+    ("gpt-small", "8xA100-80G", 64, 4096 + 6),  # tight: offloaded (fp32) settings are bounded too
+])
+def test_every_pruned_bound_is_below_what_the_split_costs(name, cluster, batch, limit_mib):
+    limit = limit_mib and limit_mib * 2**20
+    _, ranked = _search(name, cluster, batch, limit=limit)
     pruned = [c for c in ranked if c.pruned]
     assert pruned, "no candidate was pruned: the test checks nothing"
+    assert limit is None or any(c.offload != "none" for c in pruned), "no offloaded setting was pruned"
     for c in pruned:
-        _, alone = _search(name, cluster, batch, _settings(c))
+        _, alone = _search(name, cluster, batch, _settings(c))  # a time bound holds at any memory
         costed = [a for a in alone if not a.pruned]
         assert costed and c.step_s <= min(a.step_s for a in costed) * (1 + 1e-9), c.describe()
 
