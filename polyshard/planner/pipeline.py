@@ -211,7 +211,7 @@ class PipelineCost:
     """A pipeline's predicted step on one mesh: boundaries (the blocks stages 2.. begin with), the
     busiest rank's compute, op comm and p2p seconds, the rest of the simulated span as its bubble,
     bubble: the idle share of all ranks over the span, dp_comm_s: the data-parallel communication
-    of the largest stage's gradients, memory: the fullest rank's."""
+    of the gradients of the rank holding the most parameters (all its chunks'), memory: the fullest rank's."""
 
     schedule: str
     micro_batches: int
@@ -421,11 +421,12 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
         activations = units.activation_bytes[i:j].sum() * rows * held[c] + rerun
         memory = _sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, activations, bucket)])
         stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[-1], backward[-1], memory))
-    numel = max(sum(sum(g) for unit in units.groups[i:j] for g in unit)
-                for i, j in ((edges[c], edges[c + 1]) for c in range(chunks)))
-    groups = max((tuple(g for unit in units.groups[i:j] for g in unit) for i, j in zip(edges, edges[1:])),
-                 key=lambda gs: sum(map(sum, gs)))
-    # a stage's gradients sync in its last micro-batch's backward, beside the backwards still to run there
+    # the parameter groups each rank holds: its one stage's, or under interleaving its v chunks'
+    held_groups = [tuple(g for c in range(r, chunks, s.pp) for unit in units.groups[edges[c]:edges[c + 1]]
+                         for g in unit) for r in range(s.pp)]
+    groups = max(held_groups, key=lambda gs: sum(map(sum, gs)))
+    numel = sum(map(sum, groups))
+    # a rank's gradients sync in its last micro-batch's backward, beside the backwards still to run there
     dp_comm = s.dp_seconds(numel * _itemsize(s.precision), groups, min(backward), m)
     update = s.update_seconds(numel)
     work = [m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp)]  # per rank
