@@ -96,8 +96,8 @@ _ENUMERATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per grap
 class Enumeration:
     """What every recompute mode, offload and row count of one graph on one set of operator axes
     share: the candidates, each node's stand-in, the shared-parameter conflicts, the blocks that may be
-    counted as their twins, and the seconds of ops and moves already costed (per cluster and precision),
-    which a setting changes only where it runs a node again."""
+    counted as their twins, and the seconds of ops, of their forwards and of moves already costed (per cluster
+    and precision), which a setting changes only where it runs a node again."""
 
     options: dict[str, Sequence[NodePlan]]
     copied: dict[str, str]
@@ -107,6 +107,7 @@ class Enumeration:
     repeats: list[Repeat]
     seconds: dict = field(default_factory=dict)
     moves: dict = field(default_factory=dict)
+    forward: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

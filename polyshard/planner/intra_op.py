@@ -152,7 +152,7 @@ def _node_terms(gm: fx.GraphModule, found: Enumeration, var_of: dict[tuple[str, 
                 precision: str) -> np.ndarray:
     """Each column's [(seconds, bytes), (per row, fixed)], summed over the nodes its stand-in stands for."""
     options, copied, rep, modules = found.options, found.copied, found.rep, found.modules
-    dtype, itemsize = DTYPES[precision]
+    itemsize = DTYPES[precision][1]
     seconds = found.seconds.setdefault((cluster, precision), {})  # (node, passes) -> its options' seconds
     per_node: dict[str, np.ndarray] = {}  # [candidate, (seconds, bytes), (per row, fixed)]; a twin's is its twin's
     node_uses: Counter[tuple[str, str]] = Counter()  # (stand-in, node costed) -> how many nodes it stands for
@@ -168,8 +168,9 @@ def _node_terms(gm: fx.GraphModule, found: Enumeration, var_of: dict[tuple[str, 
         else:
             key = (n.name, passes(n.name, rc))
             if key not in seconds:
-                seconds[key] = np.array([_op_seconds(n, d, modules, op_axes, cluster, dtype, itemsize, rc)
-                                         for d in options[n.name]]).reshape(len(options[n.name]), 2)
+                forward = _forwards(found, n, op_axes, cluster, precision)
+                seconds[key] = np.array([_op_seconds(n, d, f, modules, op_axes, cluster, itemsize, rc)
+                                         for d, f in zip(options[n.name], forward)]).reshape(len(options[n.name]), 2)
             memory = np.array([_op_memory(n, d, modules, seen_params, rc, offload) for d in options[n.name]])
             per_node[n.name] = np.stack([seconds[key], memory.reshape(len(options[n.name]), 2)], axis=1)
             node_uses[(rep[n.name], n.name)] += 1
@@ -235,6 +236,29 @@ def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], 
     for (key, costs_id), uses in edge_uses.items():
         summed[key] = summed.get(key, 0) + uses * by_id[costs_id]
     return {key: (costs[..., 0], costs[..., 1]) for key, costs in summed.items()}
+
+
+def rerun_floor(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recomputed, precision: str,
+                sequence: bool | None = None) -> float:
+    """Seconds per row that running ``rc.rerun`` forward again adds to any strategy on ``op_axes``, at the least:
+    each node's cheapest candidate's forward (a twin's is its twin's). Its more fixed costs are left out."""
+    found = enumerated(gm, op_axes, sequence)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    sources = Counter(found.copied.get(name, name) for name in rc.rerun
+                      if nodes[name].op.startswith("call_") and found.options[name])
+    return sum(uses * float(_forwards(found, nodes[source], op_axes, cluster, precision).min())
+               for source, uses in sources.items())
+
+
+def _forwards(found: Enumeration, node: fx.Node, op_axes: Axes, cluster: Cluster, precision: str) -> np.ndarray:
+    """Seconds per row of ``node``'s forward under each of its candidates, once per cluster and precision
+    (every recompute mode's costs are passes of it)."""
+    table = found.forward.setdefault((cluster, precision), {})
+    if node.name not in table:
+        dtype, itemsize = DTYPES[precision]
+        table[node.name] = np.array([forward_seconds(node, Plan(op_axes=op_axes, nodes={node.name: d}), found.modules,
+                                                     cluster, dtype, itemsize) for d in found.options[node.name]])
+    return table[node.name]
 
 
 def _recomputed_alike(rc: Recomputed, name: str, twin: str) -> bool:
@@ -344,14 +368,13 @@ def _add_rows(h, indices, values, lower: float, upper: float) -> None:
               starts, np.concatenate(indices).astype(np.int32), np.concatenate(values).astype(float))
 
 
-def _op_seconds(node, d: NodePlan, modules, axes, cluster, dtype, itemsize, rc: Recomputed) -> tuple[float, float]:
-    """(seconds per row, fixed seconds) of one op."""
-    plan = Plan(op_axes=axes, nodes={node.name: d})
+def _op_seconds(node, d: NodePlan, forward: float, modules, axes, cluster, itemsize,
+                rc: Recomputed) -> tuple[float, float]:
+    """(seconds per row, fixed seconds) of one op, whose forward takes ``forward`` seconds per row."""
     compute_passes, comm_passes = passes(node.name, rc)
-    compute = compute_passes * forward_seconds(node, plan, modules, cluster, dtype, itemsize)
     transfer, latency = comm_seconds(own_bytes(node, d, modules, itemsize, cluster.backend), axes, cluster)
     overhead = op_overhead(d, cluster, compute_passes) if node.op.startswith("call_") else 0.0
-    return compute + comm_passes * transfer, comm_passes * latency + overhead
+    return compute_passes * forward + comm_passes * transfer, comm_passes * latency + overhead
 
 
 def _op_memory(node, d: NodePlan, modules, seen_params: set[int], rc: Recomputed, offload: str) -> tuple[float, float]:

@@ -41,7 +41,7 @@ from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory, frees
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
 from polyshard.planner.cost.compute import optimizer_seconds
 from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
-from polyshard.planner.intra_op import IntraOpResult, Terms, program_terms, solve
+from polyshard.planner.intra_op import IntraOpResult, Terms, program_terms, rerun_floor, solve
 from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
                                         leanest_pipeline, level3_traffic, state_memory, unit_costs)
 from polyshard.planner.config import Fixed
@@ -274,6 +274,7 @@ class _Costs:
         self._terms: dict[tuple, Terms] = {}
         self.recomputed = functools.cache(functools.partial(recomputed, gm))
         self._worth: dict[str, bool] = {}
+        self._reruns: dict[tuple, float] = {}  # (operator axes, recompute) -> rerun_floor
         self._units: dict[tuple, tuple[Plan, Units]] = {}
         self._memo: dict = {}  # what pipelined splits share (see Setup)
         self.dataset_strategy = dataset_strategy
@@ -318,17 +319,24 @@ class _Costs:
         floor = self.floor(mesh, offload)
         split_ways = math.prod(n for _, n in op_axes)
         bounded_in = self.narrowest if offload == "none" else "fp32"  # offloaded state is stepped in fp32 (_variants)
+
+        def pruned(bound: float) -> list[tuple[Candidate, None]]:
+            return [(Candidate(mesh, rows, bound, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0), recompute=recompute,
+                               offload=offload, pruned=True), None)]
+
         if (split_ways > 1 or bounded_in != self.narrowest) and best_s < float("inf"):
             # before a program of its own: the unsplit one's bound / ways, in the precision its plans compute in
             bound = self.unsplit_bound(recompute, rows / _pp(mesh), (best_s - floor) * split_ways,
                                        bounded_in) / split_ways
             if bound + floor >= best_s:
-                return [(Candidate(mesh, rows, bound, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
-                                   recompute=recompute, offload=offload, pruned=True), None)]
+                return pruned(bound)
+        if recompute != "none" and best_s < float("inf"):  # nor before the plain program's bound and the reruns
+            bound = self.recompute_bound(op_axes, recompute, rows / _pp(mesh))
+            if bound + floor >= best_s:
+                return pruned(bound)
         solved = self.solved(op_axes, recompute, rows / _pp(mesh), best_s - floor, self.narrowest)
         if solved.plan is None:
-            return [(Candidate(mesh, rows, solved.lower_bound_s, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0),
-                               recompute=recompute, offload=offload, pruned=True), None)]
+            return pruned(solved.lower_bound_s)
         if _pp(mesh) > 1:
             return self._pipelined(solved, mesh, offload, rows, best_s)
         out = self._whole(solved.plan, solved.gap, mesh, offload, rows)
@@ -369,6 +377,19 @@ class _Costs:
         known = max((found.lower_bound_s * min(1.0, rows / r0) for (axes, mode, r0, p), found in self._solved.items()
                      if axes == () and mode == recompute and p == precision), default=0.0)
         return known if known >= enough_s else self.solved((), recompute, rows, float("inf"), precision).lower_bound_s
+
+    def recompute_bound(self, op_axes, recompute: str, rows: float) -> float:
+        """A lower bound of ``recompute``'s program on ``op_axes`` at ``rows`` rows without solving it: the plain
+        program's bound, where solved already (else 0), plus the forwards the mode runs again at the least."""
+        plain = self._solved.get((op_axes, "none", rows, self.narrowest))
+        if plain is None:
+            return 0.0
+        key = (op_axes, recompute)
+        if key not in self._reruns:
+            self._reruns[key] = rerun_floor(self.gm, op_axes, self.cluster,
+                                            self.recomputed(recompute, self.recompute_comm), self.narrowest,
+                                            self.sequence)
+        return plain.lower_bound_s + rows * self._reruns[key]
 
     def terms(self, op_axes, recompute: str, offload: str, precision: str) -> Terms:
         """The integer program on ``op_axes`` in ``precision`` with rows left open: enumerated once, solved per

@@ -11,7 +11,8 @@ from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.planner.candidates import candidates
-from polyshard.planner.intra_op import build_program, evaluate, solve
+from polyshard.graph.regions import recomputed
+from polyshard.planner.intra_op import build_program, evaluate, rerun_floor, solve
 
 CLUSTERS = ["cpu-gloo:2", "2xA100-80G"]
 
@@ -108,3 +109,15 @@ def test_the_relaxation_of_a_real_width_layer_stack_is_its_optimum():
     for tp in (2, 4, 8):
         result = solve(gm, (("tp", tp),), Cluster.preset("8xA100-80G"), 8, float("inf"), precision="bf16")
         assert result.lower_bound_s == pytest.approx(result.cost_s, rel=1e-9), tp
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_recompute_costs_at_least_the_plain_optimum_and_its_cheapest_reruns(cluster):
+    """The search prunes a recompute mode before building its program with this bound."""
+    model = models.build("gpt-small", "meta")
+    gm = capture(model, model.example_inputs(1))
+    cl, axes, rows = Cluster.preset(cluster), (("tp", 2),), 8
+    plain = solve(gm, axes, cl, rows, float("inf"))
+    full = solve(gm, axes, cl, rows, float("inf"), recompute="full")
+    reruns = rerun_floor(gm, axes, cl, recomputed(gm, "full"), "fp32")
+    assert plain.cost_s < plain.lower_bound_s + rows * reruns <= full.cost_s * (1 + 1e-9)

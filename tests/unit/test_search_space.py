@@ -31,14 +31,17 @@ def _settings(c) -> Fixed:
 @pytest.mark.parametrize("name,cluster,batch,limit_mib", [
     ("gpt-small", "cpu-gloo:4", 16, None), ("gpt-tiny", "8xA100-80G", 16, None),
     ("gpt-small", "2x4xH100-80G", 32, None),
-    ("gpt-small", "8xA100-80G", 64, 4096 + 6),  # tight: offloaded (fp32) settings are bounded too
+    # tight: offloaded (fp32) settings and recompute are bounded too
+    ("gpt-small", "8xA100-80G", 64, 4096 + 6), ("gpt-small", "cpu-gloo:4", 64, 6.5),
 ])
 def test_every_pruned_bound_is_below_what_the_split_costs(name, cluster, batch, limit_mib):
     limit = limit_mib and limit_mib * 2**20
     _, ranked = _search(name, cluster, batch, limit=limit)
     pruned = [c for c in ranked if c.pruned]
     assert pruned, "no candidate was pruned: the test checks nothing"
-    assert limit is None or any(c.offload != "none" for c in pruned), "no offloaded setting was pruned"
+    assert limit is None or any(c.recompute != "none" for c in pruned), "no recompute setting was pruned"
+    assert cluster.startswith("cpu") or limit is None or any(c.offload != "none" for c in pruned), \
+        "no offloaded setting was pruned"
     for c in pruned:
         _, alone = _search(name, cluster, batch, _settings(c))  # a time bound holds at any memory
         costed = [a for a in alone if not a.pruned]
