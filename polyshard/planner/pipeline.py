@@ -384,6 +384,8 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
     bucket = BUCKET_BYTES if s.dp > 1 and s.zero == 0 else 0.0
     rerun = units.rerun_bytes.max() * rows  # one micro-batch's recomputed block, alive in its backward
+    if fixed_of[-1] + acts_of[-1] * min(held) + chunks * (rerun + bucket) > s.pp * s.limit:
+        return None  # more than all chunks hold together (limit / v each): no cuts fit, and no program is needed
     base, acts = fixed_of[end] - fixed_of[start] + rerun + bucket, acts_of[end] - acts_of[start]
 
     def load(banded):  # time where a range fits with its chunk's activations in flight
