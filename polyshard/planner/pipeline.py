@@ -413,16 +413,10 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
             if not np.isfinite(slowest):
                 return None
     edges = [0, *cuts, n]
+    parts = list(zip(edges, edges[1:]))
     share = units.forward_share
-    forward, backward, stages = [], [], []
-    for c, (i, j) in enumerate(zip(edges, edges[1:])):
-        out, back = send[j], send[i]
-        work = seconds[i:j].sum()
-        forward.append(share * work + out)
-        backward.append((1 - share) * work + back)
-        activations = units.activation_bytes[i:j].sum() * rows * held[c] + rerun
-        memory = _sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, activations, bucket)])
-        stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[-1], backward[-1], memory))
+    forward = [share * seconds[i:j].sum() + send[j] for i, j in parts]  # p2p: activations out
+    backward = [(1 - share) * seconds[i:j].sum() + send[i] for i, j in parts]  # and gradients back in
     # the parameter groups each rank holds: its one stage's, or under interleaving its v chunks'
     held_groups = [tuple(g for c in range(r, chunks, s.pp) for unit in units.groups[edges[c]:edges[c + 1]]
                          for g in unit) for r in range(s.pp)]
@@ -432,9 +426,16 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     dp_comm = s.dp_seconds(numel * _itemsize(s.precision), groups, min(backward), m)
     update = s.update_seconds(numel)
     work = [m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp)]  # per rank
-    least = max(work) + dp_comm + update  # no span is shorter than a rank's own work
+    # no span is shorter than a rank's own work, after the first micro-batch's forward reaches its first chunk r
+    # and before the last one's backward leaves it for chunks r-1 .. 0 (the fill and drain of every schedule)
+    least = max(sum(forward[:r]) + work[r] + sum(backward[:r]) for r in range(s.pp)) + dp_comm + update
     if simulated and beat_s < float("inf") and least * (1 - 1e-12) >= beat_s:
         return Loses(least)
+    stages = []
+    for c, (i, j) in enumerate(parts):  # each chunk holds its units' state and its micro-batches in flight
+        activations = units.activation_bytes[i:j].sum() * rows * held[c] + rerun
+        memory = _sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, activations, bucket)])
+        stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[c], backward[c], memory))
     if simulated:
         key = (schedule, s.pp, m, v, tuple(forward), tuple(backward))  # cuts that differ only in memory time alike
         if key not in s.memo:
