@@ -168,7 +168,7 @@ def _node_terms(gm: fx.GraphModule, found: Enumeration, var_of: dict[tuple[str, 
         else:
             key = (n.name, passes(n.name, rc))
             if key not in seconds:
-                forward = _forwards(found, n, op_axes, cluster, precision)
+                forward = _forwards(found, n, cluster, precision)
                 seconds[key] = np.array([_op_seconds(n, d, f, modules, op_axes, cluster, itemsize, rc)
                                          for d, f in zip(options[n.name], forward)]).reshape(len(options[n.name]), 2)
             memory = np.array([_op_memory(n, d, modules, seen_params, rc, offload) for d in options[n.name]])
@@ -246,18 +246,18 @@ def rerun_floor(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recompu
     nodes = {n.name: n for n in gm.graph.nodes}
     sources = Counter(found.copied.get(name, name) for name in rc.rerun
                       if nodes[name].op.startswith("call_") and found.options[name])
-    return sum(uses * float(_forwards(found, nodes[source], op_axes, cluster, precision).min())
+    return sum(uses * float(_forwards(found, nodes[source], cluster, precision).min())
                for source, uses in sources.items())
 
 
-def _forwards(found: Enumeration, node: fx.Node, op_axes: Axes, cluster: Cluster, precision: str) -> np.ndarray:
+def _forwards(found: Enumeration, node: fx.Node, cluster: Cluster, precision: str) -> np.ndarray:
     """Seconds per row of ``node``'s forward under each of its candidates, once per cluster and precision
     (every recompute mode's costs are passes of it)."""
     table = found.forward.setdefault((cluster, precision), {})
     if node.name not in table:
         dtype, itemsize = DTYPES[precision]
-        table[node.name] = np.array([forward_seconds(node, Plan(op_axes=op_axes, nodes={node.name: d}), found.modules,
-                                                     cluster, dtype, itemsize) for d in found.options[node.name]])
+        table[node.name] = np.array([forward_seconds(node, d, found.modules, cluster, dtype, itemsize)
+                                     for d in found.options[node.name]])
     return table[node.name]
 
 

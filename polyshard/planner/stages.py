@@ -141,7 +141,7 @@ def balanced_boundaries(gm: fx.GraphModule, stages: int, plan: Plan | None = Non
     for node in gm.graph.nodes:
         if node.name not in unit:
             continue
-        flops[unit[node.name]] += forward_flops(node, plan, modules)
+        flops[unit[node.name]] += forward_flops(node, plan.nodes[node.name], modules)
         out, shape = plan.nodes[node.name].output, shape_of(node)
         if shape is not None:
             memory[unit[node.name]] += local_numel(shape, out) * kept_copies(node, Recomputed())
@@ -164,7 +164,8 @@ def chunk_seconds(gm: fx.GraphModule, plan: Plan, cluster: Cluster) -> tuple[lis
     for node in gm.graph.nodes:
         c = chunk_of.get(node.name)
         if c is not None:
-            seconds, entry = forward_seconds(node, plan, modules, cluster, dtype, itemsize), plan.nodes[node.name]
+            entry = plan.nodes[node.name]
+            seconds = forward_seconds(node, entry, modules, cluster, dtype, itemsize)
             forward[c] += seconds + op_overhead(entry, cluster, 1)
             backward[c] += back * seconds + op_overhead(entry, cluster, back)
     return forward, backward

@@ -25,24 +25,24 @@ from polyshard.graph.ops import is_shape_op, op_key
 from polyshard.layout import Layout
 from polyshard.cluster import Cluster
 from polyshard.graph.regions import Recomputed
-from polyshard.plan import NodePlan, Plan
+from polyshard.plan import NodePlan
 
 TRAIN_FLOPS_PER_FORWARD = 3
 _PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.baddbmm,
              torch.addmm, F.linear, "matmul", "bmm")
 
 
-def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> float:
-    """FLOPs of ``node``'s forward on this rank."""
+def forward_flops(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module]) -> float:
+    """FLOPs of ``node``'s forward on this rank under its strategy ``entry``."""
     shape = shape_of(node)
-    out = computed_layout(node, plan.nodes[node.name], modules)
+    out = computed_layout(node, entry, modules)
     if shape is None or not isinstance(out, Layout):
         return 0.0
     local = math.prod(shape) / out.pieces
     if node.op == "call_module":
         module, order = modules[node.target], linear_dims(modules[node.target])
         if order is not None:
-            weight = plan.nodes[node.name].params["weight"]
+            weight = entry.params["weight"]
             return 2 * local * module.weight.shape[order[1]] / weight.num_shards(order[1])
         if isinstance(module, nn.Embedding):
             return 0.0
@@ -55,25 +55,25 @@ def forward_flops(node: fx.Node, plan: Plan, modules: dict[str, nn.Module]) -> f
         return 4 * local / q[-1] * k[-2] * q[-1]
     if op_key(node) in (torch.matmul, operator.matmul, torch.bmm, torch.mm, "matmul", "bmm"):
         a = shape_of(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-        return 2 * local * a[-1] / _split(node, plan, node.args[0], -1) if a else local
+        return 2 * local * a[-1] / _split(entry, node.args[0], -1) if a else local
     return local
 
 
-def forward_seconds(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], cluster: Cluster,
+def forward_seconds(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module], cluster: Cluster,
                     dtype: str = "float32", itemsize: int = 4) -> float:
-    """Seconds of ``node``'s forward on this rank, fixed costs aside: the slower of its FLOPs (at the
-    achievable rate for products and attention, at peak for the rest) and its bytes over memory
-    bandwidth. A product of a thin inner dimension (attention scores of 64-128 wide heads) is bound
+    """Seconds of ``node``'s forward on this rank under its strategy ``entry``, fixed costs aside: the slower
+    of its FLOPs (at the achievable rate for products and attention, at peak for the rest) and its bytes over
+    memory bandwidth. A product of a thin inner dimension (attention scores of 64-128 wide heads) is bound
     by the bytes it writes, not by its FLOPs."""
-    flops = forward_flops(node, plan, modules)
+    flops = forward_flops(node, entry, modules)
     peak = cluster.flops_per_s[dtype]
     if op_key(node) is F.scaled_dot_product_attention:
         q, k = (shape_of(n) for n in node.args[:2])
         peak *= cluster.attention_share(dtype, 4 * q[-2] * k[-2] * q[-1])  # by one head's slice
     elif _is_product(node, modules):
-        peak *= cluster.matmul_share(*_product_dims(node, plan, modules, flops))
+        peak *= cluster.matmul_share(*_product_dims(node, entry, modules, flops))
     bandwidth = cluster.memory_bandwidth_bytes_per_s
-    moved = forward_bytes(node, plan, modules, itemsize) if bandwidth else 0.0
+    moved = forward_bytes(node, entry, modules, itemsize) if bandwidth else 0.0
     return max(flops / peak, moved / bandwidth if bandwidth else 0.0)
 
 
@@ -85,12 +85,12 @@ def optimizer_seconds(numel: float, precision: str, cluster: Cluster) -> float:
     return numel * (28 if precision == "fp32" else 32) / bandwidth if bandwidth else 0.0
 
 
-def forward_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int) -> float:
-    """Bytes ``node``'s forward reads and writes on this rank: its tensor inputs, its parameters and
-    its output."""
-    if node.op in ("placeholder", "output", "get_attr") or is_shape_op(node) or node.name not in plan.nodes:
+def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module], itemsize: int) -> float:
+    """Bytes ``node``'s forward reads and writes on this rank under ``entry``: its tensor inputs, its parameters
+    and its output."""
+    if node.op in ("placeholder", "output", "get_attr") or is_shape_op(node):
         return 0.0
-    entry, total = plan.nodes[node.name], 0.0
+    total = 0.0
     if node.op == "call_module":
         for name, p in modules[node.target].named_parameters(recurse=False):
             layout = entry.params.get(name)
@@ -115,10 +115,11 @@ def computed_layout(node: fx.Node, entry, modules: dict[str, nn.Module]):
     return out.with_dims([tuple(a for a in d if a not in summed) for d in out.dims], out.partial)
 
 
-def _product_dims(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], flops: float) -> tuple[float, float, float]:
+def _product_dims(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module],
+                  flops: float) -> tuple[float, float, float]:
     """(m, n, k) of the products ``node`` runs on this rank: k contracted, n the output's last dim, m
     its rows (a Linear's flattened leading dims; one batch entry's rows for a batched product)."""
-    shape, out = shape_of(node), computed_layout(node, plan.nodes[node.name], modules)
+    shape, out = shape_of(node), computed_layout(node, entry, modules)
     if not shape or not isinstance(out, Layout):
         return 1.0, 1.0, 1.0
     numel = math.prod(shape) / out.pieces
@@ -134,9 +135,9 @@ def _is_product(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     return op_key(node) in _PRODUCTS
 
 
-def _split(node: fx.Node, plan: Plan, arg: fx.Node, dim: int) -> int:
-    """Pieces the contracted dim of ``arg`` comes in to ``node`` (1 when not split)."""
-    layout = plan.nodes[node.name].inputs.get(arg.name)
+def _split(entry: NodePlan, arg: fx.Node, dim: int) -> int:
+    """Pieces the contracted dim of ``arg`` comes in to the op ``entry`` plans (1 when not split)."""
+    layout = entry.inputs.get(arg.name)
     return layout.num_shards(dim % layout.ndim) if isinstance(layout, Layout) else 1
 
 

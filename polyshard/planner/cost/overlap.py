@@ -55,7 +55,7 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
         if twin is not None and passes(twin, rc) == (compute_passes, comm_passes):
             out.append(by_name.setdefault(node.name, by_name[twin]))
             continue
-        seconds = compute_passes * forward_seconds(node, plan, modules, cluster, dtype, itemsize)
+        seconds = compute_passes * forward_seconds(node, plan.nodes[node.name], modules, cluster, dtype, itemsize)
         sent = node_comm_bytes(node, plan, modules, itemsize, cluster.backend, cluster.all_to_all)
         transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
