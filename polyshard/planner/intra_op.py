@@ -103,22 +103,24 @@ class Terms:
         picks = {name: np.array([self.var_of[(name, i)] for i in range(len(self.options[name]))], dtype=np.int32)
                  for name in dict.fromkeys(self.rep.values())}
         paired = len(self.var_of)  # the next pair variable's column
-        per_row, fixed, values, lengths = [np.zeros(0)], [np.zeros(0)], [np.zeros(0)], []
-        index = [np.zeros(0, np.int32)]
+        per_row, fixed, index, values, lengths = [np.zeros(0)], [np.zeros(0)], [], [], []
         for (u, v), (a, b) in self.edges.items():
             if not (a + b).any():  # free at every row count
                 continue
-            # pair[i, j]: u picks i and v picks j; a row per pick of u over its pairs, and one per pick of v
-            pair = paired + np.arange(a.size, dtype=np.int32).reshape(a.shape)
-            paired += a.size
-            for side, own in ((pair, picks[u]), (pair.T, picks[v])):
-                index.append(np.column_stack([side, own]).ravel())
-                values.append(np.tile(np.append(np.ones(side.shape[1]), -1.0), side.shape[0]))
-                lengths += [side.shape[1] + 1] * side.shape[0]
+            # pair (i, j), column paired + i * nv + j: u picks i and v picks j; a row per pick of u over its
+            # pairs, and one per pick of v
+            (nu, nv), own_u, own_v = a.shape, picks[u].tolist(), picks[v].tolist()
+            for i in range(nu):
+                index += [*range(paired + i * nv, paired + (i + 1) * nv), own_u[i]]
+            for j in range(nv):
+                index += [*range(paired + j, paired + nu * nv, nv), own_v[j]]
+            values += ([1.0] * nv + [-1.0]) * nu + ([1.0] * nu + [-1.0]) * nv
+            lengths += [nv + 1] * nu + [nu + 1] * nv
             per_row.append(a.ravel())
             fixed.append(b.ravel())
+            paired += a.size
         starts = np.cumsum([0] + lengths[:-1]).astype(np.int32) if lengths else np.zeros(0, np.int32)
-        index, values = np.concatenate(index).astype(np.int32), np.concatenate(values)
+        index, values = np.array(index, dtype=np.int32), np.array(values, dtype=float)
         return list(picks.values()), (np.concatenate(per_row), np.concatenate(fixed)), (starts, index, values)
 
 
