@@ -374,11 +374,6 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     (m + (p-1)/v) x the busiest rank's micro-batch (for a split that does not fit, whose memory is
     what matters)."""
     n, chunks, rows = len(units), s.pp * v, s.rows / m
-    seconds = units.seconds(rows)
-    send = np.concatenate([[0.0], s.send(units.send_bytes[1:] * rows), [0.0]])  # per cut 0..n: the ends send nothing
-    start, end = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")  # every unit range [i, j)
-    time_of = np.concatenate([[0.0], np.cumsum(seconds)])
-    time = time_of[end] - time_of[start] + send[end] + send[start]  # sends: activations out, gradients back in
     fixed_of = np.concatenate([[0.0], np.cumsum([st.total_bytes for st in state])])
     acts_of = np.concatenate([[0.0], np.cumsum(units.activation_bytes * rows)])
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
@@ -386,6 +381,11 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     rerun = units.rerun_bytes.max() * rows  # one micro-batch's recomputed block, alive in its backward
     if fixed_of[-1] + acts_of[-1] * min(held) + chunks * (rerun + bucket) > s.pp * s.limit:
         return None  # more than all chunks hold together (limit / v each): no cuts fit, and no program is needed
+    seconds = units.seconds(rows)
+    send = np.concatenate([[0.0], s.send(units.send_bytes[1:] * rows), [0.0]])  # per cut 0..n: the ends send nothing
+    start, end = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")  # every unit range [i, j)
+    time_of = np.concatenate([[0.0], np.cumsum(seconds)])
+    time = time_of[end] - time_of[start] + send[end] + send[start]  # sends: activations out, gradients back in
     base, acts = fixed_of[end] - fixed_of[start] + rerun + bucket, acts_of[end] - acts_of[start]
 
     def load(banded):  # time where a range fits with its chunk's activations in flight
