@@ -13,7 +13,7 @@ optimum bounds the true optimum from below: the gap reported is how far the plan
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -240,16 +240,18 @@ def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], 
     return {key: (costs[..., 0], costs[..., 1]) for key, costs in summed.items()}
 
 
-def rerun_floor(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recomputed, precision: str,
-                sequence: bool | None = None) -> float:
-    """Seconds per row that running ``rc.rerun`` forward again adds to any strategy on ``op_axes``, at the least:
-    each node's cheapest candidate's forward (a twin's is its twin's). Its more fixed costs are left out."""
+def forward_floor(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, precision: str, times: Callable[[str], int],
+                  sequence: bool | None = None) -> float:
+    """Seconds per row of ``times(name)`` forwards of each node under its cheapest candidate on ``op_axes`` (a
+    twin's is its twin's): what any strategy computes at the least, communication and fixed costs left out."""
     found = enumerated(gm, op_axes, sequence)
     nodes = {n.name: n for n in gm.graph.nodes}
-    sources = Counter(found.copied.get(name, name) for name in rc.rerun
-                      if nodes[name].op.startswith("call_") and found.options[name])
+    sources: Counter[str] = Counter()
+    for name, n in nodes.items():
+        if n.op.startswith("call_") and found.options[name]:
+            sources[found.copied.get(name, name)] += times(name)
     return sum(uses * float(_forwards(found, nodes[source], cluster, precision).min())
-               for source, uses in sources.items())
+               for source, uses in sources.items() if uses)
 
 
 def _forwards(found: Enumeration, node: fx.Node, cluster: Cluster, precision: str) -> np.ndarray:

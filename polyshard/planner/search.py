@@ -39,9 +39,9 @@ from polyshard.mesh import PIPELINE_AXIS, SPATIAL_AXES
 from polyshard.planner.cost.comm import axis_link, collective_latency
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory, frees_activations
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
-from polyshard.planner.cost.compute import optimizer_seconds
+from polyshard.planner.cost.compute import optimizer_seconds, passes
 from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
-from polyshard.planner.intra_op import IntraOpResult, Terms, program_terms, rerun_floor, solve
+from polyshard.planner.intra_op import IntraOpResult, Terms, forward_floor, program_terms, solve
 from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
                                         leanest_pipeline, level3_traffic, state_memory, unit_costs)
 from polyshard.planner.config import Fixed
@@ -274,7 +274,7 @@ class _Costs:
         self._terms: dict[tuple, Terms] = {}
         self.recomputed = functools.cache(functools.partial(recomputed, gm))
         self._worth: dict[str, bool] = {}
-        self._reruns: dict[tuple, float] = {}  # (operator axes, recompute) -> rerun_floor
+        self._floors: dict[tuple, float] = {}  # forward_floor per (operator axes or "fp32", recompute)
         self._units: dict[tuple, tuple[Plan, Units]] = {}
         self._memo: dict = {}  # what pipelined splits share (see Setup)
         self.dataset_strategy = dataset_strategy
@@ -318,23 +318,25 @@ class _Costs:
         rows = self.batch // _data_size(mesh, self.data_axes)
         floor = self.floor(mesh, offload)
         split_ways = math.prod(n for _, n in op_axes)
-        bounded_in = self.narrowest if offload == "none" else "fp32"  # offloaded state is stepped in fp32 (_variants)
 
         def pruned(bound: float) -> list[tuple[Candidate, None]]:
             return [(Candidate(mesh, rows, bound, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0), recompute=recompute,
                                offload=offload, pruned=True), None)]
 
-        if (split_ways > 1 or bounded_in != self.narrowest) and best_s < float("inf"):
-            # before a program of its own: the unsplit one's bound / ways, in the precision its plans compute in
-            bound = self.unsplit_bound(recompute, rows / _pp(mesh), (best_s - floor) * split_ways,
-                                       bounded_in) / split_ways
+        if offload != "none" and best_s < float("inf"):
+            # offloaded state is stepped in fp32 (_variants), so the model computes in fp32: its compute alone
+            bound = rows / _pp(mesh) * self.fp32_floor(recompute) / split_ways
+            if bound + floor >= best_s:
+                return pruned(bound)
+        if split_ways > 1 and best_s < float("inf"):  # before a program of its own: the unsplit one's bound / ways
+            bound = self.unsplit_bound(recompute, rows / _pp(mesh), (best_s - floor) * split_ways) / split_ways
             if bound + floor >= best_s:
                 return pruned(bound)
         if recompute != "none" and best_s < float("inf"):  # nor before the plain program's bound and the reruns
             bound = self.recompute_bound(op_axes, recompute, rows / _pp(mesh))
             if bound + floor >= best_s:
                 return pruned(bound)
-        solved = self.solved(op_axes, recompute, rows / _pp(mesh), best_s - floor, self.narrowest)
+        solved = self.solved(op_axes, recompute, rows / _pp(mesh), best_s - floor)
         if solved.plan is None:
             return pruned(solved.lower_bound_s)
         if _pp(mesh) > 1:
@@ -348,8 +350,7 @@ class _Costs:
             try:  # the shared plan's fastest variant does not fit: the leanest strategies that do, if any
                 lean = solve(self.gm, op_axes, self.cluster, rows, self.limit, cutoff_s=best_s - floor,
                              recompute=recompute, offload=offload, precision=self.narrowest,
-                             recompute_comm=self.recompute_comm,
-                             terms=self.terms(op_axes, recompute, offload, self.narrowest))
+                             recompute_comm=self.recompute_comm, terms=self.terms(op_axes, recompute, offload))
             except PolyshardError:
                 return out
             if lean.plan is not None and lean.plan.nodes != solved.plan.nodes:
@@ -357,50 +358,58 @@ class _Costs:
                 out = [mine if mine[0].memory.total_bytes <= self.limit else other for mine, other in zip(out, leaner)]
         return out
 
-    def solved(self, op_axes, recompute: str, rows: float, cutoff_s: float, precision: str) -> IntraOpResult:
-        """The fastest strategies on ``op_axes`` at ``rows`` rows computing in ``precision``, memory aside
-        (splits differ in what else they hold); pruned where the LP bound reaches ``cutoff_s``."""
-        key = (op_axes, recompute, rows, precision)
+    def solved(self, op_axes, recompute: str, rows: float, cutoff_s: float) -> IntraOpResult:
+        """The fastest strategies on ``op_axes`` at ``rows`` rows, memory aside (splits differ in
+        what else they hold); pruned where the LP bound reaches ``cutoff_s``."""
+        key = (op_axes, recompute, rows)
         found = self._solved.get(key)
         if found is None or (found.plan is None and found.lower_bound_s < cutoff_s):
             found = self._solved[key] = solve(self.gm, op_axes, self.cluster, rows, float("inf"),
-                                              cutoff_s=cutoff_s, recompute=recompute, precision=precision,
+                                              cutoff_s=cutoff_s, recompute=recompute, precision=self.narrowest,
                                               recompute_comm=self.recompute_comm,
-                                              terms=self.terms(op_axes, recompute, "none", precision))
+                                              terms=self.terms(op_axes, recompute, "none"))
         return found
 
-    def unsplit_bound(self, recompute: str, rows: float, enough_s: float, precision: str) -> float:
-        """A lower bound of the unsplit program's cost at ``rows`` rows in ``precision``, solved only when the
-        bounds at other row counts fall short of ``enough_s``: costs grow with rows, and no faster than in
+    def unsplit_bound(self, recompute: str, rows: float, enough_s: float) -> float:
+        """A lower bound of the unsplit program's cost at ``rows`` rows, solved only when the bounds at
+        other row counts fall short of ``enough_s``: costs grow with rows, and no faster than in
         proportion (every term is a per-row part plus a fixed part, both non-negative), so the
         bound at r0 rows bounds ``rows`` by min(1, rows / r0) of it."""
-        known = max((found.lower_bound_s * min(1.0, rows / r0) for (axes, mode, r0, p), found in self._solved.items()
-                     if axes == () and mode == recompute and p == precision), default=0.0)
-        return known if known >= enough_s else self.solved((), recompute, rows, float("inf"), precision).lower_bound_s
+        known = max((found.lower_bound_s * min(1.0, rows / r0) for (axes, mode, r0), found in self._solved.items()
+                     if axes == () and mode == recompute), default=0.0)
+        return known if known >= enough_s else self.solved((), recompute, rows, float("inf")).lower_bound_s
 
     def recompute_bound(self, op_axes, recompute: str, rows: float) -> float:
         """A lower bound of ``recompute``'s program on ``op_axes`` at ``rows`` rows without solving it: the plain
         program's bound, where solved already (else 0), plus the forwards the mode runs again at the least."""
-        plain = self._solved.get((op_axes, "none", rows, self.narrowest))
+        plain = self._solved.get((op_axes, "none", rows))
         if plain is None:
             return 0.0
         key = (op_axes, recompute)
-        if key not in self._reruns:
-            self._reruns[key] = rerun_floor(self.gm, op_axes, self.cluster,
-                                            self.recomputed(recompute, self.recompute_comm), self.narrowest,
-                                            self.sequence)
-        return plain.lower_bound_s + rows * self._reruns[key]
+        if key not in self._floors:
+            rerun = self.recomputed(recompute, self.recompute_comm).rerun
+            self._floors[key] = forward_floor(self.gm, op_axes, self.cluster, self.narrowest,
+                                              rerun.__contains__, self.sequence)
+        return plain.lower_bound_s + rows * self._floors[key]
 
-    def terms(self, op_axes, recompute: str, offload: str, precision: str) -> Terms:
-        """The integer program on ``op_axes`` in ``precision`` with rows left open: enumerated once, solved per
-        row count."""
-        key = (op_axes, recompute, offload, precision)
+    def fp32_floor(self, recompute: str) -> float:
+        """Seconds per row the unsplit model computes in fp32 under ``recompute`` at the least."""
+        key = ("fp32", recompute)
+        if key not in self._floors:
+            rc = self.recomputed(recompute, self.recompute_comm)
+            self._floors[key] = forward_floor(self.gm, (), self.cluster, "fp32", lambda name: passes(name, rc)[0],
+                                              self.sequence)
+        return self._floors[key]
+
+    def terms(self, op_axes, recompute: str, offload: str) -> Terms:
+        """The integer program on ``op_axes`` with rows left open: enumerated once, solved per row count."""
+        key = (op_axes, recompute, offload)
         if key not in self._terms:
             if self.dataset_strategy is not None:  # the inputs as they lie on these axes
                 self.gm.meta[INPUT_LAYOUTS] = input_layouts(self.gm, self.dataset_strategy, op_axes, absent_whole=True)
             self._terms[key] = program_terms(self.gm, op_axes, self.cluster,
                                              self.recomputed(recompute, self.recompute_comm), offload,
-                                             precision, self.sequence)
+                                             self.narrowest, self.sequence)
         return self._terms[key]
 
     def units(self, plan: Plan, mesh, precision: str) -> Units:

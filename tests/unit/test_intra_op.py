@@ -12,7 +12,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.planner.candidates import candidates
 from polyshard.graph.regions import recomputed
-from polyshard.planner.intra_op import build_program, evaluate, rerun_floor, solve
+from polyshard.planner.intra_op import build_program, evaluate, forward_floor, solve
 
 CLUSTERS = ["cpu-gloo:2", "2xA100-80G"]
 
@@ -119,5 +119,5 @@ def test_recompute_costs_at_least_the_plain_optimum_and_its_cheapest_reruns(clus
     cl, axes, rows = Cluster.preset(cluster), (("tp", 2),), 8
     plain = solve(gm, axes, cl, rows, float("inf"))
     full = solve(gm, axes, cl, rows, float("inf"), recompute="full")
-    reruns = rerun_floor(gm, axes, cl, recomputed(gm, "full"), "fp32")
+    reruns = forward_floor(gm, axes, cl, "fp32", recomputed(gm, "full").rerun.__contains__)
     assert plain.cost_s < plain.lower_bound_s + rows * reruns <= full.cost_s * (1 + 1e-9)

@@ -53,8 +53,7 @@ def test_gradient_accumulation_fits_before_recompute_without_a_pipeline():
     assert chosen.memory.total_bytes <= limit < need.total_bytes
     assert chosen.compute_s < need.total_bytes  # a sanity line: seconds and bytes are not mixed up
     assert f"m={plan.micro_batches}" in plan.report["config"] and "mbs=" in plan.report["config"]
-    one_batch = next(c for c in ranked if c.accumulation == 1 and c.recompute == "none" and not c.pruned) \
-        if any(c.accumulation == 1 and c.recompute == "none" for c in ranked) else None
+    one_batch = next((c for c in ranked if c.accumulation == 1 and c.recompute == "none" and not c.pruned), None)
     assert one_batch is None or one_batch.memory.total_bytes > limit
 
 
