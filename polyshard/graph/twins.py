@@ -39,13 +39,15 @@ def blocks(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
 def _twins(block_nodes: dict[str, list[fx.Node]], modules: dict[str, nn.Module]) -> dict[str, fx.Node]:
     out: dict[str, fx.Node] = {}
     run: list[list[fx.Node]] = []
+    run_signature = None
     for members in list(block_nodes.values()) + [[]]:
-        if run and _signature(members, modules) == _signature(run[0], modules):
+        signature = _signature(members, modules)
+        if run and signature == run_signature:
             run.append(members)
             continue
         for later in run[2:]:
             out.update({m.name: t for m, t in zip(later, run[1])})
-        run = [members]
+        run, run_signature = [members], signature
     return out
 
 
