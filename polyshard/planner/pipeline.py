@@ -343,18 +343,23 @@ def _options(n: int, s: Setup):
 
 def _bounds(units: Units, s: Setup, options: list[tuple[int, str, int]], numel: float) -> list[float]:
     """Per (m, schedule, v): equal stages' step, (m + (p-1)/v) x the mean stage's micro-batch, or if more,
-    m x the slowest unit's (whichever rank holds it runs it m times); plus the least exposed gradient
-    communication and optimizer step (some stage holds at least the mean share of the ``numel`` parameters)."""
-    sync = s.dp_seconds(numel / s.pp * _itemsize(s.precision), (), float("inf"), 1)
+    m x the slowest unit's (whichever rank holds it runs it m times); plus the optimizer step and the least
+    exposed gradient communication of the rank holding the most parameters (at least the mean share of the
+    ``numel``): hidden beside no more than the mean chunk's backward (:func:`cost_pipeline` hides it beside the
+    least one's), at level 3 with every small parameter of the model left whole and one module gathered."""
+    grads = numel / s.pp * _itemsize(s.precision)
+    every = (tuple(n for group in units.model_groups for n in group),)  # one module holding every parameter
     update = s.update_seconds(numel / s.pp)
-    per_m = {}  # m -> (the stages' summed seconds per micro-batch, the slowest unit's)
+    per_m = {}  # m -> (the stages' summed seconds per micro-batch, the slowest unit's, the most one cut sends)
     out = []
     for m, _, v in options:
         if m not in per_m:
             seconds = units.seconds(s.rows / m)
-            per_m[m] = seconds.sum(), seconds.max()
-        total, slowest = per_m[m]
-        out.append(max((m + (s.pp - 1) / v) * total / s.pp, m * slowest) + sync + update)
+            per_m[m] = seconds.sum(), seconds.max(), float(np.max(s.send(units.send_bytes * s.rows / m)))
+        total, slowest, sent = per_m[m]
+        backward = (1 - units.forward_share) * total / (s.pp * v) + sent
+        out.append(max((m + (s.pp - 1) / v) * total / s.pp, m * slowest) + s.dp_seconds(grads, every, backward, m)
+                   + update)
     return out
 
 
