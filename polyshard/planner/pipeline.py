@@ -414,6 +414,8 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
             s.memo[free] = min_max_partition(lambda banded: banded(time), n, chunks)[1]
         cuts = list(s.memo[free])
         if not fits(cuts):
+            if not _coverable(base, acts, held, s.limit / v):
+                return None
             slowest, cuts = min_max_partition(load, n, chunks)
             if not np.isfinite(slowest):
                 return None
@@ -460,6 +462,18 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
     memory = _sum_memory([stages[c].memory for c in range(fullest, chunks, s.pp)])
     return PipelineCost(schedule, m, v, tuple(units.starts[i] for i in cuts), compute, op_comm, p2p,
                         span - busy[rank], dp_comm, 1 - sum(busy) / (s.pp * span), tuple(stages), memory, span)
+
+
+def _coverable(base: np.ndarray, acts: np.ndarray, held: list[float], cap: float) -> bool:
+    """Whether the chunks in order, each taking as many units as fit beside its micro-batches in flight, reach
+    the last unit. Where they do not, no cuts fit: a chunk of any cuts ends no later than this one does (a range
+    holds no less than the ranges inside it), so those cuts leave units over too."""
+    i, n = 0, base.shape[0] - 1
+    for h in held:
+        i += int(np.searchsorted(base[i, i + 1:] + acts[i, i + 1:] * h, cap, side="right"))  # grows with the range
+        if i >= n:
+            return True
+    return False
 
 
 def _simulated(schedule: str, pp: int, m: int, v: int, forward: tuple, backward: tuple) -> tuple[float, list[float]]:

@@ -75,6 +75,24 @@ def test_min_max_partition_matches_brute_force_with_per_part_limits(seed):
                    for k, (a, b) in enumerate(zip(edges, edges[1:]))) == pytest.approx(best[0])
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_pipeline_is_refused_exactly_when_no_cuts_fit(seed):
+    """Random units under 1F1B and a limit near what they need: no pipeline exactly when no contiguous cuts let
+    every stage hold its units and pp - s micro-batches (the greedy test before the cut program says no only
+    then)."""
+    rng = np.random.default_rng(seed)
+    n, pp = int(rng.integers(3, 8)), int(rng.integers(2, 4))
+    acts, numels = rng.uniform(1, 8, n), rng.integers(1, 8, n)  # MiB per row; x 2**16 parameters: MiB of state
+    units = _units([1.0] * n, list(acts), [int(k) * 2**16 for k in numels])
+    state = [state_memory([(int(k) * 2**16,)], 0, 1, "fp32", "none") for k in numels]
+    for limit_mib in np.linspace(5, 60, 12):
+        found = cost_pipeline(units, _setup(pp, 4, limit_mib * MiB), state, 4, "1f1b", 1)
+        fits = any(all(numels[i:j].sum() + acts[i:j].sum() * (pp - k) <= limit_mib
+                       for k, (i, j) in enumerate(zip((0, *cuts), (*cuts, n))))
+                   for cuts in itertools.combinations(range(1, n), pp - 1))
+        assert (found is not None) == fits, (limit_mib, found)
+
+
 @pytest.mark.parametrize("pp, limit_mib", [(2, 48), (3, 40), (4, 40), (2, 40)])
 def test_stage_cuts_match_brute_force_under_the_memory_limit(pp, limit_mib):
     """Unequal layers, and memory that holds pp - s micro-batches on stage s (1F1B): the cuts
