@@ -63,48 +63,47 @@ def test_train_runs_a_transformers_model_from_its_family_name(tmp_path):
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])  # it learns
 
 
-def test_sequence_parallel_trains_as_tensor_parallel_does(tmp_path):
-    runs = {}
-    for name, flags in (("tp", []), ("sp", ["--sequence-parallel"])):
-        metrics = tmp_path / f"{name}.jsonl"
-        out = polyshard("train", "--nproc", "2", "--mesh", "tp=2", "--model", "gpt-tiny", "--steps", "3",
-                        "--metrics", str(metrics), *flags, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert ("sequence parallel:" in out.stdout) == (name == "sp")
-        runs[name] = _losses(metrics)
-    assert runs["sp"] == pytest.approx(runs["tp"], rel=1e-5)
-
-
 def _losses(metrics):
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
 
-def test_recompute_and_disk_offload_train_as_the_plain_run_does(tmp_path):
+TINY = ("train", "--model", "gpt-tiny", "--steps", "4")
+PLAIN = (*TINY, "--nproc", "2", "--mesh", "dp=2")
+
+
+@pytest.fixture(scope="module")
+def plain_losses(tmp_path_factory):
+    """The losses of a plain data-parallel run on 2 ranks, the reference of the runs that change how it trains."""
+    folder = tmp_path_factory.mktemp("plain")
+    out = polyshard(*PLAIN, "--metrics", str(folder / "m.jsonl"), cwd=folder)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return _losses(folder / "m.jsonl")
+
+
+def test_recompute_and_disk_offload_train_as_the_plain_run_does(tmp_path, plain_losses):
     """The trainer end to end on 2 ranks: the same losses with activations recomputed and the optimizer
     state streamed from disk, whose files the run leaves in the folder it was given."""
-    runs = {}
-    for name, flags in (("plain", []), ("lean", ["--recompute", "full", "--offload", "disk",
-                                                  "--offload-dir", str(tmp_path / "state")])):
-        metrics = tmp_path / f"{name}.jsonl"
-        out = polyshard("train", "--nproc", "2", "--model", "gpt-tiny", "--steps", "4", "--metrics", str(metrics),
-                        *flags, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs[name] = (_losses(metrics), out.stdout)
-    assert runs["lean"][0] == pytest.approx(runs["plain"][0], rel=1e-5)
-    assert "recompute full" in runs["lean"][1] and "disk   state" in runs["lean"][1]
+    out = polyshard(*PLAIN, "--metrics", str(tmp_path / "m.jsonl"), "--recompute", "full", "--offload", "disk",
+                    "--offload-dir", str(tmp_path / "state"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _losses(tmp_path / "m.jsonl") == pytest.approx(plain_losses, rel=1e-5)
+    assert "recompute full" in out.stdout and "disk   state" in out.stdout
     assert (tmp_path / "state" / "rank1").is_dir()
 
 
-def test_pipelined_training_draws_its_timeline_and_trains_as_the_plain_run(tmp_path):
-    runs = {}
-    for name, flags in (("plain", ["--nproc", "2", "--mesh", "dp=2"]),
-                        ("pipelined", ["--nproc", "4", "--mesh", "dp=2,pp=2", "--schedule", "gpipe",
-                                       "--micro-batches", "2", "--timeline", str(tmp_path / "t.png")])):
-        metrics = tmp_path / f"{name}.jsonl"
-        out = polyshard("train", "--model", "gpt-tiny", "--steps", "3", "--metrics", str(metrics), *flags, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs[name] = _losses(metrics)
-    assert runs["pipelined"] == pytest.approx(runs["plain"], rel=1e-5)
+def test_sequence_parallel_trains_as_the_plain_run_does(tmp_path, plain_losses):
+    out = polyshard(*TINY, "--nproc", "2", "--mesh", "tp=2", "--sequence-parallel",
+                    "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sequence parallel:" in out.stdout
+    assert _losses(tmp_path / "m.jsonl") == pytest.approx(plain_losses, rel=1e-5)
+
+
+def test_pipelined_training_draws_its_timeline_and_trains_as_the_plain_run(tmp_path, plain_losses):
+    out = polyshard(*TINY, "--nproc", "4", "--mesh", "dp=2,pp=2", "--schedule", "gpipe", "--micro-batches",
+                    "2", "--timeline", str(tmp_path / "t.png"), "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _losses(tmp_path / "m.jsonl") == pytest.approx(plain_losses, rel=1e-5)
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -174,11 +173,18 @@ def test_run_launches_a_user_script(tmp_path):
     assert "rank 0 of 2: 3" in out.stdout and "rank 1 of 2: 3" in out.stdout
 
 
-def test_plan_explain_and_train_from_the_plan(tmp_path):
-    plan = tmp_path / "plan.json"
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """`polyshard plan` of gpt-tiny on 2 gloo ranks, written once for the tests that read it: (path, stdout)."""
+    plan = tmp_path_factory.mktemp("plan") / "plan.json"
     out = polyshard("plan", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--batch-size", "4", "--out", str(plan))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "runner-up" in out.stdout and plan.is_file()
+    return plan, out.stdout
+
+
+def test_plan_explain_and_train_from_the_plan(tmp_path, tiny_plan):
+    plan, printed = tiny_plan
+    assert "runner-up" in printed and plan.is_file()
     shown = polyshard("explain", str(plan))
     assert shown.returncode == 0 and "memory per device" in shown.stdout
     trained = polyshard("train", "--nproc", "2", "--plan", str(plan), "--steps", "2", "--batch-size", "4",
@@ -187,11 +193,9 @@ def test_plan_explain_and_train_from_the_plan(tmp_path):
     assert "mesh: dp=" in trained.stdout
 
 
-def test_explain_draws_a_pipelined_plans_timeline(tmp_path):
+def test_explain_draws_a_pipelined_plans_timeline(tmp_path, tiny_plan):
     plan = tmp_path / "plan.json"
-    out = polyshard("plan", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--batch-size", "4", "--out", str(plan))
-    assert out.returncode == 0, out.stderr[-2000:]
-    data = json.loads(plan.read_text())
+    data = json.loads(tiny_plan[0].read_text())
     data.update(mesh=[["dp", 1], ["pp", 2]], micro_batches=4, stage_boundaries=[])
     plan.write_text(json.dumps(data))
     shown = polyshard("explain", str(plan), "--timeline", str(tmp_path / "p.png"))
