@@ -117,9 +117,15 @@ def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, floa
     return {a: wire_bytes("all_reduce", numel * itemsize, weight.axis_sizes[a], backend) for a in split}
 
 
-def collective_latency(link: Link, group_size: int) -> float:
-    """A ring collective's fixed cost: the link's latency once per step, group_size - 1 steps."""
-    return link.latency_s * max(group_size - 1, 1)
+# A ring all-reduce is a reduce-scatter then an all-gather, 2(n-1) steps; each of those alone runs n-1.
+# A link's latency is fitted on all-reduces, per (n-1) of their steps, so the one-way collectives pay half.
+_RING_SHARE = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
+
+
+def collective_latency(link: Link, group_size: int, collective: str = "all_reduce") -> float:
+    """A ring collective's fixed cost: the link's latency once per group_size - 1 ring steps of an all-reduce,
+    half of that for an all-gather or a reduce-scatter."""
+    return link.latency_s * max(group_size - 1, 1) * _RING_SHARE[collective]
 
 
 def comm_seconds(bytes_by_axis: dict[str, float], mesh_axes: Axes, cluster: Cluster) -> tuple[float, float]:
