@@ -597,8 +597,8 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     gradients, 3(n-1)/n B in 3 collectives per module; over m accumulated micro-batches level 3
     gathers in each one's forward and backward, (2m+1)(n-1)/n B; ``modules``: those level 3 gathers;
     ``whole_bytes``: of B, parameters small enough to stay whole, all-reduced once at level 3 (at the
-    other levels the difference is negligible). Each collective pays a ring's fixed cost: an all-gather or
-    a reduce-scatter half an all-reduce's (see collective_latency). On GPUs the collectives issued during
+    other levels the difference is negligible). Each collective pays its own fixed cost (an all-gather
+    half an all-reduce's, see collective_latency). On GPUs the collectives issued during
     backward (level 3: during every forward and backward) run beside ``overlap_s`` of the last
     backward and only the rest, and at least the last bucket, is exposed; the all-gather after the
     optimizer step (levels 1, 2) is not hidden.
@@ -607,16 +607,17 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     if dp == 1:
         return 0.0
     link = axis_link(mesh, next(n for n, s in mesh if n in data_axes), cluster)
-    latency, one_way = collective_latency(link, dp), collective_latency(link, dp, "all_gather")
+    latency = collective_latency(link, dp)
+    gather, scatter = (collective_latency(link, dp, kind, cluster.backend) for kind in ("all_gather", "reduce_scatter"))
     pass_s = wire_bytes("reduce_scatter", grad_bytes, dp) / link.bandwidth_bytes_per_s  # (n-1)/n B once
-    passes_3 = 2 * micro_batches + 1
     if zero == 3:
         sharded_s = pass_s * (1 - whole_bytes / grad_bytes) if grad_bytes else 0.0
         whole_s = 2 * (pass_s - sharded_s) + latency if whole_bytes else 0.0
-        during = passes_3 * (sharded_s + modules * one_way) + whole_s
+        during = ((2 * micro_batches + 1) * sharded_s + modules * (2 * micro_batches * gather + scatter)
+                  + whole_s)
     else:
-        during = {0: 2 * pass_s + latency, 1: 2 * pass_s + latency, 2: pass_s + one_way}[zero]
-    after = pass_s + one_way if zero in (1, 2) else 0.0
+        during = {0: 2 * pass_s + latency, 1: 2 * pass_s + latency, 2: pass_s + scatter}[zero]
+    after = pass_s + gather if zero in (1, 2) else 0.0
     if cluster.device_type != "cuda":
         return during + after
     hidden = overlap_s * (1.5 * micro_batches if zero == 3 else 1)  # level 3: beside every forward (half a backward)

@@ -95,20 +95,26 @@ def test_zero_levels_move_what_the_runtime_issues():
     mesh, grad = (("dp", 4),), 4e6
     link = cluster.intra_node
     one_pass = wire_bytes("reduce_scatter", grad, 4) / link.bandwidth_bytes_per_s  # (n-1)/n of the bytes
-    latency = link.latency_s * 3  # an all-reduce's 2 x 3 ring steps; an all-gather or a reduce-scatter runs 3
-    one_way = latency / 2
+    latency = link.latency_s * 3  # an all-reduce's; a ring all-gather runs half its steps, gloo's scatter all
+    gather = latency / 2
     seconds = [_dp_seconds(grad, mesh, ("dp",), cluster, zero, modules=5) for zero in range(4)]
     assert seconds[0] == pytest.approx(2 * one_pass + latency)  # all-reduce
-    assert seconds[1] == pytest.approx(3 * one_pass + latency + one_way)  # all-reduce, then all-gather of the shards
-    assert seconds[2] == pytest.approx(2 * one_pass + 2 * one_way)  # reduce-scatter, all-gather
-    assert seconds[3] == pytest.approx(3 * one_pass + 15 * one_way)  # per module: gather twice, reduce-scatter
+    assert seconds[1] == pytest.approx(3 * one_pass + latency + gather)  # all-reduce, then all-gather of the shards
+    assert seconds[2] == pytest.approx(2 * one_pass + latency + gather)  # reduce-scatter, all-gather
+    assert seconds[3] == pytest.approx(3 * one_pass + 5 * (2 * gather + latency))  # per module: 2 gathers, 1 scatter
     accumulated = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=5, micro_batches=4)
-    assert accumulated == pytest.approx(9 * (one_pass + 5 * one_way))  # gathered in each micro-batch's passes
+    assert accumulated == pytest.approx(9 * one_pass + 5 * (8 * gather + latency))  # gathered in each micro-batch
     # parameters under the threshold stay whole: all-reduced once, never gathered
     small = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=0, micro_batches=4, whole_bytes=grad)
     assert small == pytest.approx(seconds[0])
     quarter = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=2, whole_bytes=grad / 4)
-    assert quarter == pytest.approx(3 * (0.75 * one_pass + 2 * one_way) + 2 * 0.25 * one_pass + latency)
+    assert quarter == pytest.approx(3 * 0.75 * one_pass + 2 * (2 * gather + latency) + 2 * 0.25 * one_pass + latency)
+
+
+def test_on_nccl_rings_a_reduce_scatter_and_an_all_gather_cost_one_all_reduce():
+    cluster, mesh, grad = Cluster.preset("8xA100-80G"), (("dp", 8),), 4e6
+    level = [_dp_seconds(grad, mesh, ("dp",), cluster, zero) for zero in range(3)]
+    assert level[2] == pytest.approx(level[0]) and level[1] > level[0]
 
 
 def test_level3_gathers_only_modules_holding_a_parameter_over_the_threshold():

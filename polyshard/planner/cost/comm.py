@@ -122,10 +122,12 @@ def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, floa
 _RING_SHARE = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
 
 
-def collective_latency(link: Link, group_size: int, collective: str = "all_reduce") -> float:
+def collective_latency(link: Link, group_size: int, collective: str = "all_reduce", backend: str = "nccl") -> float:
     """A ring collective's fixed cost: the link's latency once per group_size - 1 ring steps of an all-reduce,
-    half of that for an all-gather or a reduce-scatter."""
-    return link.latency_s * max(group_size - 1, 1) * _RING_SHARE[collective]
+    half of that for an all-gather or a reduce-scatter; gloo's reduce-scatter is no ring and costs what its
+    all-reduce does (`polyshard calibrate` times it at 0.99-1.13 of the all-reduce's latency)."""
+    share = 1.0 if (collective, backend) == ("reduce_scatter", "gloo") else _RING_SHARE[collective]
+    return link.latency_s * max(group_size - 1, 1) * share
 
 
 def comm_seconds(bytes_by_axis: dict[str, float], mesh_axes: Axes, cluster: Cluster) -> tuple[float, float]:
