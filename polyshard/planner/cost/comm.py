@@ -125,7 +125,7 @@ _RING_SHARE = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
 def collective_latency(link: Link, group_size: int, collective: str = "all_reduce", backend: str = "nccl") -> float:
     """A ring collective's fixed cost: the link's latency once per group_size - 1 ring steps of an all-reduce,
     half of that for an all-gather or a reduce-scatter; gloo's reduce-scatter is no ring and costs what its
-    all-reduce does (`polyshard calibrate` times it at 0.99-1.13 of the all-reduce's latency)."""
+    all-reduce does (`polyshard calibrate` times it at 0.99-1.18 of the all-reduce's latency)."""
     share = 1.0 if (collective, backend) == ("reduce_scatter", "gloo") else _RING_SHARE[collective]
     return link.latency_s * max(group_size - 1, 1) * share
 
