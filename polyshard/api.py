@@ -65,7 +65,7 @@ def compile(model: nn.Module, plan: Plan, example_inputs: Sequence | Mapping | N
 def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = None, mesh: Mesh | None = None,
                 plan: Plan | None = None, bucket_bytes: int | None = None,
                 copies: int | str | None = None, search: bool = False,
-                memory_limit_bytes: float | None = None, recompute: str | None = None,
+                memory_limit_bytes: float | None = None, recompute: str | Sequence[str] | None = None,
                 recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
                 virtual_stages: int | None = None, sequence_parallel: bool = False,
                 tp_plan: bool = False, pp_plan: bool = False,
@@ -84,7 +84,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
     of the rules' defaults, and recompute and offload where memory needs them, under
     ``memory_limit_bytes`` per device (default: the device's memory).
     ``recompute`` ("none", "selective", "full") and ``recompute_comm`` ("keep", "recompute"): see
-    :class:`Plan`; by default the plan's. Modules marked by :func:`polyshard.recompute` are recomputed too.
+    :class:`Plan`; by default the plan's; in a pipeline also one mode per chunk (``("full", "none")``:
+    the first stage recomputes, the second keeps its activations). Modules marked by
+    :func:`polyshard.recompute` are recomputed too.
     A mesh with a ``pp`` axis gives a :class:`~polyshard.runtime.pipeline.PipelineModule`, run by the
     plan's (or these) ``schedule``, ``micro_batches`` and ``virtual_stages``.
     ``sequence_parallel``: row-parallel products reduce-scatter along the sequence instead of

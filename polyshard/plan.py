@@ -103,6 +103,8 @@ class Plan:
       cores, cheap to run and large to store; "full": every block, keeping only block inputs);
     recompute_comm: in recomputed regions, "keep" the results of collectives or "recompute" them
       (communicating again in backward, for less memory);
+    stage_recompute: a pipeline's own mode per chunk, in chunk order, instead of ``recompute``'s (early
+      stages hold more micro-batches in flight, so they may recompute where later ones need not);
     stage_boundaries: module paths where pipeline stages 2, 3, ... begin (the mesh's "pp" axis has
       the stages); schedule: "gpipe", "1f1b" or "interleaved"; micro_batches per step;
       virtual_stages: stages per rank under the interleaved schedule;
@@ -124,6 +126,7 @@ class Plan:
     copies: int = 1
     recompute: Recompute = Recompute.NONE
     recompute_comm: RecomputeComm = RecomputeComm.KEEP
+    stage_recompute: tuple[Recompute, ...] = ()
     stage_boundaries: tuple[str, ...] = ()
     schedule: Schedule = Schedule.ONE_F_ONE_B
     micro_batches: int = 1
@@ -159,11 +162,19 @@ class Plan:
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise PolyshardError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
         object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))  # a list read from JSON
+        for mode in self.stage_recompute:
+            check_choice("stage_recompute", mode, RECOMPUTE_MODES)
+        object.__setattr__(self, "stage_recompute", tuple(map(Recompute, self.stage_recompute)))
+
+    def recompute_of(self, chunk: int) -> Recompute:
+        """The recompute mode pipeline chunk ``chunk`` runs."""
+        return self.stage_recompute[chunk] if self.stage_recompute else self.recompute
 
     def to_json(self) -> str:
         return json.dumps({
             "mesh": [list(a) for a in self.mesh], "data_axes": list(self.data_axes),
             **{name: getattr(self, name) for name in _SETTINGS}, "stage_boundaries": list(self.stage_boundaries),
+            "stage_recompute": list(self.stage_recompute),
             "model": self.model, "global_batch": self.global_batch, "report": self.report,
             "row_splits": {k: list(v) for k, v in self.row_splits.items()},
             "op_axes": [list(a) for a in self.op_axes],
@@ -196,7 +207,8 @@ class Plan:
                        for k, n in raw["nodes"].items()},
                 mesh=_axes_in(raw.get("mesh", [])), data_axes=tuple(raw.get("data_axes", [])),
                 **{name: raw[name] for name in _SETTINGS if name in raw},
-                stage_boundaries=tuple(raw.get("stage_boundaries", ())), model=raw.get("model", ""),
+                stage_boundaries=tuple(raw.get("stage_boundaries", ())),
+                stage_recompute=tuple(raw.get("stage_recompute", ())), model=raw.get("model", ""),
                 global_batch=int(raw.get("global_batch", 0)), report=raw.get("report", {}),
                 row_splits={k: tuple(int(r) for r in v) for k, v in raw.get("row_splits", {}).items()},
             )

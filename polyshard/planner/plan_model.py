@@ -44,15 +44,21 @@ def plan_model(model: nn.Module, example_inputs: Sequence | Mapping | None = Non
 
 def plan_captured(model: nn.Module, gm: fx.GraphModule, example_inputs: Sequence | Mapping, mesh: Mesh,
                   plan: Plan | None = None, copies: int | str | None = None, search: bool = False,
-                  memory_limit_bytes: float | None = None, recompute: str | None = None,
+                  memory_limit_bytes: float | None = None, recompute: str | Sequence[str] | None = None,
                   recompute_comm: str | None = None, schedule: str | None = None, micro_batches: int | None = None,
                   virtual_stages: int | None = None, sequence_parallel: bool = False, tp_plan: bool = False,
                   pp_plan: bool = False, dataset_strategy: Sequence | None = None,
                   settings: Mapping[str, object] | None = None, bucket_bytes: int | None = None) -> Plan:
     """:func:`plan_model` on ``gm``, ``model`` captured on ``example_inputs`` (the caller lowers it next)."""
     given = plan is not None
+    stage_recompute = None
+    if recompute is not None and not isinstance(recompute, str):  # a mode per pipeline chunk
+        stage_recompute, recompute = tuple(recompute), None
+        for mode in stage_recompute:
+            check_choice("recompute", mode, RECOMPUTE_MODES)
     if recompute is not None:
         check_choice("recompute", recompute, RECOMPUTE_MODES)
+        stage_recompute = ()  # one mode for every chunk
     if recompute_comm is not None:
         check_choice("recompute_comm", recompute_comm, RECOMPUTE_COMMS)
     if dataset_strategy is not None and (plan is not None or mesh.pp > 1):
@@ -80,8 +86,8 @@ def plan_captured(model: nn.Module, gm: fx.GraphModule, example_inputs: Sequence
         copies, _ = choose_copies(gm, plan, mesh.cluster or Cluster.from_env(), batch_rows=batch_rows(example_inputs))
     if copies is not None and (not isinstance(copies, int) or copies < 1):
         raise PolyshardError(f"copies must be a positive integer or 'auto', got {copies!r}")
-    asked = dict(recompute=recompute, recompute_comm=recompute_comm, schedule=schedule, micro_batches=micro_batches,
-                 virtual_stages=virtual_stages)
+    asked = dict(recompute=recompute, stage_recompute=stage_recompute, recompute_comm=recompute_comm,
+                 schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages)
     plan = dataclasses.replace(plan, copies=copies or plan.copies,
                                **{**(settings or {}), **{k: v for k, v in asked.items() if v is not None}})
     if not given or bucket_bytes is not None:  # a given plan keeps its buckets unless asked otherwise

@@ -114,6 +114,9 @@ def compile_captured(model: nn.Module, gm: fx.GraphModule, example_inputs: Seque
         raise PolyshardError(f"mesh {mesh} does not match the world of {dist.get_world_size()} processes")
     if mesh.pp > 1:
         return compile_pipeline(model, example_inputs, plan, mesh)
+    if plan.stage_recompute:
+        raise PolyshardError(f"stage_recompute sets a mode per pipeline chunk, and mesh {mesh} has no pp axis; "
+                             "set recompute instead")
     return ParallelModule(lower(gm, plan, mesh), plan, mesh, marked_modules(model))
 
 

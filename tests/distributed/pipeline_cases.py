@@ -81,19 +81,22 @@ def _train(ref: nn.Module, par: nn.Module, batches, steps_kwargs: dict, optimize
     tied_gap = max((rel_err(a, b) for held in tied for a in held for b in held), default=0.0)
     result = {"loss_err": loss_err, "param_err": param_err, "tied_gap": tied_gap, "tied": sorted(pm.split.tied),
               "boundaries": pm.plan.stage_boundaries, "edges": [(e.name, e.src, e.dst) for e in pm.split.edges],
-              "params": sorted(pm.local_parameters()), "reads_batch": pm.reads_batch}
+              "params": sorted(pm.local_parameters()), "reads_batch": pm.reads_batch,
+              "recomputed": {int(c): [name for name, _ in m.named_children() if name.startswith("recompute_")]
+                             for c, m in pm.chunks.items()}}
     del pm, opt
     return result
 
 
 def gpt_parity(mesh: str, schedule: str = "1f1b", dtype=torch.float64, optimizer: str = "adamw", tied: bool = True,
                accum: int = 1, micro_batches: int = 4, virtual_stages: int = 1, layers: int = 4, steps: int = 5,
-               batch: int = 8, mark: tuple[str, ...] = ()) -> dict:
-    """A GPT of ``layers`` blocks trained ``steps`` steps on ``mesh`` (with a ``pp`` axis) vs one device."""
+               batch: int = 8, mark: tuple[str, ...] = (), recompute=None) -> dict:
+    """A GPT of ``layers`` blocks trained ``steps`` steps on ``mesh`` (with a ``pp`` axis) vs one device;
+    ``recompute``: a mode, or one per chunk."""
     ps.init(mesh)
     ref, par = _gpt(layers, dtype, tied), _gpt(layers, dtype, tied)
     batches = [_batch(ref, batch, seed=s) for s in range(steps)]
-    kwargs = dict(schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages)
+    kwargs = dict(schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages, recompute=recompute)
     return _train(ref, par, batches, kwargs, optimizer, accum, mark)
 
 

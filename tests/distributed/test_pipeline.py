@@ -65,6 +65,19 @@ def test_interleaved_two_virtual_stages(pools):
     assert "blocks.2.ln1.weight" in results[0]["params"] and "blocks.1.ln1.weight" in results[1]["params"]
 
 
+@pytest.mark.parametrize("schedule,modes", [("1f1b", ("full", "none")),
+                                             ("interleaved", ("full", "selective", "none", "full"))])
+def test_a_recompute_mode_per_stage(pools, schedule, modes):
+    v = len(modes) // 2
+    results = pools(2).run(cases.gpt_parity, "pp=2", schedule, torch.float64, "adamw", True, 1, 4, v, 4, 5, 8, (),
+                           modes)
+    _check(results)
+    regions = {c: names for r in results for c, names in r["recomputed"].items()}
+    kind = {"none": "", "selective": "scaled_dot_product_attention", "full": "blocks"}
+    for c, mode in enumerate(modes):  # whole blocks, or only attention's core, or nothing
+        assert bool(regions[c]) == (mode != "none") and all(kind[mode] in name for name in regions[c]), (c, regions)
+
+
 def test_untied_head(pools):
     results = pools(2).run(cases.gpt_parity, "pp=2", "1f1b", torch.float64, "adamw", False)
     _check(results)

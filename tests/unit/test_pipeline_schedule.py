@@ -12,6 +12,7 @@ from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.mesh import Mesh
+from polyshard.plan import Plan
 from polyshard.planner.propagate import propagate
 from polyshard.compiler.stages import micro_batches, pipeline_split, split_graph
 from polyshard.graph.stage_cuts import stage_boundaries_of
@@ -215,6 +216,12 @@ def test_plan_cuts_stages_and_predicts_timings_without_processes():
     plan = ps.plan(model, example, pipe, schedule="gpipe", micro_batches=4)
     assert plan.stage_boundaries == ("blocks.2",)
     assert pipeline_split(model, example, plan, 2)[1].chunks == 2
+    staged = ps.plan(model, example, pipe, schedule="gpipe", micro_batches=4, recompute=("full", "none"))
+    assert staged.stage_recompute == ("full", "none") and Plan.from_json(staged.to_json()) == staged
+    with pytest.raises(PolyshardError, match=r"stage_recompute gives 3 modes .* makes 2 chunks, one mode each"):
+        pipeline_split(model, example, dataclasses.replace(staged, stage_recompute=("full",) * 3), 2)
+    with pytest.raises(PolyshardError, match="stage_recompute must be one of"):
+        dataclasses.replace(staged, stage_recompute=("sometimes", "none"))
     times = predict_timings(model, example, plan, 2, Cluster.preset("1xA100-80G"))
     assert sorted((t.stage, t.kind, t.micro) for t in times) == sorted(
         (s, k, i) for s in range(2) for k in "FB" for i in range(4))
