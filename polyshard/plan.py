@@ -67,6 +67,11 @@ DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2
 OFFLOADS = tuple(Offload)
 
 
+def recompute_text(recompute: str, stage_recompute: tuple[str, ...] = ()) -> str:
+    """A recompute setting as ``--config`` spells it: the mode, or each pipeline chunk's joined by "/"."""
+    return "/".join(stage_recompute) or str(recompute)
+
+
 def check_choice(what: str, value: Any, allowed: tuple) -> None:
     """Raise a PolyshardError naming ``what`` unless ``value`` is one of ``allowed`` (a string for a Choice)."""
     kind = str if isinstance(allowed[0], str) else int

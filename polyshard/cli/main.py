@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "breakdown as `polyshard plan`; --json for scripts.")
     _planning_flags(co)
     co.add_argument("--config", required=True, help="e.g. 'dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,"
-                    "recompute=full,precision=bf16'; cuts=even places equal block counts on the stages, as Megatron-LM does")
+                    "recompute=full,precision=bf16'; recompute=full/none gives each pipeline chunk its own mode; "
+                    "cuts=even places equal block counts on the stages, as Megatron-LM does")
     co.add_argument("--out", default="", help="write the priced plan here as JSON")
     co.add_argument("--compare", action="store_true", help="also search with nothing fixed and show the pick beside "
                     "this configuration, term by term")

@@ -9,10 +9,23 @@ from polyshard.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, R
                             ZERO_LEVELS)
 from polyshard.train.config import TrainConfig
 
+
+def _recompute_modes(text: str) -> tuple[str, ...]:
+    """--recompute's modes: one, or one per pipeline chunk."""
+    modes = tuple(text.split("/"))
+    bad = [m for m in modes if m not in RECOMPUTE_MODES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not a recompute mode; give one of "
+                                         f"{', '.join(RECOMPUTE_MODES)}, or one per pipeline chunk joined by '/'")
+    return modes
+
+
 # `train` flags that set a plan field of the same name (and win over a plan file's), as argparse takes them
 PLAN_FLAGS = {
-    "recompute": dict(choices=RECOMPUTE_MODES, help="recompute activations in backward instead of storing them: the "
-                      "attention cores (selective) or every block (full)"),
+    "recompute": dict(type=_recompute_modes, metavar="{none,selective,full}[/...]",
+                      help="recompute activations in backward instead of storing them: the attention cores "
+                      "(selective) or every block (full); in a pipeline also one mode per chunk joined by '/' "
+                      "(full/none: the first stage recomputes, the second does not)"),
     "recompute_comm": dict(choices=RECOMPUTE_COMMS, help="in recomputed regions, keep the results of collectives "
                            "(default) or issue them again (less memory, more communication)"),
     "offload": dict(choices=OFFLOADS, help="keep the optimizer state and its step on the host, or on disk (streamed "
@@ -51,7 +64,13 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig that parsed ``train`` flags describe."""
+    """The TrainConfig that parsed ``train`` flags describe (a mode per chunk sets the plan's stage_recompute,
+    one mode clears it)."""
     settings = tuple((name, getattr(args, name)) for name in PLAN_FLAGS if getattr(args, name) is not None)
+    modes = dict(settings).pop("recompute", None)
+    if modes is not None:
+        most = max(modes, key=RECOMPUTE_MODES.index)
+        settings = tuple((n, v) for n, v in settings if n != "recompute") + \
+            (("recompute", most), ("stage_recompute", modes if len(modes) > 1 else ()))
     return TrainConfig(settings=settings, **{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                                             if f.name != "settings"})

@@ -20,7 +20,8 @@ class Fixed:
     left out, the search decides op by op); mbs: rows per
     micro-batch; m: micro-batches per step (pipeline micro-batches, or gradient accumulation when
     pp=1); schedule: pipeline schedule; v: virtual stages per rank (interleaved); zero: optimizer
-    parallel level; recompute: none / selective / full; recompute_comm: keep the results of
+    parallel level; recompute: none / selective / full, or in a pipeline one per chunk joined by "/"
+    (``full/none``: the first stage recomputes, the second does not); recompute_comm: keep the results of
     collectives in recomputed regions or issue them again (recompute); precision: fp32 / bf16 /
     fp16; offload: where the optimizer state lives; cuts: where pipeline stages begin, "balanced"
     (the search's, by time and memory) or "even" (block counts as equal as they can be, the larger
@@ -69,8 +70,13 @@ class Fixed:
     def check(self) -> None:
         """Raise a PolyshardError for a value no plan can hold."""
         for key, allowed in _CHOICES.items():
-            if getattr(self, key) is not None:
-                check_choice(f"--config {key}", getattr(self, key), allowed)
+            for value in (self.recompute_modes or ()) if key == "recompute" else (getattr(self, key),):
+                if value is not None:
+                    check_choice(f"--config {key}", value, allowed)
+        chunks = len(self.stage_recompute)
+        if chunks and (self.pp is None or chunks % self.pp or (self.v or chunks // self.pp) * self.pp != chunks):
+            raise PolyshardError(f"--config recompute={self.recompute} gives a mode to each of {chunks} pipeline "
+                                 f"chunks; give pp (and v) whose pp x v is {chunks}")
         for key in ("sp", "overlap"):
             if getattr(self, key) not in (None, 0, 1):
                 raise PolyshardError(f"--config {key} must be 0 or 1; got {getattr(self, key)}")
@@ -91,9 +97,25 @@ class Fixed:
         if {"dp", "tp", "pp"} <= set(given) and product != devices:
             raise PolyshardError(f"--config {' x '.join(given)} = {product}, and the cluster has {devices} devices")
 
+    @property
+    def recompute_modes(self) -> tuple[str, ...] | None:
+        """The fixed recompute mode, or each pipeline chunk's."""
+        return None if self.recompute is None else tuple(self.recompute.split("/"))
+
+    @property
+    def stage_recompute(self) -> tuple[str, ...]:
+        """Each pipeline chunk's fixed recompute mode, where they are given one by one; else empty."""
+        modes = self.recompute_modes or ()
+        return modes if len(modes) > 1 else ()
+
     def allows(self, **settings) -> bool:
-        """Whether every given setting agrees with what is fixed."""
-        return all(getattr(self, k) is None or getattr(self, k) == v for k, v in settings.items())
+        """Whether every given setting agrees with what is fixed (a recompute mode per chunk allows the
+        most of them)."""
+        def fixed(k: str):
+            if k == "recompute" and self.recompute is not None:
+                return max(self.recompute_modes, key=RECOMPUTE_MODES.index)
+            return getattr(self, k)
+        return all(fixed(k) is None or fixed(k) == v for k, v in settings.items())
 
     def text(self) -> str:
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) is not None)

@@ -51,7 +51,7 @@ class Units:
     for backward; rerun_bytes: what recompute frees (alive again while its backward runs);
     send_bytes[u]: values crossing the cut before unit u (0 for u = 0); groups: each unit's
     parameters' local sizes, by module (a parameter two units use is in both); model_groups: the
-    model's, each parameter once."""
+    model's, each parameter once; recompute: the mode these figures are for."""
 
     span: tuple[tuple[str, str], ...]
     starts: tuple[str, ...]
@@ -65,12 +65,16 @@ class Units:
     send_bytes: np.ndarray
     groups: tuple[tuple[tuple[int, ...], ...], ...]
     model_groups: tuple[tuple[int, ...], ...]
+    recompute: str = "none"
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def seconds(self, rows: float) -> np.ndarray:
         return rows * (self.compute_s + self.comm_s) + self.overhead_s + self.latency_s
+
+
+Modes = tuple[Units, ...]  # one model's units under each recompute mode a chunk may run, the fastest first
 
 
 def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomputed, unit_of: dict[str, int],
@@ -105,7 +109,7 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
     share = 1 / (TRAIN_FLOPS_PER_FORWARD + (plan.recompute == "full"))
     return Units(facts.span, starts, forward_share=share, groups=tuple(map(tuple, groups)),
                  model_groups=tuple(g for g in model_groups if g), activation_bytes=activation,
-                 rerun_bytes=rerun, send_bytes=np.cumsum(crossing)[:n], **fields)
+                 rerun_bytes=rerun, send_bytes=np.cumsum(crossing)[:n], recompute=str(plan.recompute), **fields)
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,7 @@ def state_memory(groups, zero: int, dp: int, precision: str, offload: str, accum
     return MemoryEstimate(held["params"], held["grads"], on_device, 0.0, buffers, state - on_device)
 
 
+@functools.lru_cache(maxsize=256)  # a search asks again for the same groups at every micro-batch count
 def level3_traffic(groups, itemsize: int, threshold_bytes: int = 64 * 1024) -> tuple[float, int]:
     """(bytes left whole, modules gathered) of these parameter groups (local sizes, by module) at
     optimizer level 3, as polyshard.runtime.zero runs it: parameters under the threshold stay whole
@@ -196,7 +201,8 @@ def ideal_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
 @dataclass(frozen=True)
 class Stage:
     """One chunk of the pipeline (a stage, or a virtual stage under interleaving) on rank ``rank``:
-    its units' first and last module, seconds per micro-batch (p2p sends included) and memory."""
+    its units' first and last module, seconds per micro-batch (p2p sends included), memory and
+    recompute mode."""
 
     rank: int
     first: str
@@ -204,6 +210,7 @@ class Stage:
     forward_s: float
     backward_s: float
     memory: MemoryEstimate
+    recompute: str = "none"
 
 
 @dataclass(frozen=True)
@@ -232,6 +239,11 @@ class PipelineCost:
     def step_s(self) -> float:
         return self.compute_s + self.op_comm_s + self.p2p_s + self.bubble_s + self.dp_comm_s
 
+    @property
+    def recompute(self) -> tuple[str, ...]:
+        """Each chunk's recompute mode, in chunk order."""
+        return tuple(s.recompute for s in self.stages)
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -257,12 +269,13 @@ class Setup:
     memo: dict = dataclasses.field(default_factory=dict)
 
 
-def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> tuple[PipelineCost | None, float]:
+def best_pipeline(modes: Modes, setup: Setup, best_s: float = float("inf")) -> tuple[PipelineCost | None, float]:
     """The fastest (micro-batch count, schedule, virtual stages) whose cuts let every stage fit,
     tried in the order of their lower bounds until the bound loses to the best found or
     ``best_s``; and the lowest bound of those not tried or not simulated (their cuts fit, but the busiest
     rank's work alone lost). inf when all were costed, and also when one that could still win did not
     fit (then None means: nothing fits here, try what saves memory)."""
+    units = modes[0]  # the fastest mode bounds them all
     state = _unit_state(units, setup)
     numel = sum(sum(g) for unit in units.groups for g in unit)
     allowed = list(_options(len(units), setup))
@@ -278,7 +291,7 @@ def best_pipeline(units: Units, setup: Setup, best_s: float = float("inf")) -> t
         if m <= overflow_at.get((schedule, v), 0):  # fewer, larger micro-batches hold no less per stage
             overflow_bound = min(overflow_bound, bound)
             continue
-        found = cost_pipeline(units, setup, state, m, schedule, v,
+        found = cost_pipeline(modes, setup, state, m, schedule, v,
                               beat_s=min(best_s, best.step_s if best else float("inf")))
         if schedule == "1f1b":
             tried.add(m)
@@ -300,15 +313,16 @@ def _refused(best: PipelineCost | None, overflow_bound: float) -> PipelineCost |
     return dataclasses.replace(best, refused_s=overflow_bound) if best is not None else best
 
 
-def leanest_pipeline(units: Units, setup: Setup) -> PipelineCost | None:
-    """The time-balanced cuts under the allowed schedule with the most micro-batches, whatever their
-    memory (to tell by how much a mesh on which nothing fits misses); None when nothing is allowed."""
-    options = list(_options(len(units), setup))
+def leanest_pipeline(modes: Modes, setup: Setup) -> PipelineCost | None:
+    """The time-balanced cuts under the allowed schedule with the most micro-batches and the leanest
+    recompute mode, whatever their memory (to tell by how much a mesh on which nothing fits misses);
+    None when nothing is allowed."""
+    options = list(_options(len(modes[0]), setup))
     if not options:
         return None
     m, schedule, v = max(options, key=lambda o: (o[0], o[1] == "1f1b"))
-    return cost_pipeline(units, dataclasses.replace(setup, limit=float("inf")), _unit_state(units, setup), m,
-                         schedule, v, simulated=False)
+    return cost_pipeline(modes[-1:], dataclasses.replace(setup, limit=float("inf")), _unit_state(modes[0], setup),
+                         m, schedule, v, simulated=False)
 
 
 def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
@@ -337,7 +351,8 @@ def _options(n: int, s: Setup):
             chunks = [f.v] if f.v is not None else [v for v in VIRTUAL_STAGES if v <= n // s.pp]
             candidates += [(m, "interleaved", v) for v in chunks if 1 < v <= n // s.pp]
         for m_, schedule, v in candidates:
-            if f.allows(m=m_, mbs=s.rows // m_, schedule=schedule, v=v):
+            if f.allows(m=m_, mbs=s.rows // m_, schedule=schedule, v=v) and \
+                    len(f.stage_recompute) in (0, s.pp * v):
                 yield m_, schedule, v
 
 
@@ -371,59 +386,78 @@ class Loses:
     bound_s: float
 
 
-def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, schedule: str,
+def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, schedule: str,
                   v: int, simulated: bool = True, beat_s: float = float("inf")) -> PipelineCost | Loses | None:
-    """This (m, schedule)'s fastest cuts whose every stage fits (``state``: each unit's parameter
-    memory), simulated; None when no cuts fit, :class:`Loses` when they cannot take less than
-    ``beat_s``. ``simulated=False`` times the schedule by the equal-stage formula instead,
-    (m + (p-1)/v) x the busiest rank's micro-batch (for a split that does not fit, whose memory is
-    what matters)."""
+    """This (m, schedule)'s fastest cuts whose every stage fits, each chunk in the fastest of ``modes``
+    that fits it (``state``: each unit's parameter memory), simulated; None when no cuts fit,
+    :class:`Loses` when they cannot take less than ``beat_s``. ``simulated=False`` times the schedule by
+    the equal-stage formula instead, (m + (p-1)/v) x the busiest rank's micro-batch (for a split that
+    does not fit, whose memory is what matters)."""
+    units = modes[0]  # what the modes share (parameters, sends) is read from the first
     n, chunks, rows = len(units), s.pp * v, s.rows / m
     fixed_of = np.concatenate([[0.0], np.cumsum([st.total_bytes for st in state])])
-    acts_of = np.concatenate([[0.0], np.cumsum(units.activation_bytes * rows)])
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
     bucket = BUCKET_BYTES if s.dp > 1 and s.zero == 0 else 0.0
-    rerun = units.rerun_bytes.max() * rows  # one micro-batch's recomputed block, alive in its backward
-    if fixed_of[-1] + acts_of[-1] * min(held) + chunks * (rerun + bucket) > s.pp * s.limit:
+    rerun = [u.rerun_bytes.max() * rows for u in modes]  # one micro-batch's recomputed block, alive in its backward
+    pinned = s.fixed.stage_recompute  # a mode per chunk, if the user gave them
+    allowed = np.array([[not pinned or u.recompute == pinned[c] for u in modes] for c in range(chunks)])
+    least_acts = np.min([u.activation_bytes for u in modes], axis=0).sum() * rows
+    if fixed_of[-1] + least_acts * min(held) + chunks * (min(rerun) + bucket) > s.pp * s.limit:
         return None  # more than all chunks hold together (limit / v each): no cuts fit, and no program is needed
-    seconds = units.seconds(rows)
+    seconds = [u.seconds(rows) for u in modes]
     send = np.concatenate([[0.0], s.send(units.send_bytes[1:] * rows), [0.0]])  # per cut 0..n: the ends send nothing
     start, end = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")  # every unit range [i, j)
-    time_of = np.concatenate([[0.0], np.cumsum(seconds)])
-    time = time_of[end] - time_of[start] + send[end] + send[start]  # sends: activations out, gradients back in
-    base, acts = fixed_of[end] - fixed_of[start] + rerun + bucket, acts_of[end] - acts_of[start]
+    time = []  # per mode, per unit range: seconds, with sends of activations out and gradients back in
+    for sec in seconds:
+        time_of = np.concatenate([[0.0], np.cumsum(sec)])
+        time.append(time_of[end] - time_of[start] + send[end] + send[start])
+    base = [fixed_of[end] - fixed_of[start] + r + bucket for r in rerun]
+    acts = []
+    for u in modes:
+        acts_of = np.concatenate([[0.0], np.cumsum(u.activation_bytes * rows)])
+        acts.append(acts_of[end] - acts_of[start])
 
-    def load(banded):  # time where a range fits with its chunk's activations in flight
+    def load(banded):  # time where a range fits with its chunk's activations in flight, in its fastest mode that does
         in_flight_of = np.array(held)[:, None, None]
-        return np.where(banded(base) + banded(acts) * in_flight_of <= s.limit / v, banded(time), np.inf)
+        return functools.reduce(np.minimum, (
+            np.where(allowed[:, k, None, None] & (banded(b) + banded(a) * in_flight_of <= s.limit / v), banded(t), np.inf)
+            for k, (b, a, t) in enumerate(zip(base, acts, time))))
 
-    def fits(cuts: list[int]) -> bool:
+    def modes_of(cuts: list[int]) -> list[int] | None:  # each chunk's fastest mode that fits; None if one has none
         edges = [0, *cuts, n]
-        return len(edges) == chunks + 1 and all(base[i, j] + acts[i, j] * held[k] <= s.limit / v
-                                                for k, (i, j) in enumerate(zip(edges, edges[1:])))
+        if len(edges) != chunks + 1:
+            return None
+        picks = [next((k for k in range(len(modes))
+                       if allowed[c, k] and base[k][i, j] + acts[k][i, j] * held[c] <= s.limit / v), None)
+                 for c, (i, j) in enumerate(zip(edges, edges[1:]))]
+        return None if None in picks else picks
 
     if s.fixed.cuts == "even":
         cuts = even_partition(n, chunks)
-        if not fits(cuts):
+        mode = modes_of(cuts)
+        if mode is None:
             return None
     else:
-        # The time-balanced cuts ignore memory and the optimizer level: where they fit they are the answer,
-        # and the levels and schedules that share them need no program of their own.
+        # The time-balanced cuts ignore memory and the optimizer level: where they fit in the fastest mode they
+        # are the answer, and the levels and schedules that share them need no program of their own.
         free = ("cuts", id(units), chunks, rows, send.tobytes())
         if free not in s.memo:
-            s.memo[free] = min_max_partition(lambda banded: banded(time), n, chunks)[1]
+            s.memo[free] = min_max_partition(lambda banded: banded(time[0]), n, chunks)[1]
         cuts = list(s.memo[free])
-        if not fits(cuts):
+        mode = modes_of(cuts)
+        if mode is None or any(mode):
             if not _coverable(base, acts, held, s.limit / v):
                 return None
             slowest, cuts = min_max_partition(load, n, chunks)
             if not np.isfinite(slowest):
                 return None
+            mode = modes_of(cuts)
     edges = [0, *cuts, n]
     parts = list(zip(edges, edges[1:]))
-    share = units.forward_share
-    forward = [share * seconds[i:j].sum() + send[j] for i, j in parts]  # p2p: activations out
-    backward = [(1 - share) * seconds[i:j].sum() + send[i] for i, j in parts]  # and gradients back in
+    run = [modes[k] for k in mode]  # each chunk's units, in its mode
+    own = [seconds[k][i:j].sum() for k, (i, j) in zip(mode, parts)]  # each chunk's seconds, sends aside
+    forward = [u.forward_share * t + send[j] for u, t, (i, j) in zip(run, own, parts)]  # p2p: activations out
+    backward = [(1 - u.forward_share) * t + send[i] for u, t, (i, j) in zip(run, own, parts)]  # and gradients in
     # the parameter groups each rank holds: its one stage's, or under interleaving its v chunks'
     held_groups = [tuple(g for c in range(r, chunks, s.pp) for unit in units.groups[edges[c]:edges[c + 1]]
                          for g in unit) for r in range(s.pp)]
@@ -440,9 +474,10 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
         return Loses(least)
     stages = []
     for c, (i, j) in enumerate(parts):  # each chunk holds its units' state and its micro-batches in flight
-        activations = units.activation_bytes[i:j].sum() * rows * held[c] + rerun
+        activations = run[c].activation_bytes[i:j].sum() * rows * held[c] + rerun[mode[c]]
         memory = _sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, activations, bucket)])
-        stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[c], backward[c], memory))
+        stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[c], backward[c], memory,
+                            run[c].recompute))
     if simulated:
         key = (schedule, s.pp, m, v, tuple(forward), tuple(backward))  # cuts that differ only in memory time alike
         if key not in s.memo:
@@ -452,11 +487,10 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
         busy = work
         span = max(busy) * (1 + (s.pp - 1) / (v * m))
     rank = max(range(s.pp), key=busy.__getitem__)
-    mine = [c for c in range(chunks) if c % s.pp == rank]
-    ranges = [(edges[c], edges[c + 1]) for c in mine]
-    compute = m * sum(rows * units.compute_s[i:j].sum() + units.overhead_s[i:j].sum() for i, j in ranges)
-    op_comm = m * sum(rows * units.comm_s[i:j].sum() + units.latency_s[i:j].sum() for i, j in ranges)
-    p2p = m * sum(forward[c] + backward[c] - seconds[i:j].sum() for c, (i, j) in zip(mine, ranges))
+    mine = [(run[c], *parts[c]) for c in range(rank, chunks, s.pp)]
+    compute = m * sum(rows * u.compute_s[i:j].sum() + u.overhead_s[i:j].sum() for u, i, j in mine)
+    op_comm = m * sum(rows * u.comm_s[i:j].sum() + u.latency_s[i:j].sum() for u, i, j in mine)
+    p2p = m * sum(forward[c] + backward[c] - own[c] for c in range(rank, chunks, s.pp))
     compute += update
     fullest = max(range(s.pp), key=lambda r: sum(stages[c].memory.total_bytes for c in range(r, chunks, s.pp)))
     memory = _sum_memory([stages[c].memory for c in range(fullest, chunks, s.pp)])
@@ -464,13 +498,15 @@ def cost_pipeline(units: Units, s: Setup, state: list[MemoryEstimate], m: int, s
                         span - busy[rank], dp_comm, 1 - sum(busy) / (s.pp * span), tuple(stages), memory, span)
 
 
-def _coverable(base: np.ndarray, acts: np.ndarray, held: list[float], cap: float) -> bool:
-    """Whether the chunks in order, each taking as many units as fit beside its micro-batches in flight, reach
-    the last unit. Where they do not, no cuts fit: a chunk of any cuts ends no later than this one does (a range
-    holds no less than the ranges inside it), so those cuts leave units over too."""
-    i, n = 0, base.shape[0] - 1
+def _coverable(base: list[np.ndarray], acts: list[np.ndarray], held: list[float], cap: float) -> bool:
+    """Whether the chunks in order, each taking as many units as fit beside its micro-batches in flight in one
+    of the modes (``base`` and ``acts`` per mode), reach the last unit. Where they do not, no cuts fit: a chunk
+    of any cuts ends no later than this one does (a range holds no less than the ranges inside it), so those
+    cuts leave units over too."""
+    i, n = 0, base[0].shape[0] - 1
     for h in held:
-        i += int(np.searchsorted(base[i, i + 1:] + acts[i, i + 1:] * h, cap, side="right"))  # grows with the range
+        i += max(int(np.searchsorted(b[i, i + 1:] + a[i, i + 1:] * h, cap, side="right"))  # grows with the range
+                 for b, a in zip(base, acts))
         if i >= n:
             return True
     return False

@@ -104,11 +104,13 @@ def _stage_table(chosen: dict, limit: float) -> list[str]:
              f"for equal stages; p2p sends {chosen.get('p2p_s', 0) * 1e3:.1f}ms per step"]
     spans = [f"{s['first']}..{s['last']}" for s in p["stages"]]
     width = max(32, *map(len, spans))
-    lines.append(f"  {'stage':>5} {'rank':>4}  {'layers':<{width}} {'forward':>10} {'backward':>10} {'memory':>11}")
+    recomputes = any(s.get("recompute", "none") != "none" for s in p["stages"])
+    lines.append(f"  {'stage':>5} {'rank':>4}  {'layers':<{width}} {'forward':>10} {'backward':>10} {'memory':>11}"
+                 + "  recompute" * recomputes)
     for k, (s, layers) in enumerate(zip(p["stages"], spans)):
         mark = " " if s["memory"]["total"] <= limit else "x"
         lines.append(f"{mark} {k:>5} {s['rank']:>4}  {layers:<{width}} {_ms(s['forward_s'])} {_ms(s['backward_s'])} "
-                     f"{format_bytes(s['memory']['total']):>11}")
+                     f"{format_bytes(s['memory']['total']):>11}" + f"  {s.get('recompute')}" * recomputes)
     return lines
 
 

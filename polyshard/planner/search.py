@@ -10,7 +10,8 @@ accumulation when there is no pipeline); the fastest that fits wins. Splits are 
 promising, and what a lower bound shows cannot win is not costed: every bound is computed in the
 narrowest precision tried and with all data-parallel traffic hidden, so it is never above what it
 prunes. Recompute and offload are tried where memory is tight, also where a split fits only because
-nothing was costed yet. An operator split of k ways is first bounded by the unsplit program's
+nothing was costed yet; a pipeline's chunks each take the fastest recompute mode that fits them (early
+stages hold more micro-batches in flight), all laid out by the plain program, whose bounds bound them. An operator split of k ways is first bounded by the unsplit program's
 bound / k (no op gets faster than its work split evenly), so hopeless splits need no program.
 Costs use one capture of the model at one row, scaled by the rows each split gives a device
 (compute, activations and their communication grow with rows; parameters do not).
@@ -47,7 +48,7 @@ from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipelin
 from polyshard.planner.config import Fixed
 from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
-from polyshard.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan
+from polyshard.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan, recompute_text
 from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.graph.stage_cuts import assign_chunks, block_paths
 from polyshard.planner.stages import pp_plan_agreement, pp_plan_units
@@ -82,7 +83,8 @@ class Candidate:
     dp_comm_s: float
     memory: MemoryEstimate
     gap: float = 0.0  # the intra-op program's distance from its LP lower bound
-    recompute: str = "none"  # activations recomputed in backward (see Plan)
+    recompute: str = "none"  # activations recomputed in backward (see Plan): the most any chunk recomputes
+    stage_recompute: tuple[str, ...] = ()  # a pipeline's mode per chunk, where they differ
     offload: str = "none"  # where the optimizer state lives, if not on the device (see Plan)
     zero: int = 0  # optimizer parallel level over the data axes (see Plan)
     precision: str = "fp32"
@@ -115,13 +117,17 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        return self.mesh, self.recompute, self.offload, self.zero, self.precision
+        return self.mesh, self.recompute, self.stage_recompute, self.offload, self.zero, self.precision
+
+    @property
+    def recompute_text(self) -> str:
+        return recompute_text(self.recompute, self.stage_recompute)
 
     def describe(self) -> str:
         p = self.pipeline
         extras = ([f"{p.schedule} m={p.micro_batches}" + f" v={p.virtual_stages}" * (p.virtual_stages > 1)] if p
                   else [f"accumulate m={self.accumulation}"] * (self.accumulation > 1)) + \
-            [f"recompute {self.recompute}"] * (self.recompute != "none") + \
+            [f"recompute {self.recompute_text}"] * (self.recompute != "none") + \
             [f"offload {self.offload}"] * (self.offload != "none") + [f"zero {self.zero}"] * (self.zero > 0) + \
             [self.precision] * (self.precision != "fp32") + ["sequence parallel"] * self.sequence
         return ", ".join([_mesh_text(self.mesh), *extras])
@@ -133,7 +139,7 @@ class Candidate:
         return Fixed(dp=_data_size(self.mesh, data_axes), tp=tp if tp > 1 or not spatial else None, pp=self.pp,
                      **spatial, sp=int(self.sequence) if tp > 1 else None,
                      mbs=self.rows // self.micro_batches, m=self.micro_batches, schedule=p.schedule if p else None,
-                     v=p.virtual_stages if p else None, zero=self.zero, recompute=self.recompute,
+                     v=p.virtual_stages if p else None, zero=self.zero, recompute=self.recompute_text,
                      precision=self.precision, offload=self.offload)
 
 
@@ -311,6 +317,10 @@ class _Costs:
         recompute, offload = setting
         if recompute != "none" and not self.worth(recompute):
             return []
+        # a pipeline's chunks each run their fastest mode up to this one that fits: the plain program lays
+        # them all out, so its bounds bound them
+        modes = self.stage_modes(recompute) if _pp(mesh) > 1 else (recompute,)
+        program = modes[0]
         if _pp(mesh) > max(len(self.blocks), 1):
             raise PolyshardError(f"{_pp(mesh)} pipeline stages need as many stage units (by default the repeated "
                                  f"blocks, children of a ModuleList); the model has {len(self.blocks)}")
@@ -325,22 +335,22 @@ class _Costs:
 
         if offload != "none" and best_s < float("inf"):
             # offloaded state is stepped in fp32 (_variants), so the model computes in fp32: its compute alone
-            bound = rows / _pp(mesh) * self.fp32_floor(recompute) / split_ways
+            bound = rows / _pp(mesh) * self.fp32_floor(program) / split_ways
             if bound + floor >= best_s:
                 return pruned(bound)
         if split_ways > 1 and best_s < float("inf"):  # before a program of its own: the unsplit one's bound / ways
-            bound = self.unsplit_bound(recompute, rows / _pp(mesh), (best_s - floor) * split_ways) / split_ways
+            bound = self.unsplit_bound(program, rows / _pp(mesh), (best_s - floor) * split_ways) / split_ways
             if bound + floor >= best_s:
                 return pruned(bound)
-        if recompute != "none" and best_s < float("inf"):  # nor before the plain program's bound and the reruns
-            bound = self.recompute_bound(op_axes, recompute, rows / _pp(mesh))
+        if program != "none" and best_s < float("inf"):  # nor before the plain program's bound and the reruns
+            bound = self.recompute_bound(op_axes, program, rows / _pp(mesh))
             if bound + floor >= best_s:
                 return pruned(bound)
-        solved = self.solved(op_axes, recompute, rows / _pp(mesh), best_s - floor)
+        solved = self.solved(op_axes, program, rows / _pp(mesh), best_s - floor)
         if solved.plan is None:
             return pruned(solved.lower_bound_s)
         if _pp(mesh) > 1:
-            return self._pipelined(solved, mesh, offload, rows, best_s)
+            return self._pipelined(solved, mesh, offload, rows, best_s, modes)
         out = self._whole(solved.plan, solved.gap, mesh, offload, rows)
         if not out:  # the fixed settings allow no level or precision here (level 1 and more need dp > 1)
             return out
@@ -357,6 +367,14 @@ class _Costs:
                 leaner = self._whole(lean.plan, lean.gap, mesh, offload, rows)
                 out = [mine if mine[0].memory.total_bytes <= self.limit else other for mine, other in zip(out, leaner)]
         return out
+
+    def stage_modes(self, recompute: str) -> tuple[str, ...]:
+        """The modes a pipeline's chunks choose from under setting ``recompute``: those up to it that may buy
+        memory, fastest first; the one given where the user fixed it (per chunk: each chunk keeps its own)."""
+        if self.fixed.recompute is not None:
+            return tuple(m for m in RECOMPUTE_MODES if m in self.fixed.recompute_modes)
+        upto = RECOMPUTE_MODES[:RECOMPUTE_MODES.index(recompute) + 1]
+        return tuple(m for m in upto if m == "none" or self.worth(m))
 
     def solved(self, op_axes, recompute: str, rows: float, cutoff_s: float) -> IntraOpResult:
         """The fastest strategies on ``op_axes`` at ``rows`` rows, memory aside (splits differ in
@@ -412,14 +430,16 @@ class _Costs:
                                              self.narrowest, self.sequence)
         return self._terms[key]
 
-    def units(self, plan: Plan, mesh, precision: str) -> Units:
-        """``plan``'s costs and memory per unit in ``precision``, its collectives on ``mesh``'s links."""
+    def units(self, plan: Plan, mesh, precision: str, recompute: str | None = None) -> Units:
+        """``plan``'s costs and memory per unit in ``precision``, its collectives on ``mesh``'s links, under
+        ``recompute`` (default: the plan's mode)."""
         links = tuple(axis_link(mesh, n, self.cluster) for n, _ in plan.op_axes)
-        key = (id(plan), links, precision)
+        recompute = recompute or plan.recompute
+        key = (id(plan), links, precision, recompute)
         if key not in self._units:
             dtype, itemsize = DTYPES[precision]
-            laid = dataclasses.replace(plan, mesh=mesh, precision=precision)
-            rc = self.recomputed(plan.recompute, plan.recompute_comm)
+            laid = dataclasses.replace(plan, mesh=mesh, precision=precision, recompute=recompute)
+            rc = self.recomputed(recompute, plan.recompute_comm)
             units = unit_costs(self.gm, laid, op_costs(self.gm, laid, self.cluster, dtype, itemsize, rc), rc,
                                self.unit_of, tuple(self.blocks) or ("",), itemsize)
             self._units[key] = plan, units  # the plan kept alive, so its id stays its own
@@ -467,15 +487,16 @@ class _Costs:
                          offload=plan.offload, zero=plan.zero, precision=plan.precision, memory_floor=not exact,
                          accumulation=m, sequence=plan.sequence_parallel), plan
 
-    def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int,
-                   best_s: float) -> list[tuple[Candidate, Plan | None]]:
+    def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int, best_s: float,
+                   modes: tuple[str, ...]) -> list[tuple[Candidate, Plan | None]]:
         """A pipelined split: at every (optimizer-parallel level, precision), its best cuts,
-        micro-batch count and schedule, or a bound where none can beat ``best_s``."""
+        micro-batch count, schedule and recompute mode per chunk (of ``modes``), or a bound where none
+        can beat ``best_s``. A pipeline no chunk of which runs the last mode is left to the setting before."""
         dp, pp, base = _data_size(mesh, self.data_axes), _pp(mesh), solved.plan
         link = axis_link(mesh, PIPELINE_AXIS, self.cluster)
         out = []
         for zero, precision in _variants(dp, offload, self.cluster, self.fixed):
-            units = self.units(base, mesh, precision)
+            units = tuple(self.units(base, mesh, precision, mode) for mode in modes)
             setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
                           send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
                           dp_seconds=lambda b, groups, overlap, m, zero=zero, precision=precision: _dp_seconds(
@@ -488,7 +509,7 @@ class _Costs:
             found, bound = best_pipeline(units, setup, best_s)
             if found is None and bound < float("inf"):
                 out.append((Candidate(mesh, rows, bound, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0),
-                                      recompute=base.recompute, offload=offload, zero=zero, precision=precision,
+                                      recompute=modes[-1], offload=offload, zero=zero, precision=precision,
                                       pruned=True), None))
                 continue
             if found is None and best_s < float("inf"):
@@ -496,13 +517,18 @@ class _Costs:
             p = found or leanest_pipeline(units, setup)
             if p is None:  # the fixed settings allow no schedule on this split
                 continue
+            if modes[-1] not in p.recompute:  # the setting before ran these modes, no slower
+                continue
+            most = max(p.recompute, key=RECOMPUTE_MODES.index)
+            per_chunk = p.recompute if len(set(p.recompute)) > 1 else ()
             plan = dataclasses.replace(base, zero=zero, precision=precision, offload=offload, mesh=mesh,
-                                       data_axes=self.data_axes,
+                                       data_axes=self.data_axes, recompute=most, stage_recompute=per_chunk,
                                        stage_boundaries=p.boundaries, schedule=p.schedule,
                                        micro_batches=p.micro_batches, virtual_stages=p.virtual_stages)
             out.append((Candidate(mesh, rows, p.compute_s, p.op_comm_s, p.dp_comm_s, p.memory, solved.gap,
-                                  recompute=base.recompute, offload=offload, zero=zero, precision=precision,
-                                  pipeline=p, sequence=base.sequence_parallel, refused_s=p.refused_s), plan))
+                                  recompute=most, stage_recompute=per_chunk, offload=offload, zero=zero,
+                                  precision=precision, pipeline=p, sequence=base.sequence_parallel,
+                                  refused_s=p.refused_s), plan))
             if found is not None:
                 best_s = min(best_s, found.step_s)
         return out
@@ -630,7 +656,7 @@ def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: f
     """JSON-able figures of every candidate split and the choice (plain Python numbers only)."""
     def row(c: Candidate) -> dict:
         return {"mesh": c.describe(), "split": _mesh_text(c.mesh), "config": c.config(data_axes).text(),
-                "recompute": c.recompute, "offload": c.offload, "zero": c.zero, "precision": c.precision, "pp": c.pp,
+                "recompute": c.recompute_text, "offload": c.offload, "zero": c.zero, "precision": c.precision, "pp": c.pp,
                 "rows": c.rows, "micro_batches": c.micro_batches, "step_s": float(c.step_s),
                 "compute_s": float(c.compute_s), "op_comm_s": float(c.op_comm_s), "dp_comm_s": float(c.dp_comm_s),
                 "p2p_s": float(c.p2p_s), "bubble_s": float(c.bubble_s), "gap": float(c.gap),
@@ -660,4 +686,5 @@ def _pipeline_row(p: PipelineCost) -> dict:
             "boundaries": list(p.boundaries), "bubble": float(p.bubble), "span_s": float(p.span_s),
             "ideal_bubble": ideal_bubble(pp, p.micro_batches, p.virtual_stages),
             "stages": [{"rank": s.rank, "first": s.first, "last": s.last, "forward_s": float(s.forward_s),
-                        "backward_s": float(s.backward_s), "memory": _memory_row(s.memory)} for s in p.stages]}
+                        "backward_s": float(s.backward_s), "memory": _memory_row(s.memory),
+                        "recompute": s.recompute} for s in p.stages]}

@@ -276,6 +276,11 @@ def _check_pipeline_flags(cfg: TrainConfig, shape: dict[str, int], settings: dic
         raise PolyshardError("--schedule interleaved runs 2 or more stages per rank: set --virtual-stages 2 or more")
     if pp > 1 and schedule != "interleaved" and virtual > 1:
         raise PolyshardError(f"--virtual-stages {virtual} applies to --schedule interleaved, not {schedule}")
+    modes = settings.get("stage_recompute", ())
+    if modes and (cfg.auto or len(modes) != pp * virtual):
+        raise PolyshardError(f"--recompute {'/'.join(modes)} gives a mode to each of {len(modes)} pipeline chunks, "
+                             + ("and --auto chooses the mesh; give one mode" if cfg.auto else
+                                f"and pp={pp} x {virtual} virtual stages make {pp * virtual}; give one mode each"))
 
 
 def _check_memory_flags(cfg: TrainConfig, data: int, settings: dict) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from polyshard.api import parallelize
 from polyshard.cluster import Cluster, parse_bytes
+from polyshard.plan import recompute_text
 from polyshard.planner.config import Fixed
 from polyshard.planner.report import render
 from polyshard.planner.search import search
@@ -95,7 +96,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             print(f"pipeline: {mesh.pp} stages from {', '.join(pm.plan.stage_boundaries)}; schedule "
                   f"{pm.plan.schedule}, {pm.plan.micro_batches} micro-batches, {pm.plan.virtual_stages} per rank")
         if pm.plan.recompute != "none" or pm.plan.offload != "none":
-            print(f"memory: recompute {pm.plan.recompute} (collectives: {pm.plan.recompute_comm}), "
+            print(f"memory: recompute {recompute_text(pm.plan.recompute, pm.plan.stage_recompute)} "
+                  f"(collectives: {pm.plan.recompute_comm}), "
                   f"optimizer state offload: {pm.plan.offload}")
         print(f"optimizer: {pm.plan.optimizer}, optimizer parallel level {pm.plan.zero}, precision {pm.plan.precision}")
         if pm.plan.sequence_parallel:

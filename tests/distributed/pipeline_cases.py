@@ -14,6 +14,8 @@ from torch import nn
 import polyshard as ps
 from polyshard import models
 from polyshard.cluster import Cluster
+from polyshard.planner.config import Fixed
+from polyshard.planner.search import search
 from polyshard.planner.stages import predict_timings
 from tests.distributed.cases import _batch, _optimizer, rel_err
 
@@ -98,6 +100,18 @@ def gpt_parity(mesh: str, schedule: str = "1f1b", dtype=torch.float64, optimizer
     batches = [_batch(ref, batch, seed=s) for s in range(steps)]
     kwargs = dict(schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages, recompute=recompute)
     return _train(ref, par, batches, kwargs, optimizer, accum, mark)
+
+
+def searched_recompute_parity(limit_bytes: float, batch: int = 16, steps: int = 4) -> dict:
+    """A GPT of 4 blocks planned for pp=2 under ``limit_bytes`` per device (the search chooses each stage's
+    recompute mode), then trained on that plan against one device."""
+    ps.init("pp=2")
+    mesh = ps.current_mesh()
+    ref, par = _gpt(4, torch.float64, True), _gpt(4, torch.float64, True)
+    plan, _ = search(par, par.example_inputs(1), Cluster.preset("cpu-gloo:2"), batch, limit_bytes,
+                     meshes=[mesh.axes], data_axes=mesh.data_axes, fixed=Fixed(offload="none", m=4))
+    batches = [_batch(ref, batch, seed=s) for s in range(steps)]
+    return _train(ref, par, batches, dict(plan=plan), "adamw", 1) | {"stage_recompute": plan.stage_recompute}
 
 
 def skip_parity(mesh: str, schedule: str = "1f1b", skip_from: int = 0, virtual_stages: int = 1,

@@ -78,6 +78,14 @@ def test_a_recompute_mode_per_stage(pools, schedule, modes):
         assert bool(regions[c]) == (mode != "none") and all(kind[mode] in name for name in regions[c]), (c, regions)
 
 
+def test_the_searched_recompute_mode_per_stage_trains_as_one_device(pools):
+    # in 900 KiB the first stage, holding 2 micro-batches in flight, must recompute; the second need not
+    results = pools(2).run(cases.searched_recompute_parity, 900 * 1024)
+    _check(results)
+    assert results[0]["stage_recompute"] == ("full", "none")
+    assert results[0]["recomputed"][0] and not results[1]["recomputed"][1]
+
+
 def test_untied_head(pools):
     results = pools(2).run(cases.gpt_parity, "pp=2", "1f1b", torch.float64, "adamw", False)
     _check(results)

@@ -86,7 +86,7 @@ def test_a_pipeline_is_refused_exactly_when_no_cuts_fit(seed):
     units = _units([1.0] * n, list(acts), [int(k) * 2**16 for k in numels])
     state = [state_memory([(int(k) * 2**16,)], 0, 1, "fp32", "none") for k in numels]
     for limit_mib in np.linspace(5, 60, 12):
-        found = cost_pipeline(units, _setup(pp, 4, limit_mib * MiB), state, 4, "1f1b", 1)
+        found = cost_pipeline((units,), _setup(pp, 4, limit_mib * MiB), state, 4, "1f1b", 1)
         fits = any(all(numels[i:j].sum() + acts[i:j].sum() * (pp - k) <= limit_mib
                        for k, (i, j) in enumerate(zip((0, *cuts), (*cuts, n))))
                    for cuts in itertools.combinations(range(1, n), pp - 1))
@@ -104,7 +104,7 @@ def test_stage_cuts_match_brute_force_under_the_memory_limit(pp, limit_mib):
     units = _units(seconds, acts, [k * 2**16 for k in numels])
     rows = m = 8  # one row per micro-batch
     state = [state_memory([(k * 2**16,)], 0, 1, "fp32", "none") for k in numels]
-    found = cost_pipeline(units, _setup(pp, rows, limit_mib * MiB), state, m, "1f1b", 1)
+    found = cost_pipeline((units,), _setup(pp, rows, limit_mib * MiB), state, m, "1f1b", 1)
 
     def parts(cuts):
         return list(zip((0, *cuts), (*cuts, 8)))
@@ -125,6 +125,54 @@ def test_stage_cuts_match_brute_force_under_the_memory_limit(pp, limit_mib):
     assert all(s.memory.total_bytes <= limit_mib * MiB for s in found.stages)
 
 
+def _recomputed(units: Units, seconds, acts_mib) -> Units:
+    """``units`` under full recompute: a forward more per unit (a third slower, a quarter of it forward), an eighth
+    of the activations kept, and a unit's whole activations alive again while its backward runs."""
+    return dataclasses.replace(units, compute_s=np.array(seconds) * 4 / 3, forward_share=1 / 4,
+                               activation_bytes=np.array(acts_mib) * MiB / 8, rerun_bytes=np.array(acts_mib) * MiB,
+                               recompute="full")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_stage_recomputes_only_where_it_must(seed):
+    """Units kept or recomputed, 1F1B, limits from loose to tight: the cuts and each stage's mode minimise the
+    slowest stage over every cut and every choice of modes that fits (brute force), each stage in the fastest
+    mode that fits it; modes fixed per stage are kept."""
+    rng = np.random.default_rng(seed)
+    n, pp, m = int(rng.integers(3, 7)), int(rng.integers(2, 4)), 4
+    seconds, acts, numels = rng.uniform(1, 3, n), rng.uniform(2, 8, n), rng.integers(1, 6, n)
+    kept = _units(list(seconds), list(acts), [int(k) * 2**16 for k in numels])
+    modes = (kept, _recomputed(kept, seconds, acts))
+    state = [state_memory([(int(k) * 2**16,)], 0, 1, "fp32", "none") for k in numels]
+
+    def stage(s, i, j, limit):  # (seconds, mode) of stage s holding units i..j-1 in its fastest mode that fits
+        held = min(m, pp - s)
+        options = [(seconds[i:j].sum(), "none", acts[i:j].sum() * held),
+                   (seconds[i:j].sum() * 4 / 3, "full", acts[i:j].sum() / 8 * held + acts.max())]
+        return next(((t, mode) for t, mode, a in options if numels[i:j].sum() + a <= limit), (np.inf, None))
+
+    mixed = 0
+    for limit in np.linspace(4, 40, 19):
+        found = cost_pipeline(modes, _setup(pp, m, limit * MiB), state, m, "1f1b", 1)
+        best = min((max(stage(s, i, j, limit)[0] for s, (i, j) in enumerate(zip((0, *cuts), (*cuts, n)))), cuts)
+                   for cuts in itertools.combinations(range(1, n), pp - 1))
+        if not np.isfinite(best[0]):
+            assert found is None, limit
+            continue
+        cuts = [int(b[1:]) for b in found.boundaries]
+        parts = list(zip((0, *cuts), (*cuts, n)))
+        assert max(s.forward_s + s.backward_s for s in found.stages) == pytest.approx(best[0]), limit
+        assert found.recompute == tuple(stage(s, i, j, limit)[1] for s, (i, j) in enumerate(parts))
+        assert all(s.memory.total_bytes <= limit * MiB * (1 + 1e-12) for s in found.stages)
+        mixed += len(set(found.recompute)) > 1
+        pinned = ("full",) * (pp - 1) + ("none",)  # the user's modes, kept whatever fits faster
+        fixed = cost_pipeline(modes, dataclasses.replace(_setup(pp, m, limit * MiB),
+                                                         fixed=Fixed(pp=pp, recompute="/".join(pinned))),
+                              state, m, "1f1b", 1)
+        assert fixed is None or fixed.recompute == pinned
+    assert mixed, "no limit mixed the modes: the test checks nothing new"
+
+
 def test_two_stage_step_and_bubble_by_hand():
     """Two equal stages of 0.3 s per row, 4 rows, 10 ms to send across the cut each way. By hand,
     1F1B with 4 micro-batches: stage 0 runs F in 0.11 s (0.1 + its send), B in 0.2; stage 1 F in
@@ -132,7 +180,7 @@ def test_two_stage_step_and_bubble_by_hand():
     0B3 and 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3, the last action (0B3) ends at 1.55 s = (m + p - 1) x
     0.31; each stage is busy 4 x 0.31 = 1.24 s, so the bubble is 1 - 2.48 / (2 x 1.55) = 0.2."""
     units = _units([0.3, 0.3], [1.0, 1.0], [10, 10], send_mib=1.0)
-    found, bound = best_pipeline(units, _setup(pp=2, rows=4, send_s_per_mib=0.01))
+    found, bound = best_pipeline((units,), _setup(pp=2, rows=4, send_s_per_mib=0.01))
     assert (found.schedule, found.micro_batches) == ("1f1b", 4) and found.boundaries == ("u1",)
     assert found.step_s == pytest.approx(1.55)
     assert found.bubble == pytest.approx(0.2) == pytest.approx((2 - 1) / (4 + 2 - 1))
@@ -142,7 +190,7 @@ def test_two_stage_step_and_bubble_by_hand():
                                                                    pytest.approx((0.1, 0.21))]
     # GPipe holds all 4 micro-batches on each stage (4 MiB of activations), 1F1B 2 on stage 0
     state = [state_memory([(10,)], 0, 1, "fp32", "none")] * 2
-    gpipe = cost_pipeline(units, _setup(2, 4), state, 4, "gpipe", 1)
+    gpipe = cost_pipeline((units,), _setup(2, 4), state, 4, "gpipe", 1)
     assert gpipe.stages[1].memory.activations_bytes == 4 * MiB and found.stages[0].memory.activations_bytes == 2 * MiB
 
 
@@ -155,7 +203,7 @@ def test_an_interleaved_rank_syncs_and_steps_the_parameters_of_every_chunk_it_ho
                                 dp_seconds=lambda b, modules, overlap, m: synced.append(b) or 0.0,
                                 update_seconds=lambda numel: stepped.append(numel) or 0.0)
     state = [state_memory([(k,)], 0, 2, "fp32", "none") for k in (10, 20, 30, 40)]
-    found = cost_pipeline(units, setup, state, 2, "interleaved", 2)
+    found = cost_pipeline((units,), setup, state, 2, "interleaved", 2)
     assert [s.rank for s in found.stages] == [0, 1, 0, 1]
     assert synced == [60 * 4] and stepped == [60]
 
@@ -191,6 +239,25 @@ def test_a_model_that_fits_only_pipelined_gets_a_consistent_pipeline_plan():
     assert split.chunks == pp * plan.virtual_stages
 
 
+def test_only_the_stages_that_need_it_recompute():
+    # gpt-small in 6 MiB on pp=4: the first stages hold 4 and 3 micro-batches in flight under 1F1B and must
+    # recompute; the last hold fewer and need not, so the pipeline runs faster than recomputing everywhere
+    limit, pp4 = 6 * MiB, [(("pp", 4), ("dp", 1), ("tp", 1))]
+    _, (plan, ranked) = _gpt_search(limit, pp4)
+    chosen = next(c for c in ranked if c.describe() == plan.report["chosen"])
+    assert plan.stage_recompute == chosen.pipeline.recompute and plan.stage_recompute[0] == "full"
+    assert plan.stage_recompute[-1] == "none" and plan.recompute == "full"
+    assert all(s.memory.total_bytes <= limit for s in chosen.pipeline.stages)
+    _, (_, everywhere) = _gpt_search(limit, pp4, fixed=Fixed(recompute="full"))
+    fitting = [c for c in everywhere if not c.pruned and c.memory.total_bytes <= limit]
+    assert fitting and chosen.step_s < min(c.step_s for c in fitting)
+    text = chosen.config().text()  # the per-stage modes in the --config spelling price the same pipeline
+    assert "recompute=" + "/".join(plan.stage_recompute) in text
+    _, (again, _) = _gpt_search(limit, pp4, fixed=Fixed.parse(text))
+    assert again.stage_recompute == plan.stage_recompute and again.report["config"] == text
+    assert again.report["candidates"][0]["step_s"] == pytest.approx(chosen.step_s)
+
+
 def test_pipeline_plan_round_trips_and_renders_its_stages():
     # 3 rows: 1 or 3 micro-batches, neither a multiple of 2 stages, so no interleaving: one cut
     model, (plan, _) = _gpt_search(meshes=[(("pp", 2), ("dp", 1), ("tp", 2))], batch=3)
@@ -219,7 +286,7 @@ def test_even_cuts_cost_what_the_schedule_of_those_stages_costs():
     # last backward then crosses the two stages before it (4/3 each): 4/3 + 20/3 + 40/3 + 8/3 = 24 s
     units = _units([1, 1, 1, 1, 1, 4], [0] * 6, [1] * 6)
     state = [state_memory([(10,)], 0, 1, "fp32", "none")] * 6
-    even = cost_pipeline(units, dataclasses.replace(_setup(3, 4), fixed=Fixed(cuts="even")), state, 4, "gpipe", 1)
-    free = cost_pipeline(units, _setup(3, 4), state, 4, "gpipe", 1)
+    even = cost_pipeline((units,), dataclasses.replace(_setup(3, 4), fixed=Fixed(cuts="even")), state, 4, "gpipe", 1)
+    free = cost_pipeline((units,), _setup(3, 4), state, 4, "gpipe", 1)
     assert [s.first for s in even.stages] == ["u0", "u2", "u4"] and even.span_s == pytest.approx(24.0)
     assert free.stages[-1].first == "u5" and free.span_s < even.span_s  # the head on a stage of its own

@@ -32,7 +32,7 @@ def _settings(c) -> Fixed:
     ("gpt-small", "cpu-gloo:4", 16, None), ("gpt-tiny", "8xA100-80G", 16, None),
     ("gpt-small", "2x4xH100-80G", 32, None),
     # tight: offloaded (fp32) settings and recompute are bounded too
-    ("gpt-small", "8xA100-80G", 64, 4096 + 6), ("gpt-small", "cpu-gloo:4", 64, 6.5),
+    ("gpt-small", "8xA100-80G", 64, 4096 + 6), ("gpt-small", "cpu-gloo:4", 64, 8),
 ])
 def test_every_pruned_bound_is_below_what_the_split_costs(name, cluster, batch, limit_mib):
     limit = limit_mib and limit_mib * 2**20
@@ -59,9 +59,12 @@ def test_fixed_settings_are_kept_and_the_rest_chosen():
 def test_config_spelling_round_trips_and_refuses_nonsense():
     text = "dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,recompute=full,precision=bf16"
     assert Fixed.parse(text).text() == "dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,recompute=full,precision=bf16"
+    assert Fixed.parse("pp=2,v=2,recompute=full/full/selective/none").stage_recompute == \
+        ("full", "full", "selective", "none")
     for bad, needle in (("tp=0", "positive"), ("tq=2", "unknown"), ("tp", "KEY=VALUE"), ("tp=2,tp=4", "twice"),
                         ("schedule=zigzag", "schedule"), ("zero=5", "zero"), ("v=2,schedule=1f1b", "interleaved"),
-                        ("overlap=2", "0 or 1")):
+                        ("overlap=2", "0 or 1"), ("pp=2,recompute=full/sometimes", "recompute must be one of"),
+                        ("recompute=full/none", "give pp"), ("pp=2,v=2,recompute=full/none", "pp x v is 2")):
         with pytest.raises(PolyshardError, match=needle):
             Fixed.parse(bad)
 
