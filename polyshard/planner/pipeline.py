@@ -23,7 +23,8 @@ from polyshard.graph.params import parameters_of
 from polyshard.graph.regions import Recomputed
 from polyshard.layout import Layout
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD
-from polyshard.planner.cost.memory import STATES, MemoryEstimate, kept_copies, local_numel, param_numel
+from polyshard.planner.cost.memory import (STATES, MemoryEstimate, gradient_transients, kept_copies, local_numel,
+                                           param_numel)
 from polyshard.planner.cost.overlap import OpCost
 from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
@@ -49,6 +50,7 @@ class Units:
     compute_s / comm_s: per row, forward, backward and recompute; overhead_s / latency_s: fixed,
     per micro-batch; forward_share: of each unit's seconds spent in forward; activation_bytes: kept
     for backward; rerun_bytes: what recompute frees (alive again while its backward runs);
+    transient_bytes: the most gradients alive while one of its ops' backward runs;
     send_bytes[u]: values crossing the cut before unit u (0 for u = 0); groups: each unit's
     parameters' local sizes, by module (a parameter two units use is in both); model_groups: the
     model's, each parameter once; recompute: the mode these figures are for."""
@@ -62,6 +64,7 @@ class Units:
     forward_share: float
     activation_bytes: np.ndarray
     rerun_bytes: np.ndarray
+    transient_bytes: np.ndarray
     send_bytes: np.ndarray
     groups: tuple[tuple[tuple[int, ...], ...], ...]
     model_groups: tuple[tuple[int, ...], ...]
@@ -87,7 +90,10 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
               if node.op not in ("placeholder", "output", "get_attr") and node.name in plan.nodes]
     fields = {key: np.bincount(costed, [getattr(cost, key) for cost in costs], minlength=n)
               for key in ("compute_s", "comm_s", "overhead_s", "latency_s")}
-    activation, rerun, crossing = np.zeros(n), np.zeros(n), np.zeros(n + 1)
+    activation, rerun, transient, crossing = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n + 1)
+    for name, size in gradient_transients(gm, plan, itemsize).items():
+        if name in unit_of:
+            transient[unit_of[name]] = max(transient[unit_of[name]], size)
     groups: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
     model_groups = []
     for node, u, shape, reach, copies in facts.values:
@@ -109,7 +115,8 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
     share = 1 / (TRAIN_FLOPS_PER_FORWARD + (plan.recompute == "full"))
     return Units(facts.span, starts, forward_share=share, groups=tuple(map(tuple, groups)),
                  model_groups=tuple(g for g in model_groups if g), activation_bytes=activation,
-                 rerun_bytes=rerun, send_bytes=np.cumsum(crossing)[:n], recompute=str(plan.recompute), **fields)
+                 rerun_bytes=rerun, transient_bytes=transient, send_bytes=np.cumsum(crossing)[:n],
+                 recompute=str(plan.recompute), **fields)
 
 
 @dataclass(frozen=True)
@@ -398,11 +405,12 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     fixed_of = np.concatenate([[0.0], np.cumsum([st.total_bytes for st in state])])
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
     bucket = BUCKET_BYTES if s.dp > 1 and s.zero == 0 else 0.0
-    rerun = [u.rerun_bytes.max() * rows for u in modes]  # one micro-batch's recomputed block, alive in its backward
+    # in one micro-batch's backward: its recomputed block alive again, and the gradients of the op running
+    working = [(u.rerun_bytes.max() + u.transient_bytes.max()) * rows for u in modes]
     pinned = s.fixed.stage_recompute  # a mode per chunk, if the user gave them
     allowed = np.array([[not pinned or u.recompute == pinned[c] for u in modes] for c in range(chunks)])
     least_acts = np.min([u.activation_bytes for u in modes], axis=0).sum() * rows
-    if fixed_of[-1] + least_acts * min(held) + chunks * (min(rerun) + bucket) > s.pp * s.limit:
+    if fixed_of[-1] + least_acts * min(held) + chunks * (min(working) + bucket) > s.pp * s.limit:
         return None  # more than all chunks hold together (limit / v each): no cuts fit, and no program is needed
     seconds = [u.seconds(rows) for u in modes]
     send = np.concatenate([[0.0], s.send(units.send_bytes[1:] * rows), [0.0]])  # per cut 0..n: the ends send nothing
@@ -411,7 +419,7 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     for sec in seconds:
         time_of = np.concatenate([[0.0], np.cumsum(sec)])
         time.append(time_of[end] - time_of[start] + send[end] + send[start])
-    base = [fixed_of[end] - fixed_of[start] + r + bucket for r in rerun]
+    base = [fixed_of[end] - fixed_of[start] + w + bucket for w in working]
     acts = []
     for u in modes:
         acts_of = np.concatenate([[0.0], np.cumsum(u.activation_bytes * rows)])
@@ -474,7 +482,7 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
         return Loses(least)
     stages = []
     for c, (i, j) in enumerate(parts):  # each chunk holds its units' state and its micro-batches in flight
-        activations = run[c].activation_bytes[i:j].sum() * rows * held[c] + rerun[mode[c]]
+        activations = run[c].activation_bytes[i:j].sum() * rows * held[c] + working[mode[c]]
         memory = _sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, activations, bucket)])
         stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[c], backward[c], memory,
                             run[c].recompute))

@@ -79,8 +79,8 @@ def test_a_recompute_mode_per_stage(pools, schedule, modes):
 
 
 def test_the_searched_recompute_mode_per_stage_trains_as_one_device(pools):
-    # in 900 KiB the first stage, holding 2 micro-batches in flight, must recompute; the second need not
-    results = pools(2).run(cases.searched_recompute_parity, 900 * 1024)
+    # in 1.05 MiB the first stage, holding 2 micro-batches in flight, must recompute; the second need not
+    results = pools(2).run(cases.searched_recompute_parity, 1075 * 1024)
     _check(results)
     assert results[0]["stage_recompute"] == ("full", "none")
     assert results[0]["recomputed"][0] and not results[1]["recomputed"][1]

@@ -27,7 +27,7 @@ def _units(seconds, activation_mib, param_numels, send_mib=0.0):
     return Units(span=tuple((f"u{i}", f"u{i}") for i in range(n)), starts=tuple(f"u{i}" for i in range(n)),
                  compute_s=np.array(seconds, float), comm_s=np.zeros(n), overhead_s=np.zeros(n),
                  latency_s=np.zeros(n), forward_share=1 / 3, activation_bytes=np.array(activation_mib) * MiB,
-                 rerun_bytes=np.zeros(n), send_bytes=np.array([0.0] + [send_mib * MiB] * (n - 1)),
+                 rerun_bytes=np.zeros(n), transient_bytes=np.zeros(n), send_bytes=np.array([0.0] + [send_mib * MiB] * (n - 1)),
                  groups=tuple(((k,),) for k in param_numels), model_groups=tuple((k,) for k in param_numels))
 
 
@@ -192,6 +192,10 @@ def test_two_stage_step_and_bubble_by_hand():
     state = [state_memory([(10,)], 0, 1, "fp32", "none")] * 2
     gpipe = cost_pipeline((units,), _setup(2, 4), state, 4, "gpipe", 1)
     assert gpipe.stages[1].memory.activations_bytes == 4 * MiB and found.stages[0].memory.activations_bytes == 2 * MiB
+    # each stage also holds the gradients one backward op has alive (the largest any unit makes)
+    working = dataclasses.replace(units, transient_bytes=np.array([0.0, 0.5]) * MiB)
+    busy = cost_pipeline((working,), _setup(2, 4), state, 4, "1f1b", 1)
+    assert [s.memory.activations_bytes for s in busy.stages] == [2.5 * MiB, 1.5 * MiB]
 
 
 def test_an_interleaved_rank_syncs_and_steps_the_parameters_of_every_chunk_it_holds():

@@ -7,6 +7,7 @@ own again while its backward runs.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -109,6 +110,25 @@ def _backward(gm: fx.GraphModule) -> _Backward:
     return found
 
 
+def _value_bytes(graph: _Backward, plan: Plan, itemsize: float):
+    """A node's output bytes on one rank under ``plan`` (0 for a non-tensor), each asked for once."""
+    @functools.cache
+    def held(name: str) -> float:
+        entry, numel = plan.nodes.get(name), graph.numel[name]
+        ok = entry is not None and numel is not None and isinstance(entry.output, Layout)
+        return numel / entry.output.pieces * itemsize if ok else 0.0
+    return held
+
+
+def gradient_transients(gm: fx.GraphModule, plan: Plan, itemsize: int = 4) -> dict[str, float]:
+    """Per op with a backward, the gradient bytes alive while that backward runs, at one row: of its output
+    and of its inputs (and of the loss's log-probabilities)."""
+    graph = _backward(gm)
+    held = _value_bytes(graph, plan, itemsize)
+    return {name: held(name) + sum(map(held, inputs)) * (1 + through_log_probs)
+            for name, (inputs, through_log_probs) in graph.grad_inputs.items()}
+
+
 def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1,
                    itemsize: int = 4, grad_share: float = 1.0) -> tuple[float, float]:
     """(most activation bytes alive at once, most activation plus gradient bytes alive at once).
@@ -121,22 +141,12 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
     every gradient made. ``grad_share``: the part of each parameter's gradient a rank keeps
     (optimizer parallel from level 2 reduce-scatters them as they come)."""
     graph = _backward(gm)
-    size, transient, grads, seen = {}, {}, {}, set()  # transient: gradients alive while an op's backward runs
-    held_of: dict[str, float] = {}  # a value's bytes, asked for once per consumer
-
-    def held(name: str) -> float:
-        if name not in held_of:
-            entry, numel = plan.nodes.get(name), graph.numel[name]
-            ok = entry is not None and numel is not None and isinstance(entry.output, Layout)
-            held_of[name] = numel / entry.output.pieces * itemsize * rows if ok else 0.0
-        return held_of[name]
-
+    held = _value_bytes(graph, plan, itemsize * rows)
+    transient = {name: b * rows for name, b in gradient_transients(gm, plan, itemsize).items()}
+    size, grads, seen = {}, {}, set()
     for name in graph.order:
         if name in graph.kept:
             size[name] = held(name) * graph.kept[name]
-        if name in graph.grad_inputs:
-            inputs, through_log_probs = graph.grad_inputs[name]  # the loss's gradient of its log-probabilities too
-            transient[name] = held(name) + sum(map(held, inputs)) * (1 + through_log_probs)
         for pname, p in graph.params.get(name, ()):
             if id(p) not in seen and pname in plan.params:
                 seen.add(id(p))
