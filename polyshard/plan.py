@@ -149,6 +149,11 @@ class Plan:
     row_splits: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
+    def splits_operators(self) -> bool:
+        """Whether an operator axis has 2 ranks or more, so ops may communicate."""
+        return any(size > 1 for _, size in self.op_axes)
+
+    @property
     def sequence_parallel(self) -> bool:
         """Whether a row-parallel product reduce-scatters its sums along the sequence (the dim before
         the features) instead of all-reducing them: Megatron's sequence parallel."""

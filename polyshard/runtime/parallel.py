@@ -49,7 +49,7 @@ class ParallelModule(nn.Module):
     def _runnable(self, copies: int) -> fx.GraphModule:
         """The program with the plan's recomputed regions outlined, interleaved into ``copies``."""
         recomputed = apply_recompute(self._single_copy, self.plan.recompute, self.plan.recompute_comm,
-                                     self.recompute_paths)
+                                     self.recompute_paths, collectives=self.plan.splits_operators)
         return interleave(recomputed, copies)
 
     def forward(self, *args, **kwargs):

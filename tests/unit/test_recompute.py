@@ -83,6 +83,13 @@ def test_recompute_keeps_less_for_backward():
     assert selective < none, (none, selective)
 
 
+def test_regions_watch_for_collectives_only_where_ops_may_communicate():
+    gm = capture(models.build("gpt-tiny"), _batch(0))
+    comms = {collectives: {m.comm for m in apply_recompute(gm, "full", "keep", collectives=collectives).children()
+                           if hasattr(m, "comm")} for collectives in (True, False)}
+    assert comms == {True: {"keep"}, False: {"recompute"}}  # nothing to keep without an operator axis
+
+
 def test_a_recomputed_function_gives_the_same_values_and_gradients():
     torch.manual_seed(0)
     w = torch.randn(8, 8, requires_grad=True)

@@ -41,7 +41,8 @@ class PipelineModule(nn.Module, Pausable):
         super().__init__()
         self.signature = signature  # how keyword calls map to the graph's inputs (captured by export)
         self.chunks = nn.ModuleDict({str(c): apply_recompute(m, plan.recompute_of(c), plan.recompute_comm,
-                                                             recompute_paths) for c, m in chunks.items()})
+                                                             recompute_paths, collectives=plan.splits_operators)
+                                     for c, m in chunks.items()})
         self.split, self.plan, self.mesh = split, plan, mesh
         self._names = {id(p): split.canonical[n] for m in chunks.values() for n, p in m.named_parameters()}
         self.actions = schedule_actions(plan.schedule, mesh.pp, plan.micro_batches, plan.virtual_stages)[mesh.stage]
