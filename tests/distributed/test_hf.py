@@ -19,6 +19,7 @@ MODES = {
     "pp_tp_gpipe": ("pp=2,tp=2", {"micro_batches": 2, "schedule": "gpipe"}),
     "pp_interleaved": ("pp=2,dp=2", {"micro_batches": 2, "schedule": "interleaved", "virtual_stages": 2,
                                      "layers": 4}),
+    "pp_stage_recompute": ("dp=2,pp=2", {"micro_batches": 2, "recompute": ("full", "none")}),
     "zero1": ("dp=4", {"zero": 1}),
     "zero2_tp": ("dp=2,tp=2", {"zero": 2}),
     "zero3": ("dp=4", {"zero": 3}),
