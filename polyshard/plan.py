@@ -67,6 +67,11 @@ DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2
 OFFLOADS = tuple(Offload)
 
 
+def most_recompute(modes) -> str:
+    """Of recompute modes, the one that runs the most again (a pipeline's recompute when its chunks differ)."""
+    return max(modes, key=RECOMPUTE_MODES.index)
+
+
 def recompute_text(recompute: str, stage_recompute: tuple[str, ...] = ()) -> str:
     """A recompute setting as ``--config`` spells it: the mode, or each pipeline chunk's joined by "/"."""
     return "/".join(stage_recompute) or str(recompute)

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from polyshard.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
-                            ZERO_LEVELS)
+                            ZERO_LEVELS, most_recompute)
 from polyshard.train.config import TrainConfig
 
 
@@ -69,8 +69,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     settings = tuple((name, getattr(args, name)) for name in PLAN_FLAGS if getattr(args, name) is not None)
     modes = dict(settings).pop("recompute", None)
     if modes is not None:
-        most = max(modes, key=RECOMPUTE_MODES.index)
         settings = tuple((n, v) for n, v in settings if n != "recompute") + \
-            (("recompute", most), ("stage_recompute", modes if len(modes) > 1 else ()))
+            (("recompute", most_recompute(modes)), ("stage_recompute", modes if len(modes) > 1 else ()))
     return TrainConfig(settings=settings, **{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                                             if f.name != "settings"})

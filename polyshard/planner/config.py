@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from polyshard.errors import PolyshardError
 from polyshard.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES, ZERO_LEVELS,
-                                   check_choice)
+                                   check_choice, most_recompute)
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class Fixed:
         most of them)."""
         def fixed(k: str):
             if k == "recompute" and self.recompute is not None:
-                return max(self.recompute_modes, key=RECOMPUTE_MODES.index)
+                return most_recompute(self.recompute_modes)
             return getattr(self, k)
         return all(fixed(k) is None or fixed(k) == v for k, v in settings.items())
 

@@ -48,7 +48,8 @@ from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipelin
 from polyshard.planner.config import Fixed
 from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
-from polyshard.plan import DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan, recompute_text
+from polyshard.plan import (DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan, most_recompute,
+                            recompute_text)
 from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.graph.stage_cuts import assign_chunks, block_paths
 from polyshard.planner.stages import pp_plan_agreement, pp_plan_units
@@ -519,7 +520,7 @@ class _Costs:
                 continue
             if modes[-1] not in p.recompute:  # the setting before ran these modes, no slower
                 continue
-            most = max(p.recompute, key=RECOMPUTE_MODES.index)
+            most = most_recompute(p.recompute)
             per_chunk = p.recompute if len(set(p.recompute)) > 1 else ()
             plan = dataclasses.replace(base, zero=zero, precision=precision, offload=offload, mesh=mesh,
                                        data_axes=self.data_axes, recompute=most, stage_recompute=per_chunk,
