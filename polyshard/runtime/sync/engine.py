@@ -9,6 +9,7 @@ its shard's gradient, handed to the bucket's master.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -35,6 +36,18 @@ class Pausable:
             self.syncing = True
 
 
+def _weakly(engine: GradientSync):
+    """``engine``'s gradient hook, holding it weakly: a parameter keeps its hooks where Python's collector
+    cannot see them, so a hook holding the engine (which holds the parameters) would keep both alive forever."""
+    ref = weakref.ref(engine)
+
+    def on_grad(p: nn.Parameter) -> None:
+        if (live := ref()) is not None:
+            live._on_grad(p)
+
+    return on_grad
+
+
 class GradientSync(Pausable):
     """Averages the gradients of ``buckets``' parameters over ``group`` in every backward (unless in
     :meth:`no_sync`; at level 2+ with ``shard_accumulated_grads``, sharded buckets reduce-scatter in
@@ -48,7 +61,8 @@ class GradientSync(Pausable):
         self.comm = CommStats()
         self.bucket_of = {id(p): b for b in buckets for p in b.params}  # id(parameter) -> its bucket
         self._callback_queued, self._reached = False, set()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
+        hook = _weakly(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for b in buckets for p in b.params]
 
     def remove(self) -> None:
         """Take the gradient hooks off the parameters (another engine takes over)."""
