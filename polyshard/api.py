@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence, TypeVar
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from polyshard.compiler.eager import ShardedCallable
 from polyshard.errors import PolyshardError
@@ -56,10 +58,19 @@ def compile(model: nn.Module, plan: Plan, example_inputs: Sequence | Mapping | N
     """This rank's share of ``model`` as ``plan`` (from :func:`plan`, or edited by hand) lays it out, checked
     against the model first."""
     mesh = mesh or current_mesh()
-    example_inputs = example_inputs_of(model, example_inputs)
+    example_inputs = on_device(model, example_inputs_of(model, example_inputs), mesh)
     gm = capture(model, example_inputs)
     check_plan(plan, gm, mesh.axes)
     return compile_captured(model, gm, example_inputs, plan, mesh)
+
+
+def on_device(model: nn.Module, example_inputs: Sequence | Mapping, mesh: Mesh) -> Sequence | Mapping:
+    """Move ``model`` to this rank's device, as FSDP2 places what it shards, and return ``example_inputs`` there
+    too, so the captured program and the split parameters live on the GPU; a model on the meta device stays."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return example_inputs
+    model.to(mesh.device)
+    return tree_map_only(torch.Tensor, lambda t: t.to(mesh.device), example_inputs)
 
 
 def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = None, mesh: Mesh | None = None,
@@ -72,7 +83,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
                 dataset_strategy: Sequence | None = None,
                 settings: Mapping[str, object] | None = None) -> ParallelModule | PipelineModule:
     """Split ``model`` over the mesh, :func:`compile` of :func:`plan` (the model captured once): pinned ops keep
-    their strategies, the others follow the op rules.
+    their strategies, the others follow the op rules. The model moves to the rank's device (its GPU) first.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values): the positional arguments, or a
     mapping of keyword arguments (``{"input_ids": ..., "labels": ...}`` for a transformers model, which
@@ -104,7 +115,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
     bucket is small only where communication runs beside compute.
     """
     mesh = mesh or current_mesh()
-    example_inputs = example_inputs_of(model, example_inputs)
+    example_inputs = on_device(model, example_inputs_of(model, example_inputs), mesh)
     gm = capture(model, example_inputs)
     made = plan_captured(model, gm, example_inputs, mesh, plan, copies, search, memory_limit_bytes, recompute,
                          recompute_comm, schedule, micro_batches, virtual_stages, sequence_parallel, tp_plan,

@@ -105,6 +105,13 @@ class Mesh:
         return math.prod(s for _, s in self.axes)
 
     @property
+    def device(self):
+        """Where this rank's parameters, activations and buffers live: its GPU (``init`` selects it), or the CPU."""
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
+
+    @property
     def op_axes(self) -> Axes:
         return tuple((n, s) for n, s in self.axes
                      if n not in self.data_axes and n != self.pipeline_axis and s > 1)
@@ -152,13 +159,13 @@ class Mesh:
         return idx
 
     def local_rows(self, *tensors):
-        """This rank's rows of a global batch (every rank passes the same global batch)."""
+        """This rank's rows of a global batch (every rank passes the same global batch), on this rank's device."""
         n, i = self.num_data_shards, self.data_index
         for t in tensors:
             if t.size(0) % n:
                 raise PolyshardError(f"batch of {t.size(0)} rows does not split over {n} data shards; "
                                      f"use a multiple of {n}")
-        return tuple(t.chunk(n)[i] for t in tensors)
+        return tuple(t.chunk(n)[i].to(self.device) for t in tensors)
 
     def piece(self, layout, shape) -> tuple[slice, ...]:
         """This rank's slice of each dim of a tensor of ``shape`` laid out by ``layout`` (over mesh axes;

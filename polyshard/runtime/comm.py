@@ -50,7 +50,7 @@ def send(x: torch.Tensor, dst: int) -> torch.Tensor:
 
 def recv(shape: tuple[int, ...], src: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Receive a tensor of ``shape`` from global rank ``src``; its gradient is sent back to ``src``."""
-    anchor = torch.zeros((), requires_grad=True)
+    anchor = torch.zeros((), requires_grad=True, device=current_mesh().device)
     return _Recv.apply(anchor, tuple(shape), dtype, src)
 
 
@@ -78,12 +78,12 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dst):
         dist.send(x.detach().contiguous(), dst)
-        ctx.dst, ctx.shape, ctx.dtype = dst, x.shape, x.dtype
+        ctx.dst, ctx.shape, ctx.dtype, ctx.device = dst, x.shape, x.dtype, x.device
         return x.new_zeros(())
 
     @staticmethod
     def backward(ctx, _):
-        grad = torch.empty(ctx.shape, dtype=ctx.dtype)
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
         dist.recv(grad, ctx.dst)
         return grad, None
 
@@ -91,7 +91,7 @@ class _Send(torch.autograd.Function):
 class _Recv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, shape, dtype, src):
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=anchor.device)
         dist.recv(out, src)
         ctx.src = src
         return out

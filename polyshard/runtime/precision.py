@@ -72,7 +72,7 @@ class LossScaler:
     def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         """Divide ``grads`` by the scale in place; True when every rank's are finite (all ranks agree,
         since each holds different pieces)."""
-        bad = torch.zeros(())
+        bad = torch.zeros((), device=grads[0].device if grads else None)
         for g in grads:
             g.mul_(1.0 / self.scale)
             bad = torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype))

@@ -101,17 +101,17 @@ def load_state_dict(pm, opt, loaded: dict[str, torch.Tensor]) -> None:
 
 def empty_state_dict(pm, saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
     """Tensors for a checkpoint's keys (``saved``: key -> global shape and dtype) laid out as ``pm``'s plan
-    splits them here; keys of parameters this rank does not hold are left out."""
+    splits them here, on this rank's device; keys of parameters this rank does not hold are left out."""
     out = {}
     for name, p in pm.local_parameters().items():
         layout = pm.plan.params[name]
         for key in [MODEL + name] + [k for k in saved if k.startswith(f"{OPTIM}{name}/")]:
             shape, dtype = saved[key]
             if len(shape) and not layout.is_replicated and name not in pm.plan.row_splits:
-                local = torch.zeros(layout.local_shape(shape), dtype=dtype)
+                local = torch.zeros(layout.local_shape(shape), dtype=dtype, device=pm.mesh.device)
                 out[key] = to_dtensor(local, layout, shape, pm.mesh)
             else:
-                out[key] = torch.zeros(shape, dtype=dtype)
+                out[key] = torch.zeros(shape, dtype=dtype, device=pm.mesh.device)
     return out
 
 

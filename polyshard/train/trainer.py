@@ -89,7 +89,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             size = f" --image-size {cfg.image_side}" if cfg.vision else ""
             print(f"plan: {planned} (train it again with --plan {planned}{size})")
         nodes = f" on {mesh.cluster.num_nodes} machines" if mesh.cluster and mesh.cluster.num_nodes > 1 else ""
-        print(f"mesh: {mesh}  ({world} processes{nodes}, {torch.get_num_threads()} thread each)")
+        where = f"on {mesh.device}" if mesh.device_type == "cuda" else f"{torch.get_num_threads()} thread each"
+        print(f"mesh: {mesh}  ({world} processes{nodes}, {where})")
         if pm.plan.copies > 1 or cfg.copies == "auto":
             print(f"multi-copy: each micro-batch runs as {pm.plan.copies} interleaved copies")
         if pipelined:
@@ -127,6 +128,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         data_s = time.perf_counter() - t0
         if cfg.data and not cfg.vision and int(y.max()) >= model.cfg.vocab_size:
             raise PolyshardError(out_of_vocabulary(cfg.data, int(y.max()), model.cfg.vocab_size))
+        x, y = x.to(mesh.device, non_blocking=True), y.to(mesh.device, non_blocking=True)
         try:
             loss_sum = train_step(pm, opt, x, y, accum, record=pipelined and bool(cfg.timeline) and step == cfg.steps)
             if mesh.data_group() is not None:
@@ -211,7 +213,7 @@ def train_step(pm: ParallelModule | PipelineModule, opt, x: torch.Tensor, y: tor
                record: bool = False) -> torch.Tensor:
     """One optimizer step on this rank's rows in ``accum`` accumulated micro-steps (gradients synced in
     the last); returns this rank's mean loss. ``record``: a pipeline keeps the last micro-step's timings."""
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=pm.mesh.device)
     for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
         last = i == accum - 1
         with (pm.no_sync() if not last else contextlib.nullcontext()):

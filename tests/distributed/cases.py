@@ -35,6 +35,7 @@ def train_parity(mesh: str, model: str = "gpt-tiny", steps: int = 5, dtype=torch
     ps.init(mesh)
     torch.manual_seed(123)
     ref, par = (_build(model, dtype, tied) for _ in range(2))
+    ref.to(ps.current_mesh().device)  # parallelize moves ``par`` there
     batches = [_batch(ref, batch, seed=s) for s in range(steps)]
     pm = ps.parallelize(par, example_inputs=_batch(ref, batch // ps.current_mesh().num_data_shards // accum, seed=0),
                         copies=copies, search=search, sequence_parallel=sequence_parallel)
@@ -46,7 +47,7 @@ def train_parity(mesh: str, model: str = "gpt-tiny", steps: int = 5, dtype=torch
         ref_opt.step()
         ref_opt.zero_grad()
         lx, ly = pm.local_batch(x, y)
-        total = torch.zeros((), dtype=dtype)
+        total = torch.zeros((), dtype=dtype, device=ref_loss.device)
         for i, (mx, my) in enumerate(zip(lx.chunk(accum), ly.chunk(accum))):
             last = i == accum - 1
             with (pm.no_sync() if not last else contextlib.nullcontext()):
@@ -82,15 +83,19 @@ def _build(model: str, dtype, tied: bool):
 
 
 def _batch(model, batch: int, seed: int):
+    """A batch drawn on the CPU from ``seed`` (the same on every device), placed where ``model`` is."""
     g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     if isinstance(model, models.MLPClassifier):
         dtype = next(model.parameters()).dtype
-        return torch.randn(batch, 4, 4, generator=g).to(dtype), torch.randint(0, 8, (batch,), generator=g)
-    if not hasattr(model, "cfg"):
-        return model.batch(batch, seed)
-    t = model.cfg.seq_len
-    return (torch.randint(0, model.cfg.vocab_size, (batch, t), generator=g),
-            torch.randint(0, model.cfg.vocab_size, (batch, t), generator=g))
+        out = torch.randn(batch, 4, 4, generator=g).to(dtype), torch.randint(0, 8, (batch,), generator=g)
+    elif not hasattr(model, "cfg"):
+        out = model.batch(batch, seed)
+    else:
+        t = model.cfg.seq_len
+        out = (torch.randint(0, model.cfg.vocab_size, (batch, t), generator=g),
+               torch.randint(0, model.cfg.vocab_size, (batch, t), generator=g))
+    return tuple(x.to(device) for x in out)
 
 
 def matmul_parity(in_strategy, out_strategy=None, steps: int = 5) -> dict:

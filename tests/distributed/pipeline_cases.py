@@ -64,7 +64,7 @@ def _train(ref: nn.Module, par: nn.Module, batches, steps_kwargs: dict, optimize
         local = pm.local_batch(*batch)
         if not pm.reads_batch:  # a middle stage takes neither inputs nor labels: what it is handed is unused
             local = tuple(torch.zeros_like(t) for t in local)
-        total = torch.zeros((), dtype=ref_loss.dtype)
+        total = torch.zeros((), dtype=ref_loss.dtype, device=ref_loss.device)
         for i, micro in enumerate(zip(*(t.chunk(accum) for t in local))):
             with pm.no_sync() if i < accum - 1 else contextlib.nullcontext():
                 total += pm.train_step(*micro, scale=1 / accum) / accum
@@ -96,7 +96,7 @@ def gpt_parity(mesh: str, schedule: str = "1f1b", dtype=torch.float64, optimizer
     """A GPT of ``layers`` blocks trained ``steps`` steps on ``mesh`` (with a ``pp`` axis) vs one device;
     ``recompute``: a mode, or one per chunk."""
     ps.init(mesh)
-    ref, par = _gpt(layers, dtype, tied), _gpt(layers, dtype, tied)
+    ref, par = _gpt(layers, dtype, tied).to(ps.current_mesh().device), _gpt(layers, dtype, tied)
     batches = [_batch(ref, batch, seed=s) for s in range(steps)]
     kwargs = dict(schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages, recompute=recompute)
     return _train(ref, par, batches, kwargs, optimizer, accum, mark)

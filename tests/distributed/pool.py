@@ -16,12 +16,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, one_device: bool) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+                      LOCAL_RANK="0" if one_device else str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     while (task := tasks.get()) is not None:
@@ -37,16 +37,17 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 
 class RankPool:
-    """``world`` processes in one gloo group; :meth:`run` calls a function on all and returns by rank."""
+    """``world`` processes in one gloo group; :meth:`run` calls a function on all and returns by rank.
+    ``one_device``: every rank uses GPU 0 (gloo carries CUDA tensors, so one GPU holds a whole mesh)."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, one_device: bool = False):
         ctx = mp.get_context("spawn")
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
-                      for r in range(world)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, one_device),
+                                  daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
 

@@ -58,7 +58,7 @@ def zero_parity(mesh: str, level: int, model: str = "gpt-tiny", steps: int = 5, 
     the collectives of the last step, which gradients the ranks still hold whole, and (with a ``pp`` axis, run
     by ``schedule``, ``micro_batches``, ``virtual_stages``) the largest gap between stages' copies of a tied parameter."""
     ps.init(mesh)
-    ref, par = _build(model, dtype, True), _build(model, dtype, True)
+    ref, par = _build(model, dtype, True).to(ps.current_mesh().device), _build(model, dtype, True)
     batches = [_batch(ref, batch, seed=s) for s in range(steps)]
     shards = ps.current_mesh().num_data_shards
     pm = ps.parallelize(par, example_inputs=_batch(ref, batch // shards // accum, seed=0), schedule=schedule,
@@ -99,7 +99,7 @@ def _tied_gap(pm) -> float:
 def _train_step(pm, opt, x, y, accum: int, dtype) -> tuple[torch.Tensor, int]:
     """One optimizer step of ``accum`` micro-batches (a pipeline's each run by its schedule); returns the loss
     averaged over the data group and how many sharded parameters held a whole gradient after backward."""
-    total = torch.zeros((), dtype=dtype)
+    total = torch.zeros((), dtype=dtype, device=x.device)
     for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
         with (pm.no_sync() if i < accum - 1 else contextlib.nullcontext()):
             if isinstance(pm, PipelineModule):

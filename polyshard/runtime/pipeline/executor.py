@@ -83,7 +83,7 @@ class Step:
         if peer is None:
             t = self.local.pop((k, i, grad))
         else:
-            t = torch.empty(e.shape, dtype=e.dtype)
+            t = torch.empty(e.shape, dtype=e.dtype, device=self.pm.mesh.device)
             dist.recv(t, peer, tag=self._tag(k, i, grad))
         return t.requires_grad_() if e.grad and not grad else t
 

@@ -99,7 +99,7 @@ class PipelineModule(nn.Module, Pausable):
         if self.syncing:
             self._sum_tied()
         loss = (torch.stack(step.losses).sum() / self.plan.micro_batches if step.losses
-                else torch.zeros((), dtype=self.split.loss_dtype))
+                else torch.zeros((), dtype=self.split.loss_dtype, device=self.mesh.device))
         dist.broadcast(loss, src=self.mesh.stage_rank(self.mesh.pp - 1), group=self.pipe_group)
         return loss
 

@@ -23,7 +23,7 @@ class Bucket:
         self.numel = sum(p.numel() for p in params)
         self.shard_numel = padded(self.numel, world) // world if sharded else self.numel
         self.lo = rank * self.shard_numel if sharded else 0
-        self.flat = torch.zeros(self.shard_numel * (world if sharded else 1), dtype=dtype)
+        self.flat = torch.zeros(self.shard_numel * (world if sharded else 1), dtype=dtype, device=params[0].device)
         master_dtype = params[0].dtype
         with torch.no_grad():
             torch._foreach_copy_(self.views(self.flat), [p.detach() for p in params])
