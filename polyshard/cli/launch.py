@@ -84,12 +84,24 @@ def reach_rendezvous(rendezvous: tuple[str, int], node_rank: int, timeout: float
             time.sleep(0.5)
 
 
+def check_gpus(nproc: int) -> None:
+    """On a machine with GPUs each rank takes its own (its LOCAL_RANK): refuse more ranks than GPUs before any
+    starts, instead of ranks failing one by one on a device they cannot select."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and nproc > count:
+        raise PolyshardError(f"--nproc {nproc} puts one process on each GPU, and this machine has {count}: use "
+                             f"--nproc {count} or fewer, or run on the CPU with CUDA_VISIBLE_DEVICES=''")
+
+
 def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
             rendezvous: tuple[str, int] | None = None, max_restarts: int = 0) -> int:
-    """torchrun: ``nproc`` ranks on this machine, one thread each, machine ``nodes[1]`` of ``nodes[0]`` meeting
-    the others at ``rendezvous`` (default: this machine alone, on a free port). A bad input the ranks find is
-    said once, with exit code 2, instead of once per rank under torchrun's own report; a rank that dies
-    otherwise restarts the job up to ``max_restarts`` times."""
+    """torchrun: ``nproc`` ranks on this machine, one thread each (one GPU each, where it has GPUs), machine
+    ``nodes[1]`` of ``nodes[0]`` meeting the others at ``rendezvous`` (default: this machine alone, on a free
+    port). A bad input the ranks find is said once, with exit code 2, instead of once per rank under torchrun's
+    own report; a rank that dies otherwise restarts the job up to ``max_restarts`` times."""
+    check_gpus(nproc)
     if rendezvous is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

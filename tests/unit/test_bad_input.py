@@ -467,3 +467,19 @@ def test_api_refuses(call, needles):
         call()
     for needle in needles:
         assert needle in str(exc.value), f"{needle!r} not named in: {exc.value}"
+
+
+def test_more_processes_than_gpus_are_refused_before_launch(monkeypatch, tmp_path, capsys):
+    """Each rank takes its own GPU: four processes on a machine with two are refused before torchrun starts."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setattr("polyshard.cli.launch.subprocess.Popen", lambda *a, **k: pytest.fail(f"launched {a}"))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    code = cli.main(["train", "--nproc", "4", "--mesh", "dp=4", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    for needle in ("--nproc 4", "has 2", "--nproc 2", "CUDA_VISIBLE_DEVICES"):
+        assert needle in err, err
+    assert sorted(tmp_path.iterdir()) == []
