@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -72,3 +73,20 @@ class RankPool:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+
+
+@contextlib.contextmanager
+def pools_by_world(one_device: bool = False):
+    """``get(world)``: a pool of that many ranks, started on first use and shared until the block ends."""
+    made: dict[int, RankPool] = {}
+
+    def get(world: int) -> RankPool:
+        if world not in made:
+            made[world] = RankPool(world, one_device)
+        return made[world]
+
+    try:
+        yield get
+    finally:
+        for pool in made.values():
+            pool.close()

@@ -4,7 +4,7 @@ to start rather than pass without running."""
 import pytest
 import torch
 
-from tests.distributed.pool import RankPool
+from tests.distributed.pool import pools_by_world
 
 if not torch.cuda.is_available():
     raise pytest.UsageError("tests/gpu needs a CUDA device: run `python -m pytest tests/gpu` on a GPU machine")
@@ -13,13 +13,5 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def gpu_pools():
     """Rank pools by world size whose ranks all share GPU 0 (gloo carries their CUDA tensors)."""
-    made: dict[int, RankPool] = {}
-
-    def get(world: int) -> RankPool:
-        if world not in made:
-            made[world] = RankPool(world, one_device=True)
-        return made[world]
-
-    yield get
-    for pool in made.values():
-        pool.close()
+    with pools_by_world(one_device=True) as get:
+        yield get
