@@ -102,9 +102,10 @@ def measure_attention_share(dtype: torch.dtype, seq: int, head_dim: int, peak: f
     return min(1.0, 3 * head_flops * heads / seconds / peak)
 
 
-def measure_op_overheads(repeats: int, ops: int = 100) -> tuple[float, float]:
+def measure_op_overheads(repeats: int, ops: int = 100) -> tuple[float, float, float]:
     """Fixed seconds per op of forward plus backward on tiny tensors: plain, and the extra an op run on
-    DTensors pays (split over every rank, no communication). Every rank must call it."""
+    DTensors pays (split over every rank, no communication); and per tensor of an optimizer step. Every
+    rank must call it."""
     _check_repeats(repeats)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = DeviceMesh(device.type, list(range(dist.get_world_size())))
@@ -122,28 +123,32 @@ def measure_op_overheads(repeats: int, ops: int = 100) -> tuple[float, float]:
 
     plain = per_op(lambda y: y * 1.0)
     split = per_op(lambda y: DTensor.from_local(y, mesh, [Shard(0)], run_check=False).mul(1.0).to_local())
-    # On CPU the host's time is the device's: a real step's fixed cost per op (autograd, dispatch, the
-    # optimizer's per-tensor work) is what the planner needs, and a chain of one op shows a fifth of it.
-    # On GPUs the host runs ahead of the kernels, so the chain's figure (launch costs) stays.
-    step = measure_step_overhead(repeats) if device.type == "cpu" else plain
-    plain, step, split = _all_reduce([plain, step, split], dist.ReduceOp.MAX, None)
-    return step, max(split - plain, 0.0)
+    # On CPU the host's time is the device's: a real micro-batch's fixed cost per op (autograd, dispatch) is
+    # what the planner needs, and a chain of one op shows a fraction of it; the optimizer's per-tensor work
+    # comes once per step. On GPUs the host runs ahead of the kernels, so the chain's figure (launch costs)
+    # stays, and the fused step's few launches are left out.
+    step, update = measure_step_overheads(repeats) if device.type == "cpu" else (plain, 0.0)
+    plain, step, split, update = _all_reduce([plain, step, split, update], dist.ReduceOp.MAX, None)
+    return step, max(split - plain, 0.0), update
 
 
-def measure_step_overhead(repeats: int) -> float:
-    """Seconds per graph op of a whole training step (forward, backward, AdamW) of a GPT so small that
-    its FLOPs are under 1% of the step (on CPU)."""
+def measure_step_overheads(repeats: int) -> tuple[float, float]:
+    """Of a training step of a GPT so small that its FLOPs are under 1% of the step (on CPU): seconds per
+    graph op of forward and backward, and per parameter tensor of the AdamW step."""
     model = models.build("gpt-tiny", seed=0)
     batch = model.example_inputs(1)
     ops = sum(n.op.startswith("call_") for n in capture(model, batch).graph.nodes)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
 
-    def step():
+    def forward_backward():
         opt.zero_grad(set_to_none=True)
         model(*batch).backward()
-        opt.step()
 
-    return statistics.median(_times(step, repeats, torch.device("cpu"), calls=5)) / ops
+    cpu = torch.device("cpu")
+    micro_batch = statistics.median(_times(forward_backward, repeats, cpu, calls=5))
+    update = statistics.median(_times(opt.step, repeats, cpu, calls=5))
+    return micro_batch / ops, update / len(params)
 
 
 def measure_memory_bandwidth(repeats: int, nbytes: int = 64 * 2**20) -> float:
@@ -239,7 +244,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
                              f"got {len(sizes)}")
     flops, matmul_sizes, notes = _flops(base.device_type, repeats)
     attention = _attention_shares(base.device_type, flops, repeats, notes)
-    op_overhead, split_overhead = measure_op_overheads(repeats)
+    op_overhead, split_overhead, optimizer_overhead = measure_op_overheads(repeats)
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
     # Several nodes: time every collective inside one node, and all_reduce across all of them too.
@@ -269,6 +274,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         attention_shares=attention,
         op_overhead_s=op_overhead,
         split_op_overhead_s=split_overhead,
+        optimizer_overhead_s=optimizer_overhead,
         memory_bandwidth_bytes_per_s=memory_bw,
         host_bandwidth_bytes_per_s=host_bw,
         disk_bandwidth_bytes_per_s=disk_bw,
@@ -363,6 +369,7 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
     lines += ["", "fixed cost per op (forward + backward)",
               f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}",
               f"{'split (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}",
+              f"{'optimizer, per tensor':<24} {_si(cluster.optimizer_overhead_s, 's'):>12}",
               "", f"{'memory (read + write)':<24} {_si(cluster.memory_bandwidth_bytes_per_s, 'B/s'):>12}",
               "", "offload copies",
               f"{'device <-> host':<24} {_si(cluster.host_bandwidth_bytes_per_s, 'B/s'):>12}",

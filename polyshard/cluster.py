@@ -34,7 +34,7 @@ class _Device:
     flops_per_s: dict[str, float]  # peak dense FLOP/s per dtype name
     intra_node: Link  # between devices of one node
     inter_node: Link  # between nodes
-    overheads: tuple[float, float]  # (op_overhead_s, split_op_overhead_s) of Cluster
+    overheads: tuple[float, float, float]  # (op_overhead_s, split_op_overhead_s, optimizer_overhead_s) of Cluster
     offload_bandwidths: tuple[float, float]  # (host_bandwidth_bytes_per_s, disk_bandwidth_bytes_per_s) of Cluster
     memory_bandwidth_bytes_per_s: float  # achievable device-memory bandwidth (read + write)
     matmul_efficiency: float  # share of peak FLOP/s a large matrix product reaches
@@ -63,9 +63,11 @@ _ETHERNET_10G = Link(bandwidth_bytes_per_s=1.25e9, latency_s=50e-6)
 
 # Fixed cost per op and training step (forward and backward), as `polyshard calibrate` measures it:
 # on GPUs about three kernel launches of 5 us, plus DTensor's Python dispatch for a split op;
-# on CPU, eager dispatch of tiny ops, typical of a desktop core.
-_GPU_OVERHEADS = (15e-6, 150e-6)
-_CPU_OVERHEADS = (40e-6, 400e-6)
+# on CPU, eager dispatch of tiny ops, typical of a desktop core. The optimizer's fixed cost per tensor it
+# steps is left to calibration (0: a GPU's fused step is a few launches for all tensors; on CPU it is
+# measured, tens of microseconds per tensor for AdamW on one core).
+_GPU_OVERHEADS = (15e-6, 150e-6, 0.0)
+_CPU_OVERHEADS = (40e-6, 400e-6, 0.0)
 # Device <-> host copies and host <-> disk: PCIe 4.0 x16 (A100) or 5.0 x16 (H100, H200) at about 80% of
 # line rate, one NVMe SSD (typical sequential figure); on CPU, a memory copy and a SATA-class disk.
 _PCIE4, _PCIE5, _NVME = 25e9, 50e9, 3e9
@@ -104,7 +106,7 @@ _DEVICES: dict[str, _Device] = {
 }
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
-_OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s")
+_OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s")
 _OFFLOAD_KEYS = ("host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s")
 _RATE_KEYS = ("memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency")
 
@@ -125,10 +127,12 @@ class Cluster:
     inter_node: Link  # between nodes
     # Peak dense FLOP/s per dtype name ("float32", "bfloat16", "float16"); left out of the hash.
     flops_per_s: dict[str, float] = field(default_factory=dict, hash=False)
-    # Fixed seconds per op and training step, however small the op: dispatch and kernel launches.
+    # Fixed seconds per op and micro-batch (forward and backward), however small the op: dispatch and launches.
     op_overhead_s: float = 0.0
     # What an op run on split tensors (DTensor) pays on top of op_overhead_s.
     split_op_overhead_s: float = 0.0
+    # Fixed seconds per tensor an optimizer step walks, once per step whatever the micro-batches.
+    optimizer_overhead_s: float = 0.0
     # Copies between a device and its host's memory, and between host memory and local disk (offload).
     host_bandwidth_bytes_per_s: float = 0.0
     disk_bandwidth_bytes_per_s: float = 0.0

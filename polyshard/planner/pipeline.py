@@ -188,6 +188,18 @@ def level3_traffic(groups, itemsize: int, threshold_bytes: int = 64 * 1024) -> t
     return float(whole), sum(any(n * itemsize >= threshold_bytes for n in g) for g in groups)
 
 
+def stepped_tensors(groups, zero: int, precision: str, offload: str) -> int:
+    """Tensors one optimizer step walks over these parameter groups (sizes, by module), as polyshard train
+    builds the optimizer: plain torch steps every parameter (fp32 at level 0, or offloaded state);
+    polyshard.runtime.zero steps flat buckets of masters, one per module gathered at level 3."""
+    if offload != "none" or (zero == 0 and precision == "fp32"):
+        return sum(map(len, groups))
+    if zero == 3:
+        return len(groups)
+    numel = sum(map(sum, groups))
+    return max(1, -(-numel * _itemsize(precision) // BUCKET_BYTES))
+
+
 def in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int, chunk: int) -> float:
     """Micro-batches whose activations chunk ``chunk`` holds at once, at the most: all of them under
     GPipe, pp - stage under 1F1B; under interleaving a rank's warm-up forwards, shared by its chunks."""
@@ -258,8 +270,9 @@ class Setup:
     replica per step, the optimizer-parallel level, precision and offload, the memory limit;
     send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, groups, overlap_s, m):
     the data-parallel communication of that many gradient bytes of these parameter groups over m
-    micro-batches left exposed beside overlap_s of backward; update_seconds(numel): the optimizer step's (or offload's copies')
-    seconds; fixed: settings the user fixed; memo: results one search reuses (unit memory, simulated
+    micro-batches left exposed beside overlap_s of backward; update_seconds(numel, tensors): the optimizer
+    step's (or offload's copies') seconds over that many parameters in that many tensors (none given: a
+    lower bound); fixed: settings the user fixed; memo: results one search reuses (unit memory, simulated
     schedules, time-balanced cuts)."""
 
     pp: int
@@ -271,7 +284,7 @@ class Setup:
     limit: float
     send: Callable[[np.ndarray], np.ndarray]
     dp_seconds: Callable[[float, float, float, int], float]
-    update_seconds: Callable[[float], float]
+    update_seconds: Callable[..., float]
     fixed: Fixed = Fixed()
     memo: dict = dataclasses.field(default_factory=dict)
 
@@ -473,7 +486,7 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     numel = sum(map(sum, groups))
     # a rank's gradients sync in its last micro-batch's backward, beside the backwards still to run there
     dp_comm = s.dp_seconds(numel * _itemsize(s.precision), groups, min(backward), m)
-    update = s.update_seconds(numel)
+    update = s.update_seconds(numel, stepped_tensors(groups, s.zero, s.precision, s.offload))
     work = [m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp)]  # per rank
     # no span is shorter than a rank's own work, after the first micro-batch's forward reaches its first chunk r
     # and before the last one's backward leaves it for chunks r-1 .. 0 (the fill and drain of every schedule)

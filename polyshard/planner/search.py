@@ -44,7 +44,8 @@ from polyshard.planner.cost.compute import optimizer_seconds, passes
 from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.intra_op import IntraOpResult, Terms, forward_floor, program_terms, solve
 from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
-                                        leanest_pipeline, level3_traffic, state_memory, unit_costs)
+                                        leanest_pipeline, level3_traffic, state_memory, stepped_tensors,
+                                        unit_costs)
 from polyshard.planner.config import Fixed
 from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
@@ -472,8 +473,9 @@ class _Costs:
         """``plan`` on ``rows`` rows run as ``m`` micro-batches, gradients synced in the last one's backward."""
         plan = dataclasses.replace(plan, micro_batches=m)
         dp = _data_size(mesh, self.data_axes)
+        tensors = stepped_tensors(units.model_groups, plan.zero, plan.precision, plan.offload)
         compute = float(rows * units.compute_s.sum() + m * units.overhead_s.sum()) + \
-            _update_seconds(numel, plan.offload, plan.zero, dp, plan.precision, self.cluster)
+            _update_seconds(numel, plan.offload, plan.zero, dp, plan.precision, self.cluster, tensors)
         op_comm = float(rows * units.comm_s.sum() + m * units.latency_s.sum())
         backward = (1 - units.forward_share) * (compute + op_comm) / m
         dp_comm = _dp_seconds(numel * DTYPES[plan.precision][1], mesh, self.data_axes, self.cluster, plan.zero,
@@ -504,8 +506,8 @@ class _Costs:
                               b, mesh, self.data_axes, self.cluster, zero, overlap_s=overlap * self.hides,
                               micro_batches=m,
                               **_level3(groups, precision, base)),
-                          update_seconds=lambda numel, zero=zero, precision=precision: _update_seconds(
-                              numel, offload, zero, dp, precision, self.cluster),
+                          update_seconds=lambda numel, tensors=0, zero=zero, precision=precision: _update_seconds(
+                              numel, offload, zero, dp, precision, self.cluster, tensors),
                           fixed=self.fixed, memo=self._memo)
             found, bound = best_pipeline(units, setup, best_s)
             if found is None and bound < float("inf"):
@@ -559,12 +561,13 @@ def _level3(groups, precision: str, plan: Plan) -> dict:
     return {"modules": gathered, "whole_bytes": whole}
 
 
-def _update_seconds(numel: float, offload: str, zero: int, dp: int, precision: str, cluster: Cluster) -> float:
-    """Seconds of the optimizer step on ``numel`` local parameters (this rank's shard from level 1
-    on), or of the copies to and from where offload keeps the state (the host steps it)."""
+def _update_seconds(numel: float, offload: str, zero: int, dp: int, precision: str, cluster: Cluster,
+                    tensors: int = 0) -> float:
+    """Seconds of the optimizer step on ``numel`` local parameters in ``tensors`` tensors (this rank's shard
+    from level 1 on), or of the copies to and from where offload keeps the state (the host steps it)."""
     if offload != "none":
-        return offload_seconds(numel, offload, cluster)
-    return optimizer_seconds(numel / (dp if zero else 1), precision, cluster)
+        return offload_seconds(numel, offload, cluster) + tensors * cluster.optimizer_overhead_s
+    return optimizer_seconds(numel / (dp if zero else 1), precision, cluster, tensors)
 
 
 def _variants(dp: int, offload: str, cluster: Cluster, fixed: Fixed = Fixed()) -> list[tuple[int, str]]:

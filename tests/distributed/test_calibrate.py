@@ -22,8 +22,10 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert cluster.flops_per_s["float32"] > 0
     assert cluster.intra_node.bandwidth_bytes_per_s > 0 and cluster.intra_node.latency_s >= 0
     assert cluster.inter_node == cluster.intra_node
-    # eager dispatch costs microseconds per op; a DTensor op costs more than a plain one
+    # eager dispatch costs microseconds per op; a DTensor op costs more than a plain one; AdamW's step
+    # microseconds per tensor
     assert 1e-7 < cluster.op_overhead_s < 1e-2 and 0 < cluster.split_op_overhead_s < 1e-1
+    assert 1e-7 < cluster.optimizer_overhead_s < 1e-2 and "optimizer, per tensor" in run.stdout
     assert cluster.host_bandwidth_bytes_per_s > 1e7 and cluster.disk_bandwidth_bytes_per_s > 1e6
     assert cluster.memory_bandwidth_bytes_per_s > 1e8 and "memory (read + write)" in run.stdout
     # causal attention timed at four head sizes per dtype, each a share of that dtype's matmul rate

@@ -120,7 +120,8 @@ def test_yaml_written_before_overheads_takes_its_device_types(tmp_path):
     path = tmp_path / "old.yaml"
     c = Cluster.preset("cpu-gloo:2")
     data = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(c)))
-    for key in ("op_overhead_s", "split_op_overhead_s", "host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s",
+    for key in ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s", "host_bandwidth_bytes_per_s",
+                "disk_bandwidth_bytes_per_s",
                 "memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency"):
         del data[key]
     path.write_text(yaml.safe_dump(data))

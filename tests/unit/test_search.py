@@ -134,6 +134,33 @@ def test_fixed_cost_of_split_ops_decides_between_splitting_and_replicating():
     assert split_ops(dataclasses.replace(base, op_overhead_s=0.0, split_op_overhead_s=0.0)) > 10
 
 
+@pytest.mark.parametrize("config", [dict(dp=4, m=1), dict(dp=4, m=4), dict(dp=2, pp=2, m=4, schedule="1f1b"),
+                                    dict(dp=4, m=2, zero=2)])
+def test_the_optimizers_cost_per_tensor_comes_once_a_step(config):
+    """However many micro-batches a step runs, it steps the optimizer once: a cost per tensor stepped adds
+    that many times it to the step, per parameter for torch's AdamW (fp32, level 0; in a pipeline, the
+    parameters of the rank holding the most), per flat bucket of masters for polyshard's optimizer parallel."""
+    model = models.build("gpt-tiny", "meta")
+    base = Cluster.preset("cpu-gloo:4")
+    fixed = Fixed(tp=1, precision="fp32", recompute="none", **{"zero": 0, **config})
+
+    def step_s(cluster):
+        plan, candidates = search(model, model.example_inputs(1), cluster, 16, fixed=fixed)
+        return candidates[0].step_s, plan
+
+    plain, plan = step_s(base)
+    charged, _ = step_s(dataclasses.replace(base, optimizer_overhead_s=1.0))
+    names = [n for n, _ in model.named_parameters()]
+    if plan.zero:
+        tensors = 1  # gpt-tiny's parameters fill one 25 MiB bucket
+    elif plan.stage_boundaries:  # the rank holding the most parameters: the first stage's wte, wpe and blocks.0
+        assert plan.stage_boundaries == ("blocks.1",)
+        tensors = sum(n.startswith(("wte.", "wpe.", "blocks.0.")) for n in names)
+    else:
+        tensors = len(names)
+    assert charged - plain == pytest.approx(tensors, rel=1e-6)
+
+
 def test_a_transformer_written_elsewhere_is_planned_like_polyshards_own():
     """Its own module names, a hand-written attention: on GPUs where splitting pays, the search
     splits its MLP column- then row-parallel and its attention by heads, as for the GPT."""

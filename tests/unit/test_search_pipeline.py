@@ -34,7 +34,7 @@ def _units(seconds, activation_mib, param_numels, send_mib=0.0):
 def _setup(pp, rows, limit=float("inf"), send_s_per_mib=0.0):
     return Setup(pp=pp, dp=1, rows=rows, zero=0, precision="fp32", offload="none", limit=limit,
                  send=lambda b: b / MiB * send_s_per_mib, dp_seconds=lambda b, modules, overlap, m: 0.0,
-                 update_seconds=lambda numel: 0.0)
+                 update_seconds=lambda numel, tensors=0: 0.0)
 
 
 def test_min_max_partition_of_unequal_layers():
@@ -200,16 +200,16 @@ def test_two_stage_step_and_bubble_by_hand():
 
 def test_an_interleaved_rank_syncs_and_steps_the_parameters_of_every_chunk_it_holds():
     """Four one-unit chunks on two ranks: rank 0 runs units 0 and 2 (10 + 30 parameters), rank 1 units 1
-    and 3 (20 + 40); the gradient sync and the optimizer step are rank 1's 60, not one chunk's 40."""
+    and 3 (20 + 40); the gradient sync and the optimizer step are rank 1's 60 in 2 tensors, not one chunk's 40."""
     units = _units([0.1] * 4, [1.0] * 4, [10, 20, 30, 40])
     synced, stepped = [], []
     setup = dataclasses.replace(_setup(pp=2, rows=2), dp=2,
                                 dp_seconds=lambda b, modules, overlap, m: synced.append(b) or 0.0,
-                                update_seconds=lambda numel: stepped.append(numel) or 0.0)
+                                update_seconds=lambda numel, tensors=0: stepped.append((numel, tensors)) or 0.0)
     state = [state_memory([(k,)], 0, 2, "fp32", "none") for k in (10, 20, 30, 40)]
     found = cost_pipeline((units,), setup, state, 2, "interleaved", 2)
     assert [s.rank for s in found.stages] == [0, 1, 0, 1]
-    assert synced == [60 * 4] and stepped == [60]
+    assert synced == [60 * 4] and stepped == [(60, 2)]
 
 
 def test_meshes_offer_pipelines_up_to_the_blocks():

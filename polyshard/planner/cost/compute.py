@@ -77,12 +77,14 @@ def forward_seconds(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module
     return max(flops / peak, moved / bandwidth if bandwidth else 0.0)
 
 
-def optimizer_seconds(numel: float, precision: str, cluster: Cluster) -> float:
-    """Seconds of one optimizer step over ``numel`` local parameters: memory-bound, a fused AdamW
-    reads parameter, gradient and two moments and writes three of them back, 28 bytes in fp32 (half
-    precision adds the half gradient read and the half parameter written: 32)."""
+def optimizer_seconds(numel: float, precision: str, cluster: Cluster, tensors: int = 0) -> float:
+    """Seconds of one optimizer step over ``numel`` local parameters in ``tensors`` tensors: memory-bound, a
+    fused AdamW reads parameter, gradient and two moments and writes three of them back, 28 bytes in fp32
+    (half precision adds the half gradient read and the half parameter written: 32); plus a fixed cost
+    per tensor."""
     bandwidth = cluster.memory_bandwidth_bytes_per_s
-    return numel * (28 if precision == "fp32" else 32) / bandwidth if bandwidth else 0.0
+    moved = numel * (28 if precision == "fp32" else 32) / bandwidth if bandwidth else 0.0
+    return moved + tensors * cluster.optimizer_overhead_s
 
 
 def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module], itemsize: int) -> float:
