@@ -84,6 +84,7 @@ def _train(ref: nn.Module, par: nn.Module, batches, steps_kwargs: dict, optimize
     result = {"loss_err": loss_err, "param_err": param_err, "tied_gap": tied_gap, "tied": sorted(pm.split.tied),
               "boundaries": pm.plan.stage_boundaries, "edges": [(e.name, e.src, e.dst) for e in pm.split.edges],
               "params": sorted(pm.local_parameters()), "reads_batch": pm.reads_batch,
+              "layouts": {k: v.describe() or "R" for k, v in pm.plan.params.items()},
               "recomputed": {int(c): [name for name, _ in m.named_children() if name.startswith("recompute_")]
                              for c, m in pm.chunks.items()}}
     del pm, opt
@@ -100,6 +101,25 @@ def gpt_parity(mesh: str, schedule: str = "1f1b", dtype=torch.float64, optimizer
     batches = [_batch(ref, batch, seed=s) for s in range(steps)]
     kwargs = dict(schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages, recompute=recompute)
     return _train(ref, par, batches, kwargs, optimizer, accum, mark)
+
+
+def stage_layouts_parity(steps: int = 4) -> dict:
+    """pp=2 x tp=2, each stage's operators pinned its own way: stage 0 splits its block's rows over tp (tp as
+    a second data axis there, weights whole), stage 1 splits its block's weights Megatron-style (columns,
+    then rows). The activations crossing the cut change layout on the way."""
+    ps.init("pp=2,tp=2")
+    ref, par = _gpt(2, torch.float64, True), _gpt(2, torch.float64, True)
+    first, second = par.blocks
+    for m in (first.attn.q, first.attn.k, first.attn.v, first.attn.proj, first.mlp.fc, first.mlp.proj):
+        ps.shard(m, in_strategy=((2, 1, 1), (1, 1)))
+    for m in (second.attn.q, second.attn.k, second.attn.v, second.mlp.fc):
+        ps.shard(m, in_strategy=((1, 1, 1), (2, 1)))
+    for m in (second.attn.proj, second.mlp.proj):
+        ps.shard(m, in_strategy=((1, 1, 2), (1, 2)))
+    batches = [_batch(ref, 8, seed=s) for s in range(steps)]
+    plan = ps.plan(par, example_inputs=tuple(t[:4] for t in batches[0]), schedule="1f1b", micro_batches=2)
+    outputs = {name: n.output.describe() for name, n in plan.nodes.items() if "mlp_fc" in name}
+    return _train(ref, par, batches, dict(plan=plan), "adamw", 1) | {"fc_outputs": outputs}
 
 
 def searched_recompute_parity(limit_bytes: float, batch: int = 16, steps: int = 4) -> dict:

@@ -57,6 +57,18 @@ def test_dp2_pp2_tp2(pools, schedule):
     _check(pools(8).run(cases.gpt_parity, "dp=2,pp=2,tp=2", schedule))
 
 
+def test_stages_lay_their_operators_out_differently(pools):
+    """Pins per stage: the first stage uses its tp axis for rows (its weights whole), the second for weights."""
+    results = pools(4).run(cases.stage_layouts_parity)
+    _check(results)
+    layouts = results[0]["layouts"]
+    assert results[0]["boundaries"] == ("blocks.1",)
+    # the first stage's MLP computes a half of the rows on each rank, the second's a half of the features
+    assert results[0]["fc_outputs"] == {"blocks_0_mlp_fc": "tp=2:S(0)", "blocks_1_mlp_fc": "tp=2:S(2)"}
+    assert layouts["blocks.0.mlp.fc.weight"] == "tp=2:R" and layouts["blocks.0.attn.proj.weight"] == "tp=2:R"
+    assert layouts["blocks.1.mlp.fc.weight"] == "tp=2:S(0)" and layouts["blocks.1.mlp.proj.weight"] == "tp=2:S(1)"
+
+
 def test_interleaved_two_virtual_stages(pools):
     results = pools(2).run(cases.gpt_parity, "pp=2", "interleaved", torch.float64, "adamw", True, 1, 4, 2)
     _check(results)
