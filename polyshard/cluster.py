@@ -61,11 +61,11 @@ _LOOPBACK = Link(bandwidth_bytes_per_s=5e9, latency_s=20e-6)
 # 10 Gb Ethernet between CPU machines (IEEE 802.3ae line rate).
 _ETHERNET_10G = Link(bandwidth_bytes_per_s=1.25e9, latency_s=50e-6)
 
-# Fixed cost per op and training step (forward and backward), as `polyshard calibrate` measures it:
+# Fixed cost per op and micro-batch (forward and backward), as `polyshard calibrate` measures it:
 # on GPUs about three kernel launches of 5 us, plus DTensor's Python dispatch for a split op;
 # on CPU, eager dispatch of tiny ops, typical of a desktop core. The optimizer's fixed cost per tensor it
-# steps is left to calibration (0: a GPU's fused step is a few launches for all tensors; on CPU it is
-# measured, tens of microseconds per tensor for AdamW on one core).
+# steps is left to calibration (0: a GPU's fused step is a few launches for all tensors; on CPU,
+# torch's AdamW measures about 100 us per tensor on one core of a shared 2-core VM).
 _GPU_OVERHEADS = (15e-6, 150e-6, 0.0)
 _CPU_OVERHEADS = (40e-6, 400e-6, 0.0)
 # Device <-> host copies and host <-> disk: PCIe 4.0 x16 (A100) or 5.0 x16 (H100, H200) at about 80% of
