@@ -81,11 +81,12 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     attrs: dict[str, Any] = {}
     _inline_state(graph, sig, traced, ep.constants, attrs)
     signature = _bind_user_inputs(graph, sig, ep.call_spec.in_spec, *tiled, ep.call_spec.out_spec)
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in _ASSERTS:
-            graph.erase_node(node)
-        elif node.op == "get_attr" and node.target.startswith("submod_"):  # higher-order ops' bodies
-            attrs[node.target] = getattr(ep.graph_module, node.target)
+    _drop_asserts(graph)
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target.startswith("submod_"):  # higher-order ops' bodies
+            attrs[node.target] = body = getattr(ep.graph_module, node.target)
+            _drop_asserts(body.graph)
+            body.recompile()
     for node in graph.nodes:
         _clean_stack(node)
     _split_to_slices(graph)
@@ -107,6 +108,13 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     gm.meta[SIGNATURE_KEY] = signature
     return gm
+
+
+def _drop_asserts(graph: fx.Graph) -> None:
+    """Export's checks of the dtypes and sizes it traced: a program that computes in another precision, or
+    at another batch, would fail them."""
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _ASSERTS]:
+        graph.erase_node(node)
 
 
 def _inline_state(graph: fx.Graph, sig, model: nn.Module, constants: dict, attrs: dict) -> None:
@@ -181,7 +189,15 @@ def _split_to_slices(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
+# Casts export records, and where each takes its dtype among its positional arguments (None: by keyword only):
+# ``x.float()`` is to.dtype, ``x.to(dtype=..., device=...)`` to.device (transformers' rotary tables).
+CASTS = {torch.ops.aten.to.dtype: 1, torch.ops.aten.to.device: 2, torch.ops.aten.to.dtype_layout: None,
+         torch.ops.aten._to_copy.default: None}
+
+
+def _cast_device(node: fx.Node):
+    """The device a cast node moves its value to (None: where it is)."""
+    return node.args[1] if node.target is torch.ops.aten.to.device else node.kwargs.get("device")
 
 
 def _drop_same_dtype_casts(graph: fx.Graph) -> None:
@@ -189,7 +205,7 @@ def _drop_same_dtype_casts(graph: fx.Graph) -> None:
     as a node, which would tie a norm's float32 upcast to the residual stream that reuses it."""
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in CASTS]:
         src, val = node.args[0], node.meta.get("val")
-        same_device = node.kwargs.get("device") in (None, getattr(src.meta.get("val"), "device", None))
+        same_device = _cast_device(node) in (None, getattr(src.meta.get("val"), "device", None))
         if (isinstance(src, fx.Node) and isinstance(val, torch.Tensor) and same_device
                 and getattr(src.meta.get("val"), "dtype", None) == val.dtype):
             node.replace_all_uses_with(src)

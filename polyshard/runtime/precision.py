@@ -46,11 +46,12 @@ def compute_casts_in(module: nn.Module, dtype: torch.dtype) -> None:
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.target not in CASTS:
                 continue
+            at = CASTS[node.target]
             if node.kwargs.get("dtype") == torch.float32:
                 node.kwargs = {**node.kwargs, "dtype": dtype}
                 changed = True
-            elif len(node.args) > 1 and node.args[1] == torch.float32:
-                node.args = (node.args[0], dtype, *node.args[2:])
+            elif at is not None and len(node.args) > at and node.args[at] == torch.float32:
+                node.args = (*node.args[:at], dtype, *node.args[at + 1:])
                 changed = True
         if changed:
             gm.recompile()
