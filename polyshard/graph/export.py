@@ -21,6 +21,7 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from polyshard.errors import PolyshardError
+from polyshard.graph.causal import run_causal_attention_unmasked
 from polyshard.graph.saved import KEPT_INSIDE, kept_inside
 from polyshard.graph.stamp import find_stack, first_layers, stamp
 
@@ -98,6 +99,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     grads = _needs_grad(graph, attrs)
     for node in graph.nodes:
         _set_tensor_meta(node, batch, node in grads)
+    run_causal_attention_unmasked(graph)
     for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:  # a collapsed leaf's own state
         graph.erase_node(node)
         attrs.pop(node.target, None)
