@@ -1,7 +1,8 @@
 """Measure this machine's matmul rate and collective latency/bandwidth, so the planner costs real figures.
 
 Run on every rank under torchrun; :func:`calibrate` writes the cluster YAML that ``polyshard plan
---cluster`` reads. Links are fitted to the planner's own model: time = latency + wire bytes / bandwidth.
+--cluster`` reads. Links are fitted to the planner's own model: time = latency + wire bytes / bandwidth;
+a world of one (one GPU) measures the device alone and keeps its preset's links.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ _MATMUL_BUDGET_S = 0.25
 # Causal attention timed per (sequence, head dim) of one head's slice: from tiny test models to real heads.
 _ATTENTION_SIZES = {"cpu": ((16, 8), (64, 32), (256, 64), (1024, 64)),
                     "cuda": ((256, 64), (1024, 64), (4096, 128))}
-_ATTENTION_CALL_FLOPS = {"cpu": 2e7, "cuda": 2e10}  # forward FLOPs per timed call (heads batched to reach it)
+# Forward FLOPs per timed call (heads batched to reach it): on a GPU, milliseconds of work, so launches and the
+# host's timer do not count (at 2e10 an H200's attention measured a fifth of its rate).
+_ATTENTION_CALL_FLOPS = {"cpu": 2e7, "cuda": 2e11}
+# Copies timed for memory bandwidth, as (bytes, copies per timing): on a GPU one 64 MiB copy lasts tens of
+# microseconds, and timed alone an H200's ran at 0.58 of the rate bench_device's 512 MiB copies measure.
+_STREAM = {"cpu": (64 * 2**20, 1), "cuda": (512 * 2**20, 10)}
 
 
 class Sweep(NamedTuple):
@@ -151,13 +157,14 @@ def measure_step_overheads(repeats: int) -> tuple[float, float]:
     return micro_batch / ops, update / len(params)
 
 
-def measure_memory_bandwidth(repeats: int, nbytes: int = 64 * 2**20) -> float:
+def measure_memory_bandwidth(repeats: int) -> float:
     """Bytes per second one copy reads and writes in this rank's memory (all ranks copy at once, as in
     training): what bounds elementwise ops, norms and the optimizer step."""
     _check_repeats(repeats)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    nbytes, calls = _STREAM[device.type]
     src, dst = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
-    return 2 * nbytes / statistics.median(_times(lambda: dst.copy_(src), repeats, device, dist.barrier))
+    return 2 * nbytes / statistics.median(_times(lambda: dst.copy_(src), repeats, device, dist.barrier, calls))
 
 
 def measure_offload_bandwidths(nbytes: int = 64 * 2**20) -> tuple[float, float]:
@@ -234,12 +241,12 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     """Measure on every rank (all must call it); rank 0 prints the figures and writes ``out_path`` (if given)."""
     base = Cluster.from_env()
     world = dist.get_world_size()
-    if world < 2 or base.num_devices != world:
-        raise PolyshardError(f"calibration needs torchrun with at least 2 ranks to time collectives; "
-                             f"the world has {world} (WORLD_SIZE={base.num_devices})")
+    if base.num_devices != world:
+        raise PolyshardError(f"calibration needs every rank of the job; the world has {world} "
+                             f"(WORLD_SIZE={base.num_devices})")
     _check_repeats(repeats)
     sizes = sorted({s - s % (4 * world) for s in sizes if s >= 4 * world})
-    if len(sizes) < 2:
+    if world > 1 and len(sizes) < 2:
         raise PolyshardError(f"calibration needs at least two message sizes of {4 * world} bytes or more; "
                              f"got {len(sizes)}")
     flops, matmul_sizes, notes = _flops(base.device_type, repeats)
@@ -247,17 +254,15 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     op_overhead, split_overhead, optimizer_overhead = measure_op_overheads(repeats)
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
-    # Several nodes: time every collective inside one node, and all_reduce across all of them too.
-    split = base.num_nodes > 1 and base.devices_per_node > 1
-    local = dist.new_subgroups(base.devices_per_node)[0] if split else None
-    sweeps = {kind: _sweep(kind, sizes, local, repeats) for kind in KINDS}
-    if split:
-        sweeps["all_reduce, all nodes"] = _sweep("all_reduce", sizes, None, repeats)
+    sweeps = _sweeps(base, sizes, repeats)
     fits = _fits(sweeps, sizes)
-    link = fits["all_reduce"]
-    if base.num_nodes == 1:
+    intra, inter = (fits["all_reduce"], fits.get("all_reduce, all nodes", fits["all_reduce"])) if sweeps else \
+        (base.intra_node, base.inter_node)
+    if world == 1:
+        notes.append(f"one process: no collective to time; the links are the {base.device_name} preset's")
+    elif base.num_nodes == 1:
         notes.append("one node: inter_node is a copy of intra_node (no link between nodes to time)")
-    if base.devices_per_node == 1:
+    if world > 1 and base.devices_per_node == 1:
         notes.append("one device per node: intra_node is a copy of inter_node (no link inside a node to time)")
     cuda = base.device_type == "cuda"
     efficiency, depths = measured_product_shares(base, matmul_sizes.get("float32", _MATMUL_SIZE[base.device_type]))
@@ -266,8 +271,8 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         device_name=torch.cuda.get_device_name() if cuda else "cpu",
         memory_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda
         else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // base.devices_per_node,
-        intra_node=link,
-        inter_node=fits.get("all_reduce, all nodes", link),
+        intra_node=intra,
+        inter_node=inter,
         flops_per_s=flops,
         matmul_efficiency=efficiency,
         matmul_depth_shares=depths,
@@ -285,6 +290,19 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
             cluster.to_yaml(out_path)
             print(f"cluster: {out_path}")
     return cluster
+
+
+def _sweeps(base: Cluster, sizes: list[int], repeats: int) -> dict[str, Sweep]:
+    """Every collective timed inside one node, and all_reduce across all nodes where there are several;
+    none in a world of one."""
+    if base.num_devices == 1:
+        return {}
+    split = base.num_nodes > 1 and base.devices_per_node > 1
+    local = dist.new_subgroups(base.devices_per_node)[0] if split else None
+    sweeps = {kind: _sweep(kind, sizes, local, repeats) for kind in KINDS}
+    if split:
+        sweeps["all_reduce, all nodes"] = _sweep("all_reduce", sizes, None, repeats)
+    return sweeps
 
 
 def measured_product_shares(base: Cluster, depth: int) -> tuple[float, tuple[tuple[float, float], ...]]:
@@ -374,6 +392,8 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
               "", "offload copies",
               f"{'device <-> host':<24} {_si(cluster.host_bandwidth_bytes_per_s, 'B/s'):>12}",
               f"{'host <-> disk':<24} {_si(cluster.disk_bandwidth_bytes_per_s, 'B/s'):>12}"]
+    if not sweeps:
+        return "\n".join(lines + [""] + [f"note: {n}" for n in notes])
     lines += ["", f"{'collective':<24} {'ranks':>5} {'message':>10} {'seconds':>10} {'bus bandwidth':>14}"]
     for label, s in sweeps.items():
         for i, size in enumerate(sizes):

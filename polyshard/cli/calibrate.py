@@ -13,9 +13,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``calibrate`` on the ``polyshard`` subcommands."""
     c = sub.add_parser("calibrate", help="measure this machine's compute and link speeds into a cluster YAML",
                        description="Time matmuls and collectives on N local processes, fit latency and bandwidth, "
-                                   "and write a cluster file for `polyshard plan --cluster FILE.yaml`.")
+                                   "and write a cluster file for `polyshard plan --cluster FILE.yaml`. With one "
+                                   "process (one GPU) only the device is timed.")
     c.add_argument("--nproc", type=int, default=2, help="processes to launch through torchrun (default 2; "
-                   "at least 2, to time collectives)")
+                   "1 measures the device alone and keeps the detected preset's links)")
     c.add_argument("--out", default="cluster.yaml", help="write the cluster YAML here (default cluster.yaml)")
     c.add_argument("--max-bytes", default="16MiB", help="largest message timed; sizes run 4KiB, 16KiB, ... "
                    "by powers of 4 up to it (default 16MiB)")
@@ -29,8 +30,8 @@ def run(args: argparse.Namespace) -> int:
     from polyshard.cli.launch import under_torchrun
 
     in_torchrun = under_torchrun()
-    if not in_torchrun and args.nproc < 2:
-        raise PolyshardError(f"--nproc must be at least 2 to time collectives, got {args.nproc}")
+    if not in_torchrun and args.nproc < 1:
+        raise PolyshardError(f"--nproc must be at least 1, got {args.nproc}")
     if args.repeats < 1:
         raise PolyshardError(f"--repeats must be at least 1, got {args.repeats}")
     if Path(args.out).is_dir():

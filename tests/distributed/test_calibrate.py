@@ -37,8 +37,21 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert planned.returncode == 0, planned.stderr[-3000:]
 
 
+def test_one_process_measures_the_device_and_keeps_the_presets_links(tmp_path):
+    """A world of one (one GPU) has no collective to time: the device is measured, the links are its preset's."""
+    out = tmp_path / "one.yaml"
+    run = subprocess.run([sys.executable, "-m", "polyshard.cli.main", "calibrate", "--nproc", "1", "--out", str(out),
+                          "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "no collective to time" in run.stdout and "bus bandwidth" not in run.stdout
+    cluster, preset = Cluster.from_yaml(out), Cluster.preset("cpu-gloo:1")
+    assert (cluster.num_nodes, cluster.devices_per_node) == (1, 1)
+    assert (cluster.intra_node, cluster.inter_node) == (preset.intra_node, preset.inter_node)
+    assert cluster.flops_per_s["float32"] > 0 and 1e-7 < cluster.op_overhead_s < 1e-2
+
+
 @pytest.mark.parametrize("flags,needle", [
-    (["--nproc", "1"], "--nproc must be at least 2"),
+    (["--nproc", "0"], "--nproc must be at least 1"),
     (["--max-bytes", "8KiB"], "use at least 16 KiB"),
     (["--max-bytes", "lots"], "size 'lots' is not understood"),
     (["--out", "no/such/folder/cluster.yaml"], "folder that does not exist"),

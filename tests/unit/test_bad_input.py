@@ -352,7 +352,7 @@ CLI_CASES = [
     ("run-missing-script", ["run", "-n", "2", "nope.py"], ["nope.py", "does not exist"]),
     ("calibrate-bad-out", ["calibrate", "--out", "{a_file}/c.yaml"], ["--out"]),
     ("calibrate-out-folder", ["calibrate", "--out", "{inputs}"], ["--out", "folder"]),
-    ("calibrate-one-process", ["calibrate", "--nproc", "1"], ["--nproc", "at least 2"]),
+    ("calibrate-no-process", ["calibrate", "--nproc", "0"], ["--nproc", "at least 1"]),
     ("calibrate-repeats", ["calibrate", "--repeats", "0"], ["--repeats", "at least 1"]),
     ("calibrate-max-bytes", ["calibrate", "--max-bytes", "lots"], ["lots"]),
     ("copies-with-pp", TRAIN + ["--mesh", "pp=2", "--copies", "2"], ["--copies 2", "pp"]),
