@@ -85,6 +85,10 @@ _MATMUL_SHARE, _ATTENTION_SHARE, _STREAM_SHARE = 0.78, 0.55, 0.87
 _GPU_MATMUL_DEPTHS = ((256, 0.586), (512, 0.760), (1024, 0.844), (2048, 0.904), (4096, 0.940), (8192, 0.962),
                       (16384, 1.0))
 _GPU_RATES = (_MATMUL_SHARE, _ATTENTION_SHARE, _GPU_MATMUL_DEPTHS)
+# Measured on one H200 SXM (bench/bench_device.py, bench/results/h200-141g.json): products as the H100's (791 best,
+# 703 median of sizes >= 4096 against 793 / 720), a copy 4.11 of 4.8 TB/s (0.86), but causal flash attention
+# (head dim 128, forward + backward) 590-611 TFLOP/s: 0.61 of peak, where the H100 reached 0.55.
+_H200_RATES = (_MATMUL_SHARE, 0.61, _GPU_MATMUL_DEPTHS)
 
 # Device types by preset name. The cpu row's memory is a placeholder: `_device` reads the machine's RAM.
 _DEVICES: dict[str, _Device] = {
@@ -99,7 +103,7 @@ _DEVICES: dict[str, _Device] = {
                         (_PCIE5, _NVME), _STREAM_SHARE * 3.35e12, *_GPU_RATES),
     # NVIDIA H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s, H100 compute, NVLink 4.
     "H200-141G": _Device("cuda", 141 * 10**9, _flops(67e12, 989e12), _NVLINK4, _IB_NDR, _GPU_OVERHEADS,
-                         (_PCIE5, _NVME), _STREAM_SHARE * 4.8e12, *_GPU_RATES),
+                         (_PCIE5, _NVME), _STREAM_SHARE * 4.8e12, *_H200_RATES),
     # A modest multi-core CPU; half precision is not faster than fp32 there. Matmul rates above are
     # already what such a core reaches, and memory-bound ops are left to the per-op cost.
     "cpu": _Device("cpu", 0, _flops(5e10, 5e10), _LOOPBACK, _ETHERNET_10G, _CPU_OVERHEADS, _CPU_OFFLOAD, 0.0, 1.0, 1.0),
