@@ -260,7 +260,8 @@ def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
             raise PolyshardError(f"--image-size sizes an image model's images; {args.model} reads tokens: use "
                                  f"--model {' or '.join(VISION)}, or leave out --image-size")
         cfg = models.config(args.model, args.seq_len)
-        return _Planned(args.model if args.seq_len is None else models.shape_spec(cfg), cfg, f"{cfg.seq_len} tokens",
+        named_whole = args.seq_len is None or args.model.startswith("hf:")  # a gpt: shape spells its length
+        return _Planned(args.model if named_whole else models.shape_spec(cfg), cfg, f"{cfg.seq_len} tokens",
                         functools.partial(models.build, args.model, device="meta", seq_len=args.seq_len))
     for flag, given in (("--seq-len", args.seq_len is not None), ("--pp-plan", args.pp_plan)):
         if given:
