@@ -39,9 +39,11 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     ref = hf.build(family, dtype, **depth)
     par = hf.build(family, dtype, **depth)
     par.load_state_dict(ref.state_dict())
+    ref.to(ps.current_mesh().device)  # parallelize moves ``par`` there
     if table_rows is not None:
         ps.shard(par.get_input_embeddings(), in_strategy=((1, 1), (len(table_rows), 1)), manual_split=table_rows)
-    batches = [hf.batch(ref, batch, seq, seed=s) for s in range(steps)]
+    batches = [{k: v.to(ps.current_mesh().device) for k, v in hf.batch(ref, batch, seq, seed=s).items()}
+               for s in range(steps)]
     rows = batch // ps.current_mesh().num_data_shards
     pm = ps.parallelize(par, example_inputs={k: v[:rows] for k, v in batches[0].items()}, **options)
     # half precision: SGD with momentum, which passes rounding through unamplified (AdamW would turn noise

@@ -3,7 +3,8 @@
 A world of one runs on NCCL, as ``polyshard train`` does on a GPU. Data parallel runs two ranks on one
 GPU through gloo, which carries CUDA tensors for all-reduce. One GPU cannot show more: NCCL refuses two
 ranks on one device, and gloo sends no CUDA tensor point to point (pipelines) and hung on DTensor's
-collectives (operator parallel); those paths run in tests/distributed on CPU. Float64 AdamW, as in test_parity.
+collectives (operator parallel); those paths run in tests/distributed on CPU. Float64 AdamW, as in test_parity;
+transformers models as in test_hf.
 """
 
 import os
@@ -13,7 +14,7 @@ import sys
 
 import torch
 
-from tests.distributed import cases
+from tests.distributed import cases, hf_cases
 
 TOL = 1e-5
 
@@ -51,6 +52,18 @@ def test_data_parallel(gpu_pools):
     results = gpu_pools(2).run(_on_gpu, cases.train_parity, "dp=2", "gpt-tiny", 5, torch.float64)
     _check(results)
     assert all(r["devices"] == {"cuda"} for r in results), results
+
+
+def test_transformers_models_on_nccl():
+    """GPT-2 and Llama as transformers writes them, captured by torch.export, trained on the GPU."""
+    for family in ("gpt2", "llama"):
+        r = _on_gpu(hf_cases.hf_parity, "dp=1", family)
+        assert r["loss_err"] < TOL and r["param_err"] < TOL and not r["missing"] and r["devices"] == {"cuda"}, r
+
+
+def test_transformers_data_parallel(gpu_pools):
+    results = gpu_pools(2).run(_on_gpu, hf_cases.hf_parity, "dp=2", "llama")
+    assert all(r["loss_err"] < TOL and r["param_err"] < TOL and r["devices"] == {"cuda"} for r in results), results
 
 
 def _train(steps: int, folder, **env) -> tuple[str, list[float]]:
