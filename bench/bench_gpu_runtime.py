@@ -1,7 +1,7 @@
 """polyshard's runtime on one GPU against plain torch on the same GPU: step time, peak memory, and the
 planner's memory estimate for the plan that ran.
 
-    python bench/bench_gpu_runtime.py            # on a CUDA machine (about a minute)
+    python bench/bench_gpu_runtime.py            # on a CUDA machine (about two minutes)
 
 Each case trains the same model (polyshard's GPT, or a Llama as transformers builds it) on the same batch two ways, alternated over ``--rounds``:
 - torch: the model as written, AdamW (fused), bf16 autocast for bf16 (fp32 weights), plain fp32 otherwise;
