@@ -22,8 +22,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, t
 
 from polyshard.errors import PolyshardError
 from polyshard.graph.causal import run_causal_attention_unmasked
-from polyshard.graph.saved import KEPT_INSIDE, kept_inside
+from polyshard.graph.saved import KEPT_INSIDE, KEPT_INSIDE_HALF, kept_inside
 from polyshard.graph.stamp import find_stack, first_layers, stamp
+from polyshard.graph.upcast import kept_inside_half, may_upcast
 
 SIGNATURE_KEY = "polyshard_call_signature"
 # Ops that only assert what export saw; they would pin the capture's device into the program.
@@ -238,6 +239,8 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         with graph.inserting_before(nodes[0]):
             call = graph.call_module(path, (inputs[0],))
         call.meta = dict(outputs[0].meta) | {KEPT_INSIDE: kept_inside(nodes, outputs[0])}
+        if may_upcast(module):
+            call.meta[KEPT_INSIDE_HALF] = kept_inside_half(module, tuple(inputs[0].meta["val"].shape[-1:]))
         outputs[0].replace_all_uses_with(call)
         for n in reversed(nodes):
             graph.erase_node(n)

@@ -96,7 +96,8 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
             transient[unit_of[name]] = max(transient[unit_of[name]], size)
     groups: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
     model_groups = []
-    for node, u, shape, reach, copies in facts.values:
+    for node, u, shape, reach, copies_by_precision in facts.values:
+        copies = copies_by_precision[itemsize < 4]
         out = plan.nodes[node.name].output
         if isinstance(out, Layout):
             size = local_numel(shape, out) * itemsize
@@ -126,7 +127,7 @@ class _UnitFacts:
     new to its unit (name, shape) with the indices of those new to the model; each unit's span of
     module paths."""
 
-    values: list[tuple[fx.Node, int, tuple, int, float]]
+    values: list[tuple[fx.Node, int, tuple, int, tuple[float, float]]]  # copies in full, and in half precision
     params: list[tuple[int, list[tuple[str, tuple]], list[int]]]
     span: tuple[tuple[str, str], ...]
 
@@ -153,7 +154,7 @@ def _unit_facts(gm: fx.GraphModule, unit_of: dict[str, int], starts: tuple[str, 
         paths[u] += [path for path, _ in stack.values() if path not in holders][:1]
         if shape is not None:
             reach = max((unit_of.get(user.name, last) for user in node.users), default=u)
-            values.append((node, u, shape, reach, kept_copies(node, Recomputed())))
+            values.append((node, u, shape, reach, tuple(kept_copies(node, Recomputed(), b) for b in (4, 2))))
         if node.op == "call_module":
             own = [p for _, _, p in listed.owned[node.target] if id(p) not in seen[u]]
             seen[u].update(id(p) for p in own)

@@ -17,7 +17,7 @@ from torch import fx, nn
 from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
 from polyshard.graph.ops import is_shape_op, op_name
-from polyshard.graph.saved import KEPT_INSIDE, needs_grad, saved
+from polyshard.graph.saved import KEPT_INSIDE, KEPT_INSIDE_HALF, needs_grad, saved
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.layout import Layout
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
@@ -58,13 +58,13 @@ def param_numel(plan: Plan, name: str, shape) -> float:
     return max(rows) * math.prod(shape[1:]) if rows else local_numel(shape, plan.params[name])
 
 
-def kept_copies(node: fx.Node, rc: Recomputed) -> float:
-    """How many tensors of ``node``'s output size autograd keeps for it, in the linear bound the integer
-    program uses: its output if a backward reads it, plus what a module captured as one op keeps inside;
-    none where recompute frees them (the largest region holds its own again)."""
+def kept_copies(node: fx.Node, rc: Recomputed, itemsize: int = 4) -> float:
+    """How many tensors of ``node``'s output size (at ``itemsize`` bytes an element) autograd keeps for it:
+    its output if a backward reads it, plus what a module captured as one op keeps inside; none where
+    recompute frees them (the largest region holds its own again)."""
     if node.name in rc.freed and node.name not in rc.held:
         return 0.0
-    return _kept(node)
+    return _kept(node, itemsize)
 
 
 def frees_activations(gm: fx.GraphModule, rc: Recomputed) -> bool:
@@ -72,8 +72,11 @@ def frees_activations(gm: fx.GraphModule, rc: Recomputed) -> bool:
     return any(_kept(n) for n in gm.graph.nodes if n.name in rc.freed)
 
 
-def _kept(node: fx.Node) -> float:
-    return (node.name in saved(node.graph)) + node.meta.get(KEPT_INSIDE, 0.0)
+def _kept(node: fx.Node, itemsize: int = 4) -> float:
+    inside = node.meta.get(KEPT_INSIDE, 0.0)
+    if itemsize < 4:  # a norm computing in float32 keeps more, in copies of its half-precision output
+        inside = node.meta.get(KEPT_INSIDE_HALF, inside)
+    return max((node.name in saved(node.graph)) + inside, 0.0)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class _Backward:
 
     order: tuple[str, ...]
     numel: dict[str, float | None]
-    kept: dict[str, float]
+    kept: dict[bool, dict[str, float]]  # by half precision or not
     grad_inputs: dict[str, tuple[tuple[str, ...], bool]]
     params: dict[str, tuple[tuple[str, nn.Parameter], ...]]
     position: dict[str, int]
@@ -100,7 +103,7 @@ def _backward(gm: fx.GraphModule) -> _Backward:
         owned = parameters_of(gm).owned
         nodes = list(gm.graph.nodes)
         numel = {n.name: (math.prod(shape) if (shape := shape_of(n)) is not None else None) for n in nodes}
-        kept = {n.name: copies for n in nodes if (copies := _kept(n))}
+        kept = {half: {n.name: copies for n in nodes if (copies := _kept(n, 2 if half else 4))} for half in (False, True)}
         grad_inputs = {n.name: (tuple(i.name for i in n.all_input_nodes if needs_grad(i)),
                                 op_name(n) in ("cross_entropy", "cross_entropy_loss"))
                        for n in nodes if not is_shape_op(n) and needs_grad(n)}
@@ -144,9 +147,10 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
     held = _value_bytes(graph, plan, itemsize * rows)
     transient = {name: b * rows for name, b in gradient_transients(gm, plan, itemsize).items()}
     size, grads, seen = {}, {}, set()
+    kept = graph.kept[itemsize < 4]
     for name in graph.order:
-        if name in graph.kept:
-            size[name] = held(name) * graph.kept[name]
+        if name in kept:
+            size[name] = held(name) * kept[name]
         for pname, p in graph.params.get(name, ()):
             if id(p) not in seen and pname in plan.params:
                 seen.add(id(p))
