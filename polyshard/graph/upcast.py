@@ -1,42 +1,82 @@
-"""What a norm captured as one call keeps for backward in half precision, where its own code computes in float32.
+"""What a norm of Python code, captured as one call, keeps for backward and moves through memory, found by running it.
 
-transformers' RMSNorm casts its input to float32, normalizes, and casts back: under bf16 it keeps the float32 copy
-(4 bytes an element) and the bf16 result, not its bf16 input. The captured program was traced in the model's own
-dtype, where those casts do nothing, so its graph cannot show them; running the module once on a few bf16 rows
-on the CPU does.
+transformers' RMSNorm casts its input to float32, normalizes in several elementwise passes, and casts back: under
+bf16 it keeps the float32 copy (4 bytes an element) and the bf16 result, not its bf16 input, and each pass reads
+and writes the whole tensor. The captured program was traced in the model's own dtype, where the casts do nothing,
+and its one call looks like one fused kernel; running the module on a few rows on the CPU, in float32 and in bf16,
+shows both.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+_ROWS = 16  # enough that reading the weight once is a small part of the traffic
+MOVED_BYTES = "moved_bytes"  # a probed call's node meta: forward bytes per output element, (float32, half)
+
+
+class Probed(NamedTuple):
+    """Per element of a norm's output: copies of it kept inside under half precision (beyond the input copy the
+    graph counts as kept by its caller), and forward bytes its own ops read and write, in float32 and in bf16."""
+
+    kept_inside_half: float
+    moved_bytes_full: float
+    moved_bytes_half: float
 
 
 def may_upcast(module: nn.Module) -> bool:
     """A module of Python code of its own (not one of torch's) with per-feature parameters only: a norm that may
-    compute in float32 whatever its input."""
+    compute in float32 whatever its input, in passes of its own."""
     return not type(module).__module__.startswith("torch.") and all(p.ndim <= 1 for p in module.parameters())
 
 
-def kept_inside_half(module: nn.Module, features: tuple[int, ...]) -> float:
-    """Bytes ``module`` keeps for backward on a bf16 input of ``features`` per row, beyond its parameters, as
-    copies of its bf16 output, less the one copy of its input the graph counts as kept by its caller (autograd
-    keeps the input itself only where the module saves it)."""
-    x = torch.randn(2, *features, dtype=torch.bfloat16, requires_grad=True)
-    state = {name: torch.ones(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype,
+def probe(module: nn.Module, features: tuple[int, ...]) -> Probed:
+    """``module`` run on a few rows of ``features`` (its input's last dims) in float32 and in bf16."""
+    kept, moved_half = _run(module, features, torch.bfloat16)
+    _, moved_full = _run(module, features, torch.float32)
+    return Probed(kept, moved_full, moved_half)
+
+
+def _run(module: nn.Module, features: tuple[int, ...], dtype: torch.dtype) -> tuple[float, float]:
+    """(copies kept inside, bytes moved) per output element of one forward in ``dtype``."""
+    x = torch.randn(_ROWS, *features, dtype=dtype, requires_grad=True)
+    state = {name: torch.ones(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                               requires_grad=t.is_floating_point())
              for name, t in [*module.named_parameters(), *module.named_buffers()]}
     skip = {t.untyped_storage().data_ptr() for t in state.values()}
     kept: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            kept[storage.data_ptr()] = storage.nbytes()
+        if t.untyped_storage().data_ptr() not in skip:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Traffic() as traffic:
         out = functional_call(module, state, (x,))
     input_kept = kept.pop(x.untyped_storage().data_ptr(), None) is not None
-    return sum(kept.values()) / (out.numel() * out.element_size()) - (not input_kept)
+    out_bytes = out.numel() * out.element_size()
+    return sum(kept.values()) / out_bytes - (not input_kept), traffic.bytes / out.numel()
+
+
+class _Traffic(TorchDispatchMode):
+    """Bytes the ops run under it read and write: their tensor inputs and outputs (views move none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        read = {t.untyped_storage().data_ptr() for t in inputs}
+        if not any(t.untyped_storage().data_ptr() in read for t in outputs):  # not a view
+            self.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
+        return out

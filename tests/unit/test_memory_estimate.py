@@ -1,6 +1,7 @@
 """The planner's per-device memory estimate against memory measured in a real step, in one process."""
 
 import dataclasses
+import math
 import tempfile
 
 import pytest
@@ -148,3 +149,26 @@ def test_bf16_activations_count_the_float32_a_norm_keeps(family):
         ratios[precision] = estimate_memory(capture(meta, batch), pm.plan).activations_bytes / measured
     print(f"{family}: estimate / kept activations {ratios}")
     assert abs(ratios["bf16"] - 1) <= 0.15 and abs(ratios["bf16"] - ratios["fp32"]) <= 0.03, ratios
+
+
+def test_a_python_norm_is_priced_by_the_passes_its_own_code_makes():
+    """transformers' RMSNorm runs as several elementwise passes (and, in bf16, casts to float32 and back), where
+    torch's LayerNorm is one kernel: the captured call keeps what running it measured, and the cost model reads it."""
+    hf = pytest.importorskip("polyshard.models.hf", reason="the [hf] extra (part of [dev]) is not installed")
+    from polyshard.graph.upcast import MOVED_BYTES
+    from polyshard.planner.cost.compute import forward_bytes
+
+    llama, neox = (hf.build(f) for f in ("llama", "gpt_neox"))
+    norms = {}
+    for model in (llama, neox):
+        gm = capture(model, hf.batch(model, 2, 8))
+        plan = propagate(gm, (), lambda _: None)
+        modules = dict(gm.named_modules())
+        norms[model] = [(n, plan.nodes[n.name], modules) for n in gm.graph.nodes
+                        if n.op == "call_module" and "norm" in type(modules[n.target]).__name__.lower()]
+    full, half = norms[llama][0][0].meta[MOVED_BYTES]
+    assert full >= 3 * 8 and half > full  # a fused norm reads and writes 8 bytes an element in float32
+    for node, entry, modules in norms[llama]:
+        elements = math.prod(node.meta["tensor_meta"].shape)
+        assert forward_bytes(node, entry, modules, 2) == pytest.approx(elements * half, rel=0.01)
+    assert norms[neox] and not any(MOVED_BYTES in n.meta for n, _, _ in norms[neox])

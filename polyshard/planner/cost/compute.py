@@ -22,6 +22,7 @@ from torch import fx, nn
 
 from polyshard.graph.capture import linear_dims, shape_of
 from polyshard.graph.ops import is_shape_op, op_key
+from polyshard.graph.upcast import MOVED_BYTES
 from polyshard.layout import Layout
 from polyshard.cluster import Cluster
 from polyshard.graph.regions import Recomputed
@@ -89,7 +90,7 @@ def optimizer_seconds(numel: float, precision: str, cluster: Cluster, tensors: i
 
 def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module], itemsize: int) -> float:
     """Bytes ``node``'s forward reads and writes on this rank under ``entry``: its tensor inputs, its parameters
-    and its output."""
+    and its output; for a norm of Python code, what its own ops move (measured when it was captured)."""
     if node.op in ("placeholder", "output", "get_attr") or is_shape_op(node):
         return 0.0
     total = 0.0
@@ -99,6 +100,9 @@ def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module],
             shards = layout.pieces if layout is not None else 1
             total += p.numel() / shards * itemsize
     computed = computed_layout(node, entry, modules)
+    if MOVED_BYTES in node.meta and isinstance(computed, Layout):  # a norm's own passes, measured when captured
+        per_element = node.meta[MOVED_BYTES][itemsize < 4]
+        return total + math.prod(shape_of(node)) / computed.pieces * per_element
     for value, layout in [(node, computed)] + [(i, entry.inputs.get(i.name)) for i in node.all_input_nodes]:
         shape = shape_of(value)
         if isinstance(layout, Layout) and shape is not None:
