@@ -31,7 +31,8 @@ class RotaryLM(nn.Module):
             freqs = (inv @ positions[:, None, :].float()).transpose(1, 2)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-        h = h * cos + h.roll(1, -1) * sin
+        half = h.shape[-1] // 2
+        h = h * cos + torch.cat((-h[..., half:], h[..., :half]), dim=-1) * sin  # rotate_half, as transformers
         return F.cross_entropy(self.head(h).flatten(0, 1).float(), labels.flatten())
 
 
