@@ -16,6 +16,8 @@ from torch import fx, nn
 from polyshard.graph.ops import op_key
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+# A longer (query, key) square stays a mask: evaluating it, with int64 intermediates, would take gigabytes.
+_MAX_SQUARE = 8192 * 8192
 _SHAPE_READS = {torch.ops.aten.sym_size.int}
 
 
@@ -67,6 +69,9 @@ def _built_from_shapes(mask: fx.Node) -> list[fx.Node] | None:
 def _is_lower_triangle(nodes: list[fx.Node], mask: fx.Node, calls: list[fx.Node]) -> bool:
     """Whether ``mask``, evaluated on the CPU at the recorded shapes, keeps exactly the keys at or before each
     query (True or 0 there, False or the dtype's lowest value elsewhere) in every call's (query, key) square."""
+    squares = [tuple(_bound(call)[name].meta["tensor_meta"].shape[-2] for name in ("query", "key")) for call in calls]
+    if any(q != k or q * k > _MAX_SQUARE for q, k in squares):
+        return False
     sub, env = fx.Graph(), {}
     inputs = []
     for node in nodes:
@@ -86,10 +91,8 @@ def _is_lower_triangle(nodes: list[fx.Node], mask: fx.Node, calls: list[fx.Node]
             value = fx.GraphModule(nn.Module(), sub)(*inputs)
     except Exception:  # any op that will not run on the CPU at these shapes: keep the mask as it is
         return False
-    for call in calls:
-        q, k = (_bound(call)[name].meta["tensor_meta"].shape for name in ("query", "key"))
-        if q[-2] != k[-2] or value.dim() < 2 or value.shape[-2:] != (q[-2], k[-2]):
-            return False
+    if value.dim() < 2 or any(value.shape[-2:] != square for square in squares):
+        return False
     keep = torch.ones(value.shape[-2:], dtype=torch.bool).tril()
     if value.dtype == torch.bool:
         return bool((value == keep).all())
