@@ -3,7 +3,8 @@ planner's memory estimate for the plan that ran.
 
     python bench/bench_gpu_runtime.py            # on a CUDA machine (about two minutes)
 
-Each case trains the same model (polyshard's GPT, or a Llama as transformers builds it) on the same batch two ways, alternated over ``--rounds``:
+Each case trains the same model (polyshard's GPT, or a Llama as transformers builds it) on the same batch two
+ways, alternated over ``--rounds``:
 - torch: the model as written, AdamW (fused), bf16 autocast for bf16 (fp32 weights), plain fp32 otherwise;
 - polyshard: ``ps.parallelize`` on a world of one (NCCL), its plan's precision, and the optimizer
   ``polyshard train`` builds for it (bf16: half-precision weights stepped through fp32 masters).

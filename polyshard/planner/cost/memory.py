@@ -103,7 +103,8 @@ def _backward(gm: fx.GraphModule) -> _Backward:
         owned = parameters_of(gm).owned
         nodes = list(gm.graph.nodes)
         numel = {n.name: (math.prod(shape) if (shape := shape_of(n)) is not None else None) for n in nodes}
-        kept = {half: {n.name: copies for n in nodes if (copies := _kept(n, 2 if half else 4))} for half in (False, True)}
+        kept = {half: {n.name: copies for n in nodes if (copies := _kept(n, 2 if half else 4))}
+                for half in (False, True)}
         grad_inputs = {n.name: (tuple(i.name for i in n.all_input_nodes if needs_grad(i)),
                                 op_name(n) in ("cross_entropy", "cross_entropy_loss"))
                        for n in nodes if not is_shape_op(n) and needs_grad(n)}
