@@ -239,8 +239,7 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         with graph.inserting_before(nodes[0]):
             call = graph.call_module(path, (inputs[0],))
         call.meta = dict(outputs[0].meta) | {KEPT_INSIDE: kept_inside(nodes, outputs[0])}
-        if may_upcast(module):
-            probed = probe(module, tuple(inputs[0].meta["val"].shape[-1:]))
+        if may_upcast(module) and (probed := probe(module, tuple(inputs[0].meta["val"].shape[-1:]))):
             call.meta[KEPT_INSIDE_HALF] = probed.kept_inside_half
             call.meta[MOVED_BYTES] = (probed.moved_bytes_full, probed.moved_bytes_half)
         outputs[0].replace_all_uses_with(call)

@@ -37,10 +37,14 @@ def may_upcast(module: nn.Module) -> bool:
     return not type(module).__module__.startswith("torch.") and all(p.ndim <= 1 for p in module.parameters())
 
 
-def probe(module: nn.Module, features: tuple[int, ...]) -> Probed:
-    """``module`` run on a few rows of ``features`` (its input's last dims) in float32 and in bf16."""
-    kept, moved_half = _run(module, features, torch.bfloat16)
-    _, moved_full = _run(module, features, torch.float32)
+def probe(module: nn.Module, features: tuple[int, ...]) -> Probed | None:
+    """``module`` run on a few rows of ``features`` (its input's last dims) in float32 and in bf16; None where it
+    will not run so on the CPU (its graph's figures stand then)."""
+    try:
+        kept, moved_half = _run(module, features, torch.bfloat16)
+        _, moved_full = _run(module, features, torch.float32)
+    except RuntimeError:
+        return None
     return Probed(kept, moved_full, moved_half)
 
 

@@ -172,3 +172,32 @@ def test_a_python_norm_is_priced_by_the_passes_its_own_code_makes():
         elements = math.prod(node.meta["tensor_meta"].shape)
         assert forward_bytes(node, entry, modules, 2) == pytest.approx(elements * half, rel=0.01)
     assert norms[neox] and not any(MOVED_BYTES in n.meta for n, _, _ in norms[neox])
+
+
+def test_a_norm_that_will_not_run_in_bf16_on_the_cpu_keeps_its_graphs_figures():
+    """The probe is a measurement, not a requirement: a norm it cannot run leaves the capture as it was."""
+
+    class PickyRMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(16))
+
+        def forward(self, x):
+            if x.dtype == torch.bfloat16:
+                raise RuntimeError("no bf16 kernel here")
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.head = PickyRMSNorm(), torch.nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.head(self.norm(x)), y)
+
+    from polyshard.graph.saved import KEPT_INSIDE, KEPT_INSIDE_HALF
+    from polyshard.graph.upcast import MOVED_BYTES
+
+    gm = capture(Model(), {"x": torch.randn(4, 16), "y": torch.randint(0, 4, (4,))})  # keywords: torch.export
+    (norm,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "norm"]
+    assert KEPT_INSIDE in norm.meta and KEPT_INSIDE_HALF not in norm.meta and MOVED_BYTES not in norm.meta
