@@ -22,9 +22,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, t
 
 from polyshard.errors import PolyshardError
 from polyshard.graph.causal import run_causal_attention_unmasked
-from polyshard.graph.saved import KEPT_INSIDE, KEPT_INSIDE_HALF, kept_inside
+from polyshard.graph.saved import KEPT_INSIDE, kept_inside
 from polyshard.graph.stamp import find_stack, first_layers, stamp
-from polyshard.graph.upcast import MOVED_BYTES, may_upcast, probe
+from polyshard.graph.upcast import PROBED, may_upcast, probe
 
 SIGNATURE_KEY = "polyshard_call_signature"
 # Ops that only assert what export saw; they would pin the capture's device into the program.
@@ -240,8 +240,7 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
             call = graph.call_module(path, (inputs[0],))
         call.meta = dict(outputs[0].meta) | {KEPT_INSIDE: kept_inside(nodes, outputs[0])}
         if may_upcast(module) and (probed := probe(module, tuple(inputs[0].meta["val"].shape[-1:]))):
-            call.meta[KEPT_INSIDE_HALF] = probed.kept_inside_half
-            call.meta[MOVED_BYTES] = (probed.moved_bytes_full, probed.moved_bytes_half)
+            call.meta[PROBED] = probed
         outputs[0].replace_all_uses_with(call)
         for n in reversed(nodes):
             graph.erase_node(n)

@@ -7,7 +7,7 @@ by a value without gradient keeps only the other factor, and an op whose output 
 no backward at all. Views keep their base; an expanded value that a view then copies (GQA's repeated
 keys and values) is kept at its expanded size. A module captured as one op (a norm written in Python)
 also keeps what its own ops keep inside: ``KEPT_INSIDE`` in its node's meta, as a multiple of its output
-(``KEPT_INSIDE_HALF`` under half precision where its code keeps float32 copies, measured by running it).
+(under half precision a norm written in Python may keep more: :mod:`polyshard.graph.upcast` measures it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from torch import fx
 from polyshard.graph.ops import SHAPE_OPS, op_name
 
 KEPT_INSIDE = "kept_inside"
-KEPT_INSIDE_HALF = "kept_inside_half"  # the same in half precision, where it differs (a norm computing in float32)
 
 # ops whose backward reads none of their inputs
 _READS_NO_INPUT = {"add", "iadd", "sub", "rsub", "neg", "cat", "stack", "to", "type", "float", "clone",

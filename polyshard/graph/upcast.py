@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 
 _ROWS = 16  # enough that reading the weight once is a small part of the traffic
-MOVED_BYTES = "moved_bytes"  # a probed call's node meta: forward bytes per output element, (float32, half)
+PROBED = "norm_probe"  # a probed call's node meta: its Probed
 
 
 class Probed(NamedTuple):
@@ -35,6 +35,18 @@ def may_upcast(module: nn.Module) -> bool:
     """A module of Python code of its own (not one of torch's) with per-feature parameters only: a norm that may
     compute in float32 whatever its input, in passes of its own."""
     return not type(module).__module__.startswith("torch.") and all(p.ndim <= 1 for p in module.parameters())
+
+
+def kept_inside_half(node) -> float | None:
+    """Copies a probed call keeps inside under half precision (None: not probed)."""
+    probed = node.meta.get(PROBED)
+    return None if probed is None else probed.kept_inside_half
+
+
+def moved_bytes(node, itemsize: int) -> float | None:
+    """Forward bytes per output element a probed call moves at ``itemsize`` (None: not probed)."""
+    probed = node.meta.get(PROBED)
+    return None if probed is None else probed.moved_bytes_half if itemsize < 4 else probed.moved_bytes_full
 
 
 def probe(module: nn.Module, features: tuple[int, ...]) -> Probed | None:

@@ -155,7 +155,7 @@ def test_a_python_norm_is_priced_by_the_passes_its_own_code_makes():
     """transformers' RMSNorm runs as several elementwise passes (and, in bf16, casts to float32 and back), where
     torch's LayerNorm is one kernel: the captured call keeps what running it measured, and the cost model reads it."""
     hf = pytest.importorskip("polyshard.models.hf", reason="the [hf] extra (part of [dev]) is not installed")
-    from polyshard.graph.upcast import MOVED_BYTES
+    from polyshard.graph.upcast import PROBED
     from polyshard.planner.cost.compute import forward_bytes
 
     llama, neox = (hf.build(f) for f in ("llama", "gpt_neox"))
@@ -166,12 +166,13 @@ def test_a_python_norm_is_priced_by_the_passes_its_own_code_makes():
         modules = dict(gm.named_modules())
         norms[model] = [(n, plan.nodes[n.name], modules) for n in gm.graph.nodes
                         if n.op == "call_module" and "norm" in type(modules[n.target]).__name__.lower()]
-    full, half = norms[llama][0][0].meta[MOVED_BYTES]
+    probed = norms[llama][0][0].meta[PROBED]
+    full, half = probed.moved_bytes_full, probed.moved_bytes_half
     assert full >= 3 * 8 and half > full  # a fused norm reads and writes 8 bytes an element in float32
     for node, entry, modules in norms[llama]:
         elements = math.prod(node.meta["tensor_meta"].shape)
         assert forward_bytes(node, entry, modules, 2) == pytest.approx(elements * half, rel=0.01)
-    assert norms[neox] and not any(MOVED_BYTES in n.meta for n, _, _ in norms[neox])
+    assert norms[neox] and not any(PROBED in n.meta for n, _, _ in norms[neox])
 
 
 def test_a_norm_that_will_not_run_in_bf16_on_the_cpu_keeps_its_graphs_figures():
@@ -195,9 +196,9 @@ def test_a_norm_that_will_not_run_in_bf16_on_the_cpu_keeps_its_graphs_figures():
         def forward(self, x, y):
             return torch.nn.functional.cross_entropy(self.head(self.norm(x)), y)
 
-    from polyshard.graph.saved import KEPT_INSIDE, KEPT_INSIDE_HALF
-    from polyshard.graph.upcast import MOVED_BYTES
+    from polyshard.graph.saved import KEPT_INSIDE
+    from polyshard.graph.upcast import PROBED
 
     gm = capture(Model(), {"x": torch.randn(4, 16), "y": torch.randint(0, 4, (4,))})  # keywords: torch.export
     (norm,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "norm"]
-    assert KEPT_INSIDE in norm.meta and KEPT_INSIDE_HALF not in norm.meta and MOVED_BYTES not in norm.meta
+    assert KEPT_INSIDE in norm.meta and PROBED not in norm.meta

@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from polyshard.graph.capture import linear_dims, shape_of
 from polyshard.graph.ops import is_shape_op, op_key
-from polyshard.graph.upcast import MOVED_BYTES
+from polyshard.graph.upcast import moved_bytes
 from polyshard.layout import Layout
 from polyshard.cluster import Cluster
 from polyshard.graph.regions import Recomputed
@@ -100,8 +100,8 @@ def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module],
             shards = layout.pieces if layout is not None else 1
             total += p.numel() / shards * itemsize
     computed = computed_layout(node, entry, modules)
-    if MOVED_BYTES in node.meta and isinstance(computed, Layout):  # a norm's own passes, measured when captured
-        per_element = node.meta[MOVED_BYTES][itemsize < 4]
+    per_element = moved_bytes(node, itemsize)  # a norm's own passes, measured when captured
+    if per_element is not None and isinstance(computed, Layout):
         return total + math.prod(shape_of(node)) / computed.pieces * per_element
     for value, layout in [(node, computed)] + [(i, entry.inputs.get(i.name)) for i in node.all_input_nodes]:
         shape = shape_of(value)

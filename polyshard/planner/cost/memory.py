@@ -17,7 +17,8 @@ from torch import fx, nn
 from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
 from polyshard.graph.ops import is_shape_op, op_name
-from polyshard.graph.saved import KEPT_INSIDE, KEPT_INSIDE_HALF, needs_grad, saved
+from polyshard.graph.saved import KEPT_INSIDE, needs_grad, saved
+from polyshard.graph.upcast import kept_inside_half
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.layout import Layout
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
@@ -74,8 +75,8 @@ def frees_activations(gm: fx.GraphModule, rc: Recomputed) -> bool:
 
 def _kept(node: fx.Node, itemsize: int = 4) -> float:
     inside = node.meta.get(KEPT_INSIDE, 0.0)
-    if itemsize < 4:  # a norm computing in float32 keeps more, in copies of its half-precision output
-        inside = node.meta.get(KEPT_INSIDE_HALF, inside)
+    if itemsize < 4 and (half := kept_inside_half(node)) is not None:  # a norm keeping float32 copies
+        inside = half
     return max((node.name in saved(node.graph)) + inside, 0.0)
 
 
