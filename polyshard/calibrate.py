@@ -108,10 +108,10 @@ def measure_attention_share(dtype: torch.dtype, seq: int, head_dim: int, peak: f
     return min(1.0, 3 * head_flops * heads / seconds / peak)
 
 
-def measure_op_overheads(repeats: int, ops: int = 100) -> tuple[float, float, float]:
-    """Fixed seconds per op of forward plus backward on tiny tensors: plain, and the extra an op run on
-    DTensors pays (split over every rank, no communication); and per tensor of an optimizer step. Every
-    rank must call it."""
+def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 100) -> OpOverheads:
+    """Fixed seconds per op of forward plus backward on tiny tensors: plain (in float32, and in each of
+    ``dtypes`` where timed apart), and the extra an op run on DTensors pays (split over every rank, no
+    communication); and per tensor of an optimizer step. Every rank must call it."""
     _check_repeats(repeats)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = DeviceMesh(device.type, list(range(dist.get_world_size())))
@@ -129,32 +129,50 @@ def measure_op_overheads(repeats: int, ops: int = 100) -> tuple[float, float, fl
 
     plain = per_op(lambda y: y * 1.0)
     split = per_op(lambda y: DTensor.from_local(y, mesh, [Shard(0)], run_check=False).mul(1.0).to_local())
-    # On CPU the host's time is the device's: a real micro-batch's fixed cost per op (autograd, dispatch) is
-    # what the planner needs, and a chain of one op shows a fraction of it; the optimizer's per-tensor work
-    # comes once per step. On GPUs the host runs ahead of the kernels, so the chain's figure (launch costs)
-    # stays, and the fused step's few launches are left out.
-    step, update = measure_step_overheads(repeats) if device.type == "cpu" else (plain, 0.0)
-    plain, step, split, update = _all_reduce([plain, step, split, update], dist.ReduceOp.MAX, None)
-    return step, max(split - plain, 0.0), update
+    # On CPU the host's time is the device's: a real micro-batch's fixed cost per op (autograd, dispatch, and
+    # kernels that differ by dtype) is what the planner needs, and a chain of one op shows a fraction of it;
+    # the optimizer's per-tensor work comes once per step. On GPUs the host runs ahead of the kernels, so the
+    # chain's figure (launch costs) stays for every dtype, and the fused step's few launches are left out.
+    timed = ("float32", *dtypes) if device.type == "cpu" else ()
+    steps = [measure_step_overhead(getattr(torch, name), repeats) for name in timed]
+    update = measure_update_overhead(repeats) if device.type == "cpu" else 0.0
+    plain, split, update, *steps = _all_reduce([plain, split, update, *steps], dist.ReduceOp.MAX, None)
+    by_dtype = dict(zip(timed, steps))
+    return OpOverheads(by_dtype.pop("float32", plain), by_dtype, max(split - plain, 0.0), update)
 
 
-def measure_step_overheads(repeats: int) -> tuple[float, float]:
-    """Of a training step of a GPT so small that its FLOPs are under 1% of the step (on CPU): seconds per
-    graph op of forward and backward, and per parameter tensor of the AdamW step."""
-    model = models.build("gpt-tiny", seed=0)
+class OpOverheads(NamedTuple):
+    """Fixed seconds per op and micro-batch (float32, and other dtypes where timed apart), the extra of a split
+    (DTensor) op, and per tensor of an optimizer step: the Cluster's fields of the same names."""
+
+    op_overhead_s: float
+    op_overheads_s: dict[str, float]
+    split_op_overhead_s: float
+    optimizer_overhead_s: float
+
+
+def measure_step_overhead(dtype: torch.dtype, repeats: int) -> float:
+    """Seconds per graph op of a forward and backward in ``dtype`` of a GPT so small that its FLOPs are under
+    1% of the step (on CPU), every rank at once from a barrier, as training's collectives start them."""
+    model = models.build("gpt-tiny", seed=0).to(dtype)
     batch = model.example_inputs(1)
     ops = sum(n.op.startswith("call_") for n in capture(model, batch).graph.nodes)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-3)
 
     def forward_backward():
-        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         model(*batch).backward()
 
     cpu = torch.device("cpu")
-    micro_batch = statistics.median(_times(forward_backward, repeats, cpu, calls=5))
-    update = statistics.median(_times(opt.step, repeats, cpu, calls=5))
-    return micro_batch / ops, update / len(params)
+    return statistics.median(_times(forward_backward, repeats, cpu, dist.barrier, calls=5)) / ops
+
+
+def measure_update_overhead(repeats: int) -> float:
+    """Seconds per parameter tensor of torch's AdamW step on that GPT, every rank at once from a barrier."""
+    params = list(models.build("gpt-tiny", seed=0).parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return statistics.median(_times(opt.step, repeats, torch.device("cpu"), dist.barrier, calls=5)) / len(params)
 
 
 def measure_memory_bandwidth(repeats: int) -> float:
@@ -251,7 +269,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
                              f"got {len(sizes)}")
     flops, matmul_sizes, notes = _flops(base.device_type, repeats)
     attention = _attention_shares(base.device_type, flops, repeats, notes)
-    op_overhead, split_overhead, optimizer_overhead = measure_op_overheads(repeats)
+    overheads = measure_op_overheads(repeats, [name for name in flops if name != "float32"])
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
     sweeps = _sweeps(base, sizes, repeats)
@@ -277,9 +295,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         matmul_efficiency=efficiency,
         matmul_depth_shares=depths,
         attention_shares=attention,
-        op_overhead_s=op_overhead,
-        split_op_overhead_s=split_overhead,
-        optimizer_overhead_s=optimizer_overhead,
+        **overheads._asdict(),
         memory_bandwidth_bytes_per_s=memory_bw,
         host_bandwidth_bytes_per_s=host_bw,
         disk_bandwidth_bytes_per_s=disk_bw,
@@ -385,8 +401,9 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
     lines += [f"{name:<24} " + ", ".join(f"{_si(f, 'FLOP')}: {sh:.3f}" for f, sh in points)
               for name, points in cluster.attention_shares.items()]
     lines += ["", "fixed cost per op (forward + backward)",
-              f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}",
-              f"{'split (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}",
+              f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}"]
+    lines += [f"{'plain, ' + name:<24} {_si(s, 's'):>12}" for name, s in cluster.op_overheads_s.items()]
+    lines += [f"{'split (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}",
               f"{'optimizer, per tensor':<24} {_si(cluster.optimizer_overhead_s, 's'):>12}",
               "", f"{'memory (read + write)':<24} {_si(cluster.memory_bandwidth_bytes_per_s, 'B/s'):>12}",
               "", "offload copies",

@@ -133,6 +133,9 @@ class Cluster:
     flops_per_s: dict[str, float] = field(default_factory=dict, hash=False)
     # Fixed seconds per op and micro-batch (forward and backward), however small the op: dispatch and launches.
     op_overhead_s: float = 0.0
+    # Fixed seconds per op by compute dtype name, where one was timed apart (on CPUs a small bf16 kernel costs
+    # more than fp32's: 1.8x on gpt-tiny); a dtype left out pays op_overhead_s. Left out of the hash.
+    op_overheads_s: dict[str, float] = field(default_factory=dict, hash=False)
     # What an op run on split tensors (DTensor) pays on top of op_overhead_s.
     split_op_overhead_s: float = 0.0
     # Fixed seconds per tensor an optimizer step walks, once per step whatever the micro-batches.
@@ -155,6 +158,10 @@ class Cluster:
     attention_shares: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict, hash=False)
     # Whether the network runs all-to-all; without it a split moving between dims is gathered and sliced.
     all_to_all: bool = True
+
+    def op_overhead_for(self, dtype: str) -> float:
+        """Fixed seconds per op and micro-batch of an op computing in ``dtype``."""
+        return self.op_overheads_s.get(dtype, self.op_overhead_s)
 
     def attention_share(self, dtype: str, head_flops: float) -> float:
         """The share of peak attention reaches on slices of ``head_flops`` forward FLOPs: interpolated
@@ -188,6 +195,7 @@ class Cluster:
             positive["memory_bytes"] = self.memory_bytes
         at_least_zero = {f"{link}.latency_s": getattr(self, link).latency_s for link in ("intra_node", "inter_node")}
         at_least_zero |= {key: getattr(self, key) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS[:1]}
+        at_least_zero |= {f"op_overheads_s.{dtype}": s for dtype, s in self.op_overheads_s.items()}
         for key, value in positive.items():
             if not value > 0:
                 raise PolyshardError(f"cluster {key} must be positive; got {value!r}")
@@ -254,7 +262,8 @@ class Cluster:
             like = _DEVICES["cpu" if data.get("device_type") == "cpu" else "A100-80G"]
             data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload_bandwidths)),
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
-                    "matmul_depth_shares": [], "attention_shares": {}, "all_to_all": True, **data}
+                    "matmul_depth_shares": [], "attention_shares": {}, "op_overheads_s": {}, "all_to_all": True,
+                    **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         if not isinstance(data["all_to_all"], bool):
             raise PolyshardError(f"cluster file {str(path)!r}: all_to_all must be true or false, got "
@@ -274,6 +283,7 @@ class Cluster:
                 inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
                 flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
                 **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS},
+                op_overheads_s={str(k): float(v) for k, v in dict(data["op_overheads_s"] or {}).items()},
                 matmul_depth_shares=tuple((float(d), float(sh)) for d, sh in data["matmul_depth_shares"] or ()),
                 attention_shares={str(k): tuple((float(f), float(sh)) for f, sh in v)
                                   for k, v in dict(data["attention_shares"] or {}).items()},

@@ -154,7 +154,7 @@ def _node_terms(gm: fx.GraphModule, found: Enumeration, var_of: dict[tuple[str, 
                 precision: str) -> np.ndarray:
     """Each column's [(seconds, bytes), (per row, fixed)], summed over the nodes its stand-in stands for."""
     options, copied, rep, modules = found.options, found.copied, found.rep, found.modules
-    itemsize = DTYPES[precision][1]
+    dtype, itemsize = DTYPES[precision]
     seconds = found.seconds.setdefault((cluster, precision), {})  # (node, passes) -> its options' seconds
     per_node: dict[str, np.ndarray] = {}  # [candidate, (seconds, bytes), (per row, fixed)]; a twin's is its twin's
     node_uses: Counter[tuple[str, str]] = Counter()  # (stand-in, node costed) -> how many nodes it stands for
@@ -171,7 +171,7 @@ def _node_terms(gm: fx.GraphModule, found: Enumeration, var_of: dict[tuple[str, 
             key = (n.name, passes(n.name, rc))
             if key not in seconds:
                 forward = _forwards(found, n, cluster, precision)
-                seconds[key] = np.array([_op_seconds(n, d, f, modules, op_axes, cluster, itemsize, rc)
+                seconds[key] = np.array([_op_seconds(n, d, f, modules, op_axes, cluster, dtype, itemsize, rc)
                                          for d, f in zip(options[n.name], forward)]).reshape(len(options[n.name]), 2)
             memory = np.array([_op_memory(n, d, modules, seen_params, rc, offload) for d in options[n.name]])
             per_node[n.name] = np.stack([seconds[key], memory.reshape(len(options[n.name]), 2)], axis=1)
@@ -372,12 +372,12 @@ def _add_rows(h, indices, values, lower: float, upper: float) -> None:
               starts, np.concatenate(indices).astype(np.int32), np.concatenate(values).astype(float))
 
 
-def _op_seconds(node, d: NodePlan, forward: float, modules, axes, cluster, itemsize,
+def _op_seconds(node, d: NodePlan, forward: float, modules, axes, cluster, dtype: str, itemsize: int,
                 rc: Recomputed) -> tuple[float, float]:
     """(seconds per row, fixed seconds) of one op, whose forward takes ``forward`` seconds per row."""
     compute_passes, comm_passes = passes(node.name, rc)
     transfer, latency = comm_seconds(own_bytes(node, d, modules, itemsize, cluster.backend), axes, cluster)
-    overhead = op_overhead(d, cluster, compute_passes) if node.op.startswith("call_") else 0.0
+    overhead = op_overhead(d, cluster, compute_passes, dtype) if node.op.startswith("call_") else 0.0
     return compute_passes * forward + comm_passes * transfer, comm_passes * latency + overhead
 
 

@@ -59,6 +59,10 @@ def test_yaml_round_trip(tmp_path):
     c.to_yaml(path)
     assert Cluster.from_yaml(path) == c
     assert Cluster.load(str(path)) == c
+    timed = dataclasses.replace(c, op_overheads_s={"bfloat16": 2e-5})  # a dtype's own fixed cost per op
+    timed.to_yaml(path)
+    assert Cluster.from_yaml(path) == timed and timed.op_overhead_for("bfloat16") == 2e-5
+    assert timed.op_overhead_for("float16") == c.op_overhead_s
     without = dataclasses.replace(c, all_to_all=False)  # a network without all-to-all says so in its file
     without.to_yaml(path)
     assert Cluster.from_yaml(path) == without

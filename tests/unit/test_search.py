@@ -161,6 +161,24 @@ def test_the_optimizers_cost_per_tensor_comes_once_a_step(config):
     assert charged - plain == pytest.approx(tensors, rel=1e-6)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_each_precision_pays_its_own_fixed_cost_per_op(m):
+    """A dtype timed apart (a CPU's bf16 kernels) charges its own fixed cost on every op of every
+    micro-batch, and only plans computing in it; other dtypes keep the float32 figure."""
+    model = models.build("gpt-tiny", "meta")
+    ops = sum(n.op.startswith("call_") for n in capture(model, model.example_inputs(1)).graph.nodes)
+    base = Cluster.preset("cpu-gloo:4")
+    slow_bf16 = dataclasses.replace(base, op_overheads_s={"bfloat16": base.op_overhead_s + 1.0})
+
+    def step_s(cluster, precision):
+        fixed = Fixed(dp=4, tp=1, m=m, zero=0, precision=precision, recompute="none")
+        return search(model, model.example_inputs(1), cluster, 16, fixed=fixed)[1][0].step_s
+
+    assert step_s(slow_bf16, "bf16") - step_s(base, "bf16") == pytest.approx(m * ops, rel=1e-6)
+    assert step_s(slow_bf16, "fp32") == step_s(base, "fp32")
+    assert search(model, model.example_inputs(1), slow_bf16, 16)[0].precision == "fp32"
+
+
 def test_a_transformer_written_elsewhere_is_planned_like_polyshards_own():
     """Its own module names, a hand-written attention: on GPUs where splitting pays, the search
     splits its MLP column- then row-parallel and its attention by heads, as for the GPT."""

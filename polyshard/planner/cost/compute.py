@@ -155,9 +155,10 @@ def passes(name: str, recomputed: Recomputed) -> tuple[int, int]:
     return TRAIN_FLOPS_PER_FORWARD + again, 2 + (again and recomputed.comm == "recompute")
 
 
-def op_overhead(entry: NodePlan, cluster: Cluster, compute_passes: int = TRAIN_FLOPS_PER_FORWARD) -> float:
-    """Fixed cost of one op per training step, however small: more when it runs on split tensors
+def op_overhead(entry: NodePlan, cluster: Cluster, compute_passes: int = TRAIN_FLOPS_PER_FORWARD,
+                dtype: str = "float32") -> float:
+    """Fixed cost of one op per training step in ``dtype``, however small: more when it runs on split tensors
     (DTensor's Python dispatch), except on GPUs, where the host dispatches ahead of the device
     (kernels launch asynchronously) and only the launches cost device time."""
     split = cluster.split_op_overhead_s if entry.impl != "local" and cluster.device_type != "cuda" else 0.0
-    return (cluster.op_overhead_s + split) * compute_passes / TRAIN_FLOPS_PER_FORWARD
+    return (cluster.op_overhead_for(dtype) + split) * compute_passes / TRAIN_FLOPS_PER_FORWARD

@@ -60,7 +60,7 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
         transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
         by_name[node.name] = OpCost(seconds, comm_passes * transfer, comm_passes * latency,
-                                    op_overhead(plan.nodes[node.name], cluster, compute_passes))
+                                    op_overhead(plan.nodes[node.name], cluster, compute_passes, dtype))
         out.append(by_name[node.name])
     return out
 
