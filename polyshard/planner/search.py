@@ -8,8 +8,8 @@ holds the whole model is solved again under the memory limit where the shared pl
 Each split is costed at every optimizer-parallel level, precision and micro-batch count (gradient
 accumulation when there is no pipeline); the fastest that fits wins. Splits are tried from the most
 promising, and what a lower bound shows cannot win is not costed: every bound is computed in the
-narrowest precision tried and with all data-parallel traffic hidden, so it is never above what it
-prunes. Recompute and offload are tried where memory is tight, also where a split fits only because
+narrowest precision tried, priced as fast as the fastest tried in every term (polyshard.planner.precision),
+and with all data-parallel traffic hidden, so it is never above what it prunes. Recompute and offload are tried where memory is tight, also where a split fits only because
 nothing was costed yet; a pipeline's chunks each take the fastest recompute mode that fits them (early
 stages hold more micro-batches in flight), all laid out by the plain program, whose bounds bound them. An operator split of k ways is first bounded by the unsplit program's
 bound / k (no op gets faster than its work split evenly), so hopeless splits need no program.
@@ -43,6 +43,7 @@ from polyshard.planner.cost.offload import device_bytes_per_param, offload_secon
 from polyshard.planner.cost.compute import optimizer_seconds, passes
 from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.intra_op import IntraOpResult, Terms, forward_floor, program_terms, solve
+from polyshard.planner.precision import bounding_cluster, narrowest, precisions_to_cost
 from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
                                         leanest_pipeline, level3_traffic, state_memory, stepped_tensors,
                                         unit_costs)
@@ -271,7 +272,9 @@ class _Costs:
                  fixed: Fixed = Fixed(), stage_units: Sequence[str] = (), dataset_strategy: Sequence | None = None):
         self.gm, self.cluster, self.data_axes, self.batch, self.limit = gm, cluster, data_axes, global_batch, limit
         self.fixed = fixed
-        self.narrowest = "bf16" if _fast_half(cluster) and fixed.allows(precision="bf16") else "fp32"
+        tried = precisions_to_cost(cluster, "none", fixed.precision)
+        self.narrowest = narrowest(tried)
+        self.bounds = bounding_cluster(cluster, tried)  # priced no slower than any precision tried
         self.blocks = list(stage_units) or block_paths(gm)
         self.unit_of = assign_chunks(gm, self.blocks[1:])
         self.numel = sum(p.numel() for p in gm.parameters())
@@ -309,8 +312,8 @@ class _Costs:
         numel = self.numel / _op_size(mesh, self.data_axes) / _pp(mesh)
         itemsize = DTYPES[self.narrowest][1] if offload == "none" else 4
         dp = _data_size(mesh, self.data_axes)
-        return min(_dp_seconds(itemsize * numel, mesh, self.data_axes, self.cluster, zero, overlap_s=float("inf"))
-                   + _update_seconds(numel, offload, zero, dp, self.narrowest, self.cluster) for zero in ZERO_LEVELS)
+        return min(_dp_seconds(itemsize * numel, mesh, self.data_axes, self.bounds, zero, overlap_s=float("inf"))
+                   + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds) for zero in ZERO_LEVELS)
 
     def split(self, mesh, setting: tuple[str, str], best_s: float) -> list[tuple[Candidate, Plan | None]]:
         """One split under one (recompute, offload) setting, costed at every optimizer-parallel level
@@ -360,7 +363,7 @@ class _Costs:
         if fastest.memory.total_bytes > self.limit and fastest.step_s < best_s and \
                 self.numel / _op_size(mesh, self.data_axes) * device_bytes_per_param(offload) <= self.limit:
             try:  # the shared plan's fastest variant does not fit: the leanest strategies that do, if any
-                lean = solve(self.gm, op_axes, self.cluster, rows, self.limit, cutoff_s=best_s - floor,
+                lean = solve(self.gm, op_axes, self.bounds, rows, self.limit, cutoff_s=best_s - floor,
                              recompute=recompute, offload=offload, precision=self.narrowest,
                              recompute_comm=self.recompute_comm, terms=self.terms(op_axes, recompute, offload))
             except PolyshardError:
@@ -384,7 +387,7 @@ class _Costs:
         key = (op_axes, recompute, rows)
         found = self._solved.get(key)
         if found is None or (found.plan is None and found.lower_bound_s < cutoff_s):
-            found = self._solved[key] = solve(self.gm, op_axes, self.cluster, rows, float("inf"),
+            found = self._solved[key] = solve(self.gm, op_axes, self.bounds, rows, float("inf"),
                                               cutoff_s=cutoff_s, recompute=recompute, precision=self.narrowest,
                                               recompute_comm=self.recompute_comm,
                                               terms=self.terms(op_axes, recompute, "none"))
@@ -408,7 +411,7 @@ class _Costs:
         key = (op_axes, recompute)
         if key not in self._floors:
             rerun = self.recomputed(recompute, self.recompute_comm).rerun
-            self._floors[key] = forward_floor(self.gm, op_axes, self.cluster, self.narrowest,
+            self._floors[key] = forward_floor(self.gm, op_axes, self.bounds, self.narrowest,
                                               rerun.__contains__, self.sequence)
         return plain.lower_bound_s + rows * self._floors[key]
 
@@ -427,7 +430,7 @@ class _Costs:
         if key not in self._terms:
             if self.dataset_strategy is not None:  # the inputs as they lie on these axes
                 self.gm.meta[INPUT_LAYOUTS] = input_layouts(self.gm, self.dataset_strategy, op_axes, absent_whole=True)
-            self._terms[key] = program_terms(self.gm, op_axes, self.cluster,
+            self._terms[key] = program_terms(self.gm, op_axes, self.bounds,
                                              self.recomputed(recompute, self.recompute_comm), offload,
                                              self.narrowest, self.sequence)
         return self._terms[key]
@@ -572,19 +575,13 @@ def _update_seconds(numel: float, offload: str, zero: int, dp: int, precision: s
 
 def _variants(dp: int, offload: str, cluster: Cluster, fixed: Fixed = Fixed()) -> list[tuple[int, str]]:
     """(optimizer-parallel level, precision) pairs to cost, less the dominated ones unless fixed:
-    levels only with data parallel, and not level 1 (level 2 sends less and holds no more); bf16
-    instead of fp32 where the device runs it faster (mixed precision holds no more bytes per
-    parameter, and half the activations); offloaded state stays whole and fp32."""
+    levels only with data parallel, and not level 1 (level 2 sends less and holds no more); the
+    precisions ``precisions_to_cost`` keeps (mixed precision holds no more bytes per parameter)."""
     levels = ZERO_LEVELS if dp > 1 and offload == "none" else (0,)
     if fixed.zero is None:
         levels = tuple(z for z in levels if z != 1)
-    half = _fast_half(cluster) and offload == "none"
-    precisions = PRECISIONS if offload == "none" and fixed.precision else ("bf16",) if half else ("fp32",)
+    precisions = precisions_to_cost(cluster, offload, fixed.precision)
     return [(z, p) for z in levels for p in precisions if fixed.allows(zero=z, precision=p)]
-
-
-def _fast_half(cluster: Cluster) -> bool:
-    return cluster.flops_per_s.get("bfloat16", 0.0) > cluster.flops_per_s["float32"]
 
 
 def _op_size(mesh, data_axes) -> int:

@@ -12,13 +12,28 @@ from polyshard.errors import PolyshardError
 from polyshard.planner.config import Fixed
 from polyshard.planner.report import chosen_row
 from polyshard.planner.cost.comm import axis_link
+from polyshard.planner.precision import precisions_to_cost
 from polyshard.planner.search import _dp_seconds, default_reserve_bytes, mesh_candidates, search
 from polyshard.transitions import wire_bytes
 
 
+def _cluster(name: str) -> Cluster:
+    """A preset, or "cpu-mixed": 4 CPU ranks whose bf16 products run twice fp32's rate while each bf16 op
+    costs 3x the fixed time and small-head attention reaches a fifth of fp32's share (as on a CPU with bf16
+    instructions), so that neither precision is priced faster in every term."""
+    if name != "cpu-mixed":
+        return Cluster.preset(name)
+    base = Cluster.preset("cpu-gloo:4")
+    points = ((1e4, 0.05), (1e6, 0.5), (1e8, 1.0))
+    return dataclasses.replace(base, flops_per_s={"float32": 5e10, "bfloat16": 1e11},
+                               op_overheads_s={"bfloat16": 3 * base.op_overhead_s},
+                               attention_shares={"float32": points,
+                                                 "bfloat16": tuple((f, sh / 5) for f, sh in points)})
+
+
 def _search(name, cluster, batch, fixed=Fixed(), limit=None):
     model = models.build(name, "meta")
-    return search(model, model.example_inputs(1), Cluster.preset(cluster), batch, limit, fixed=fixed)
+    return search(model, model.example_inputs(1), _cluster(cluster), batch, limit, fixed=fixed)
 
 
 def _settings(c) -> Fixed:
@@ -33,6 +48,8 @@ def _settings(c) -> Fixed:
     ("gpt-small", "2x4xH100-80G", 32, None),
     # tight: offloaded (fp32) settings and recompute are bounded too
     ("gpt-small", "8xA100-80G", 64, 4096 + 6), ("gpt-small", "cpu-gloo:4", 64, 10),
+    # neither precision dominates: both are costed, and the bounds hold for both
+    ("gpt-small", "cpu-mixed", 16, None), ("gpt-tiny", "cpu-mixed", 16, None),
 ])
 def test_every_pruned_bound_is_below_what_the_split_costs(name, cluster, batch, limit_mib):
     limit = limit_mib and limit_mib * 2**20
@@ -195,15 +212,27 @@ def test_offload_that_fits_with_room_does_not_stop_recompute_being_tried():
     assert (plan.recompute, plan.offload) == ("full", "none")
 
 
-@pytest.mark.parametrize("fixed", [Fixed(zero=z) for z in range(4)] + [Fixed(precision=p) for p in ("fp32", "fp16")])
-def test_variants_the_search_skips_as_dominated_are_never_faster(fixed):
+@pytest.mark.parametrize("cluster,fixed", [("8xA100-80G", Fixed(zero=z)) for z in range(4)] +
+                         [("8xA100-80G", Fixed(precision=p)) for p in ("fp32", "fp16")] +
+                         [("cpu-mixed", Fixed(precision=p)) for p in ("fp32", "bf16")])
+def test_variants_the_search_skips_as_dominated_are_never_faster(cluster, fixed):
     # the free search tries no level 1 (level 2 sends less, holds no more) and no fp32 where bf16 is faster
-    free, ranked = _search("gpt-small", "8xA100-80G", 64)
+    free, ranked = _search("gpt-small", cluster, 64)
     best = min(c.step_s for c in ranked if c.describe() == free.report["chosen"])
-    _, alone = _search("gpt-small", "8xA100-80G", 64, fixed)
-    usable = Cluster.preset("8xA100-80G").memory_bytes - default_reserve_bytes(Cluster.preset("8xA100-80G"))
+    _, alone = _search("gpt-small", cluster, 64, fixed)
+    usable = _cluster(cluster).memory_bytes - default_reserve_bytes(_cluster(cluster)) if \
+        cluster != "cpu-mixed" else float("inf")
     fitting = [c for c in alone if not c.pruned and c.memory.total_bytes <= usable]
     assert fitting and best <= min(c.step_s for c in fitting) * (1 + 1e-9)
+
+
+def test_both_precisions_are_costed_where_neither_is_priced_faster_in_every_term():
+    assert precisions_to_cost(Cluster.preset("8xA100-80G"), "none", None) == ("bf16",)
+    assert precisions_to_cost(Cluster.preset("cpu-gloo:4"), "none", None) == ("fp32",)  # equal rates: fp32 kept
+    assert precisions_to_cost(_cluster("cpu-mixed"), "none", None) == ("fp32", "bf16")
+    assert precisions_to_cost(_cluster("cpu-mixed"), "host", None) == ("fp32",)
+    _, ranked = _search("gpt-tiny", "cpu-mixed", 16)
+    assert {c.precision for c in ranked if not c.pruned} == {"fp32", "bf16"}
 
 
 def test_tensor_axes_divide_a_node_or_span_whole_nodes():
