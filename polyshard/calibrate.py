@@ -134,7 +134,7 @@ def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 10
     # the optimizer's per-tensor work comes once per step. On GPUs the host runs ahead of the kernels, so the
     # chain's figure (launch costs) stays for every dtype, and the fused step's few launches are left out.
     timed = ("float32", *dtypes) if device.type == "cpu" else ()
-    steps = [measure_step_overhead(getattr(torch, name), repeats) for name in timed]
+    steps = measure_step_overheads(timed, repeats)
     update = measure_update_overhead(repeats) if device.type == "cpu" else 0.0
     plain, split, update, *steps = _all_reduce([plain, split, update, *steps], dist.ReduceOp.MAX, None)
     by_dtype = dict(zip(timed, steps))
@@ -151,19 +151,26 @@ class OpOverheads(NamedTuple):
     optimizer_overhead_s: float
 
 
-def measure_step_overhead(dtype: torch.dtype, repeats: int) -> float:
-    """Seconds per graph op of a forward and backward in ``dtype`` of a GPT so small that its FLOPs are under
-    1% of the step (on CPU), every rank at once from a barrier, as training's collectives start them."""
-    model = models.build("gpt-tiny", seed=0).to(dtype)
-    batch = model.example_inputs(1)
-    ops = sum(n.op.startswith("call_") for n in capture(model, batch).graph.nodes)
+def measure_step_overheads(dtypes: Sequence[str], repeats: int, calls: int = 20) -> list[float]:
+    """Seconds per graph op of a forward and backward in each of ``dtypes`` of a GPT so small that its FLOPs are
+    under 1% of the step (on CPU), every rank at once from a barrier, as training's collectives start them. The
+    dtypes take turns batch by batch, so a change in the machine's load falls on all of them alike."""
+    runs = []
+    for name in dtypes:
+        model = models.build("gpt-tiny", seed=0).to(getattr(torch, name))
+        batch = model.example_inputs(1)
+        ops = sum(n.op.startswith("call_") for n in capture(model, batch).graph.nodes)
 
-    def forward_backward():
-        model.zero_grad(set_to_none=True)
-        model(*batch).backward()
+        def forward_backward(model=model, batch=batch):
+            model.zero_grad(set_to_none=True)
+            model(*batch).backward()
 
-    cpu = torch.device("cpu")
-    return statistics.median(_times(forward_backward, repeats, cpu, dist.barrier, calls=5)) / ops
+        runs.append((forward_backward, ops))
+    times = [[] for _ in runs]
+    for _ in range(repeats):
+        for (run, ops), mine in zip(runs, times):
+            mine.append(_times(run, 1, torch.device("cpu"), dist.barrier, calls)[0] / ops)
+    return [statistics.median(t) for t in times]
 
 
 def measure_update_overhead(repeats: int) -> float:
