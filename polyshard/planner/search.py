@@ -5,14 +5,15 @@ An integer program (polyshard.planner.intra_op) picks every op's strategy once p
 recompute mode, shared by every split on those axes: a pipeline stage runs its ops as that plan lays
 them out (polyshard.planner.pipeline chooses the cuts, micro-batches and schedule), and a split that
 holds the whole model is solved again under the memory limit where the shared plan does not fit.
-Each split is costed at every optimizer-parallel level, precision and micro-batch count (gradient
-accumulation when there is no pipeline); the fastest that fits wins. Splits are tried from the most
-promising, and what a lower bound shows cannot win is not costed: every bound is computed in the
-narrowest precision tried, priced as fast as the fastest tried in every term (polyshard.planner.precision),
-and with all data-parallel traffic hidden, so it is never above what it prunes. Recompute and offload are tried where memory is tight, also where a split fits only because
-nothing was costed yet; a pipeline's chunks each take the fastest recompute mode that fits them (early
-stages hold more micro-batches in flight), all laid out by the plain program, whose bounds bound them. An operator split of k ways is first bounded by the unsplit program's
-bound / k (no op gets faster than its work split evenly), so hopeless splits need no program.
+Each split is costed at every optimizer-parallel level, precision and micro-batch count (gradient accumulation
+when there is no pipeline); the fastest that fits wins. Splits are tried from the most promising, and what a
+lower bound shows cannot win is not costed: every bound is computed in the narrowest precision tried, priced
+as fast as the fastest tried in every term (polyshard.planner.precision), and with all data-parallel traffic
+hidden, so it is never above what it prunes. Recompute and offload are tried where memory is tight, also where
+a split fits only because nothing was costed yet; a pipeline's chunks each take the fastest recompute mode
+that fits them (early stages hold more micro-batches in flight), all laid out by the plain program, whose
+bounds bound them. An operator split of k ways is first bounded by the unsplit program's bound / k (no op gets
+faster than its work split evenly), so hopeless splits need no program.
 Costs use one capture of the model at one row, scaled by the rows each split gives a device
 (compute, activations and their communication grow with rows; parameters do not).
 A ``Fixed`` restricts the search to the settings a user gives (``polyshard cost --config``).

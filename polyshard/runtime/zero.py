@@ -12,9 +12,10 @@ peers), so the optimizer's work and state can be split over it, as MindSpore's o
 
 Parameters go into flat buckets (fusion groups respected, see polyshard.runtime.fusion) padded to a multiple
 of N; each bucket's gradient collective starts from backward's hooks as soon as its gradients exist, and
-is waited for at the end of backward. Parameters under ``threshold_bytes`` stay whole (all-reduced, stepped
-by every rank): sharding them saves little memory and adds latency. Mixed precision lives here too: the
-buckets hold bf16/fp16 parameters and gradients, the optimizer fp32 masters (polyshard.runtime.precision).
+is waited for at the end of backward. Parameters under ``threshold_bytes`` in the compute dtype stay whole
+(all-reduced, stepped by every rank): sharding them saves little memory and adds latency. Mixed precision
+lives here too: the buckets hold bf16/fp16 parameters and gradients, the optimizer fp32 masters
+(polyshard.runtime.precision).
 Level 3 is our own hooks rather than FSDP2: FSDP2 shards whole modules and cannot keep small parameters
 whole, fuse by comm_fusion group, or run on the pieces of a lowered tensor-parallel program.
 """
@@ -83,7 +84,8 @@ class ZeroOptimizer:
         fusion = {k: (part_of[k], g) for k, g in fusion_groups(module).items()} | {id(p): id(p) for p in solo}
 
         def sharded(p: nn.Parameter) -> bool:
-            return level > 0 and self.world > 1 and p.numel() * p.element_size() >= threshold_bytes
+            # in the bytes it is communicated in (the compute dtype), as the planner counts it
+            return level > 0 and self.world > 1 and p.numel() * self.dtype.itemsize >= threshold_bytes
 
         def bucket(members: list[nn.Parameter], shard: bool, resident: bool) -> Bucket:
             return Bucket(members, shard, self.world, self.rank, self.dtype, resident, part_of[id(members[0])])
