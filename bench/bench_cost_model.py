@@ -6,8 +6,8 @@
 
 For each configuration (model x global batch) each setting (``--config`` spelling; by default every
 dp x tp split of the ranks) is searched alone, which gives its plan and predicted step time, and one
-free search gives the planner's pick, which is run too. Every rank searches (the search is
-deterministic). Then every setting of every configuration is built for real (``ps.init`` +
+free search gives the planner's pick, which is run too unless its plan is a setting's (then the pick is
+that setting, timed once). Every rank searches (the search is deterministic). Then every setting of every configuration is built for real (``ps.init`` +
 ``ps.parallelize``, same seed, same global batches, AdamW at the plan's optimizer level,
 ``polyshard train``'s step) and trained: after --warmup untimed steps, --rounds timed rounds, each
 running --steps steps of every setting, taking turns in an order that rotates from round to
@@ -138,9 +138,16 @@ def figures_of(c) -> dict:
             "dp_comm_s": c.dp_comm_s, "memory_bytes": float(c.memory.total_bytes)}
 
 
+def same_plan(a: str, b: str) -> bool:
+    """Whether two plans' JSON make the same decisions (their search reports aside)."""
+    return {k: v for k, v in json.loads(a).items() if k != "report"} == \
+        {k: v for k, v in json.loads(b).items() if k != "report"}
+
+
 def predict(configs, cluster: Cluster, settings: list[str]) -> dict:
     """Per configuration: the free search's pick, and per setting (the pick's own included) its
-    predicted figures and the plan of the search over that setting alone (as JSON)."""
+    predicted figures and the plan of the search over that setting alone (as JSON). A pick whose plan is
+    a setting's is that setting: one configuration, trained and timed once."""
     out = {}
     for model, batch in configs:
         meta = models.build(model, device="meta")
@@ -153,6 +160,10 @@ def predict(configs, cluster: Cluster, settings: list[str]) -> dict:
             alone_plan, alone = search(meta, row, cluster, batch, meshes=splits, fixed=Fixed.parse(text))
             best = next(c for c in alone if c.describe() == alone_plan.report["chosen"])
             found[text] = {**figures_of(best), "mesh": tuple(alone_plan.mesh), "plan": alone_plan.to_json()}
+        alike = next((t for t in settings if t != pick and same_plan(found[t]["plan"], found[pick]["plan"])), None)
+        if alike is not None:
+            del found[pick]
+            pick = alike
         out[(model, batch)] = {"pick": pick, "settings": found}
     return out
 
