@@ -240,3 +240,25 @@ def memory_per_level(level: int, threshold_bytes: int = 1024, bucket_bytes: int 
     opt.remove()
     del pm, opt
     return {"predicted": predicted, "measured": measured}
+
+
+def gathered_modules(precision: str, threshold_bytes: int) -> dict:
+    """Modules level 3 gathers on this rank, as run and as the planner counts them (level3_traffic)."""
+    from polyshard.plan import DTYPES
+    from polyshard.planner.pipeline import level3_traffic
+    from polyshard.runtime.zero import _call_units
+
+    ps.init("dp=4")
+    model = _build("gpt-tiny", torch.float32, True)
+    pm = ps.parallelize(model, example_inputs=_batch(model, 2, seed=0))
+    seen: set[int] = set()
+    groups = []
+    for m in _call_units(pm):
+        fresh = [p for p in m.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        groups.append(tuple(p.numel() for p in fresh))
+    opt = setup_zero(pm, 3, "adamw", precision, threshold_bytes=threshold_bytes, **OPTIMIZER_KWARGS["adamw"])
+    run = sum(not b.resident for b in opt.buckets)
+    opt.remove()
+    return {"run": run, "priced": level3_traffic(tuple(g for g in groups if g), DTYPES[precision][1],
+                                                 threshold_bytes)[1]}
