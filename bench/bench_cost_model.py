@@ -6,13 +6,13 @@
 
 For each configuration (model x global batch) each setting (``--config`` spelling; by default every
 dp x tp split of the ranks) is searched alone, which gives its plan and predicted step time, and one
-free search gives the planner's pick, which is run too unless its plan is a setting's (then the pick is
-that setting, timed once). Every rank searches (the search is deterministic). Then every setting of every configuration is built for real (``ps.init`` +
-``ps.parallelize``, same seed, same global batches, AdamW at the plan's optimizer level,
-``polyshard train``'s step) and trained: after --warmup untimed steps, --rounds timed rounds, each
-running --steps steps of every setting, taking turns in an order that rotates from round to
-round, so machine noise hits all of them alike. A setting's measured step time is the median over
-rounds of (seconds between barriers) / steps.
+free search gives the planner's pick, which is run too unless its plan is a setting's (then the pick
+is that setting, timed once). Every rank searches (the search is deterministic). Then every setting
+of every configuration is built for real (``ps.init`` + ``ps.parallelize``, same seed, same global
+batches, AdamW at the plan's optimizer level, ``polyshard train``'s step) and trained: after
+--warmup untimed steps, --rounds timed rounds, each running --steps steps of every setting, taking
+turns in an order that rotates from round to round, so machine noise hits all of them alike. A
+setting's measured step time is the median over rounds of (seconds between barriers) / steps.
 
 Rank 0 prints, per configuration, the predicted and measured step times and ranks; the Spearman
 rank correlation of predicted vs measured (per configuration, per model, and pooled over every
