@@ -112,9 +112,11 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
                 f"--rdzv-conf=is_host={int(nodes[1] == 0)}"]
     else:  # static: machine r holds ranks r*nproc .., so node 0 holds rank 0
         meet = [f"--node-rank={nodes[1]}", f"--master-addr={host}", f"--master-port={port}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes[0]}", *meet,
-           f"--max-restarts={max_restarts}", *command]
-    with tempfile.TemporaryDirectory(prefix="polyshard-errors-") as errors:
+    with tempfile.TemporaryDirectory(prefix="polyshard-launch-") as scratch:  # torchrun's logs too: it keeps them
+        errors = os.path.join(scratch, "errors")
+        os.mkdir(errors)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes[0]}",
+               *meet, f"--max-restarts={max_restarts}", f"--log-dir={os.path.join(scratch, 'logs')}", *command]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors},
                    # the ranks' own store, new for each restart: the agent's shared one keeps the last attempt's
                    # addresses, which a restarted rank can read before its peer replaces them

@@ -106,8 +106,9 @@ def train(cfg: TrainConfig) -> list[dict]:
         if pinned:
             print(f"pinned from {cfg.strategies}: {', '.join(pinned)}")
         print("parameter layouts:\n" + pm.plan.summary())
-    scratch = tempfile.TemporaryDirectory(prefix="polyshard-offload-") if not cfg.offload_dir else None
-    opt = make_optimizer(pm, cfg.lr, cfg.offload_dir or scratch.name)
+    scratch = (tempfile.TemporaryDirectory(prefix="polyshard-offload-")
+               if pm.plan.offload == "disk" and not cfg.offload_dir else None)  # only disk offload writes files
+    opt = make_optimizer(pm, cfg.lr, cfg.offload_dir or (scratch.name if scratch else ""))
     reads = not pipelined or pm.reads_batch  # a middle pipeline stage reads nothing
     batches = Ahead(batch_source(cfg, model, mesh, reads))
     unit, per_step = ("images", cfg.batch_size) if cfg.vision else ("tokens", cfg.batch_size * model.cfg.seq_len)

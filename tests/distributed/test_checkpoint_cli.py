@@ -29,8 +29,10 @@ def losses(metrics: Path) -> list[float]:
 
 def start(tmp: Path, name: str, *flags) -> subprocess.Popen:
     out, err = (tmp / f"{name}.out").open("w"), (tmp / f"{name}.err").open("w")  # files: a full pipe would block
+    (tmp / "scratch").mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "polyshard.cli.main", "train", *RUN, *flags,
-                             "--metrics", str(tmp / f"{name}.jsonl")], stdout=out, stderr=err, text=True)
+                             "--metrics", str(tmp / f"{name}.jsonl")], stdout=out, stderr=err, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp / "scratch")})
 
 
 def signal_rank_at(proc: subprocess.Popen, metrics: Path, step: int, rank: int, sig: int) -> int:
@@ -78,6 +80,8 @@ def test_a_killed_rank_restarts_the_job_which_resumes_and_matches_the_uninterrup
     assert proc.wait(timeout=300) == 0, (tmp_path / "killed.err").read_text()[-3000:]
     assert at < 20 and "resumed from" in (tmp_path / "killed.out").read_text()
     _matches_the_whole_run(tmp_path, whole)
+    left = [p.name for p in (tmp_path / "scratch").iterdir() if p.name.startswith(("polyshard-", "torchelastic_"))]
+    assert not left  # no run folder stays behind, a killed rank's included
 
 
 def test_a_rank_killed_while_an_async_save_is_uncommitted_resumes_from_the_one_before(tmp_path, whole):
