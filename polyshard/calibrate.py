@@ -37,6 +37,11 @@ _MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
 # A product timed for a rate is no larger than one that takes about this long: a type the device only emulates
 # (bfloat16 on a CPU without it) runs at a hundredth of float32's rate at every size, so a smaller one times it.
 _MATMUL_BUDGET_S = 0.25
+# On CPUs, products are also timed by contraction depth, the other two sides at _MATMUL_SIDE (a small model's
+# tokens and width per rank), in calls of about _PRODUCT_CALL_FLOPS; GPUs keep their preset's depth table.
+_MATMUL_DEPTHS = {"cpu": (32, 64, 128, 256, 512, 1024), "cuda": ()}
+_MATMUL_SIDE = 256
+_PRODUCT_CALL_FLOPS = 2e8
 # Causal attention timed per (sequence, head dim) of one head's slice: from tiny test models to real heads.
 _ATTENTION_SIZES = {"cpu": ((16, 8), (64, 32), (256, 64), (1024, 64)),
                     "cuda": ((256, 64), (1024, 64), (4096, 128))}
@@ -71,12 +76,17 @@ def message_sizes(max_bytes: int) -> list[int]:
     return sizes
 
 
-def measure_matmul(dtype: torch.dtype, size: int, repeats: int) -> float:
-    """FLOP/s of one (size x size) @ (size x size) product on this rank's device: median after a warm-up."""
+def measure_matmul(dtype: torch.dtype, size: int, repeats: int, depth: int | None = None) -> float:
+    """FLOP/s of a (size x depth) @ (depth x size) product (depth: ``size``) on this rank's device: median after
+    a warm-up; a small product is timed in calls of about _PRODUCT_CALL_FLOPS, every rank at once."""
     _check_repeats(repeats)
+    depth = depth or size
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
-    return 2 * size**3 / statistics.median(_times(lambda: torch.matmul(a, b), repeats, device))
+    a, b = torch.randn(size, depth, device=device).to(dtype), torch.randn(depth, size, device=device).to(dtype)
+    flops = 2 * size * size * depth
+    calls = max(1, round(_PRODUCT_CALL_FLOPS / flops))
+    barrier = dist.barrier if calls > 1 else lambda: None
+    return flops / statistics.median(_times(lambda: torch.matmul(a, b), repeats, device, barrier, calls))
 
 
 def timeable_matmul_size(dtype: torch.dtype, size: int) -> int:
@@ -276,6 +286,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         raise PolyshardError(f"calibration needs at least two message sizes of {4 * world} bytes or more; "
                              f"got {len(sizes)}")
     flops, matmul_sizes, notes = _flops(base.device_type, repeats)
+    products = _matmul_shares(base.device_type, flops, matmul_sizes, repeats)
     attention = _attention_shares(base.device_type, flops, repeats, notes)
     overheads = measure_op_overheads(repeats, [name for name in flops if name != "float32"])
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
@@ -302,6 +313,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         flops_per_s=flops,
         matmul_efficiency=efficiency,
         matmul_depth_shares=depths,
+        matmul_shares=products,
         attention_shares=attention,
         **overheads._asdict(),
         memory_bandwidth_bytes_per_s=memory_bw,
@@ -358,6 +370,21 @@ def _flops(device_type: str, repeats: int) -> tuple[dict[str, float], dict[str, 
     return flops, sizes, notes
 
 
+def _matmul_shares(device_type: str, flops: dict[str, float], sizes: dict[str, int],
+                   repeats: int) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Each dtype's share of its matmul rate by contraction depth, of the slowest rank; not for a dtype whose
+    rate was timed on smaller products (one the device emulates)."""
+    out = {}
+    for name, peak in flops.items():
+        depths = _MATMUL_DEPTHS[device_type]
+        if not depths or sizes[name] < _MATMUL_SIZE[device_type]:
+            continue
+        rates = [measure_matmul(getattr(torch, name), _MATMUL_SIDE, repeats, depth) for depth in depths]
+        shares = _all_reduce([min(1.0, rate / peak) for rate in rates], dist.ReduceOp.MIN, None)
+        out[name] = tuple((float(depth), share) for depth, share in zip(depths, shares))
+    return out
+
+
 def _attention_shares(device_type: str, flops: dict[str, float], repeats: int,
                       notes: list[str]) -> dict[str, tuple[tuple[float, float], ...]]:
     """Attention's share of each dtype's matmul rate by head size, of the slowest rank."""
@@ -405,6 +432,10 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
             notes: list[str]) -> str:
     lines = [f"{'matmul':<24} {'FLOP/s':>12}"]
     lines += [f"{name:<24} {_si(rate, 'FLOP/s'):>12}" for name, rate in cluster.flops_per_s.items()]
+    if cluster.matmul_shares:
+        lines += ["", f"matmul by contraction depth ({_MATMUL_SIDE} x depth by depth x {_MATMUL_SIDE}): share of the rate"]
+        lines += [f"{name:<24} " + ", ".join(f"{depth:.0f}: {sh:.3f}" for depth, sh in points)
+                  for name, points in cluster.matmul_shares.items()]
     lines += ["", "attention (causal, forward + backward): share of the matmul rate by one head's forward FLOPs"]
     lines += [f"{name:<24} " + ", ".join(f"{_si(f, 'FLOP')}: {sh:.3f}" for f, sh in points)
               for name, points in cluster.attention_shares.items()]

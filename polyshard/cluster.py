@@ -152,6 +152,11 @@ class Cluster:
     # Of matmul_efficiency, the share a product reaches by its contraction depth: ((depth, share), ...),
     # ascending; empty: every depth at matmul_efficiency. Left out of the hash.
     matmul_depth_shares: tuple[tuple[float, float], ...] = field(default=(), hash=False)
+    # Measured shares of flops_per_s a product reaches by contraction depth, per dtype name: ((depth, share), ...),
+    # ascending; where a dtype has them they replace matmul_efficiency and matmul_depth_shares (on a CPU with bf16
+    # instructions, bf16 products 32 to 128 deep run at 0.55 to 0.84 of its large ones' rate, fp32's at about 1).
+    # Left out of the hash.
+    matmul_shares: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict, hash=False)
     # Measured shares of fused attention by size, per dtype name: ((forward FLOPs of one head's slice,
     # share of flops_per_s forward and backward reach), ...), ascending; where a dtype has them they
     # replace attention_efficiency (small heads run far below peak on CPUs). Left out of the hash.
@@ -169,10 +174,13 @@ class Cluster:
         points = self.attention_shares.get(dtype)
         return _interpolate_log(points, head_flops) if points else self.attention_efficiency
 
-    def matmul_share(self, m: float, n: float, k: float) -> float:
-        """The share of peak a product of (m x k) by (k x n) reaches over a training step: forward
+    def matmul_share(self, m: float, n: float, k: float, dtype: str = "float32") -> float:
+        """The share of ``dtype``'s peak a product of (m x k) by (k x n) reaches over a training step: forward
         contracts k, the input's gradient n and the weight's gradient m, each at its depth's share
         (interpolated on log depth), the three passes taking equal FLOPs."""
+        measured = self.matmul_shares.get(dtype)
+        if measured:
+            return 3 / sum(1 / _interpolate_log(measured, d) for d in (k, n, m))
         if not self.matmul_depth_shares:
             return self.matmul_efficiency
         shares = [_interpolate_log(self.matmul_depth_shares, d) for d in (k, n, m)]
@@ -205,7 +213,8 @@ class Cluster:
         for key in _RATE_KEYS[1:]:
             if not 0 < getattr(self, key) <= 1:
                 raise PolyshardError(f"cluster {key} is a share of peak, in (0, 1]; got {getattr(self, key)!r}")
-        for key, points in [(f"attention_shares.{d}", p) for d, p in self.attention_shares.items()] + \
+        for key, points in [(f"{table}.{d}", p) for table in ("matmul_shares", "attention_shares")
+                            for d, p in getattr(self, table).items()] + \
                 [("matmul_depth_shares", self.matmul_depth_shares)] * bool(self.matmul_depth_shares):
             sizes = [f for f, _ in points]
             if not points or sizes != sorted(set(sizes)) or not all(f > 0 and 0 < sh <= 1 for f, sh in points):
@@ -262,7 +271,8 @@ class Cluster:
             like = _DEVICES["cpu" if data.get("device_type") == "cpu" else "A100-80G"]
             data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload_bandwidths)),
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
-                    "matmul_depth_shares": [], "attention_shares": {}, "op_overheads_s": {}, "all_to_all": True,
+                    "matmul_depth_shares": [], "matmul_shares": {}, "attention_shares": {}, "op_overheads_s": {},
+                    "all_to_all": True,
                     **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         if not isinstance(data["all_to_all"], bool):
@@ -285,8 +295,8 @@ class Cluster:
                 **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS},
                 op_overheads_s={str(k): float(v) for k, v in dict(data["op_overheads_s"] or {}).items()},
                 matmul_depth_shares=tuple((float(d), float(sh)) for d, sh in data["matmul_depth_shares"] or ()),
-                attention_shares={str(k): tuple((float(f), float(sh)) for f, sh in v)
-                                  for k, v in dict(data["attention_shares"] or {}).items()},
+                **{table: {str(k): tuple((float(f), float(sh)) for f, sh in v) for k, v in dict(data[table] or {}).items()}
+                   for table in ("matmul_shares", "attention_shares")},
                 all_to_all=data["all_to_all"],
             )
         except PolyshardError:

@@ -1,9 +1,9 @@
 """Which compute precisions a search costs, and the cluster its bounds and shared strategies are priced on.
 
 A precision is left out only where another is no slower in every term the cost model prices by dtype
-(matmul rate, fused attention's rate, the fixed cost per op): on GPUs bf16 wins all three; on a CPU whose
-bf16 products are fast but whose small bf16 kernels cost more per op, neither dominates and both are
-costed. Bounds must then hold for both, so they are computed on an envelope of the two.
+(matmul rate at every measured depth, fused attention's rate, the fixed cost per op): on GPUs bf16 wins all
+three; on a CPU whose large bf16 products are fast but whose small ones and small kernels are slow, neither
+dominates and both are costed. Bounds must then hold for both, so they are computed on an envelope of the two.
 """
 
 from __future__ import annotations
@@ -34,21 +34,26 @@ def narrowest(precisions: tuple[str, ...]) -> str:
 
 def bounding_cluster(cluster: Cluster, precisions: tuple[str, ...]) -> Cluster:
     """``cluster`` with the narrowest of ``precisions`` as fast as the fastest of them in every dtype term: the
-    best matmul rate, the least fixed cost per op, and at every measured attention size the best attention
-    rate. Any plan costs no more there in that precision than on ``cluster`` in any of ``precisions``, so
-    bounds computed on it hold for all of them (attention shares interpolate linearly between sizes, and the
-    maximum of lines lies under the line through their maxima)."""
+    best matmul rate, the least fixed cost per op, and at every measured product depth and attention size the
+    best product and attention rate. Any plan costs no more there in that precision than on ``cluster`` in any
+    of ``precisions``, so bounds computed on it hold for all of them (shares interpolate linearly between the
+    measured points, and the maximum of lines lies under the line through their maxima)."""
     dtypes = [DTYPES[p][0] for p in precisions]
     low = DTYPES[narrowest(precisions)][0]
     if len(set(dtypes)) == 1:
         return cluster
     top = max(cluster.flops_per_s[d] for d in dtypes)
-    sizes = sorted({f for d in dtypes for f, _ in cluster.attention_shares.get(d, ())})
-    shares = dict(cluster.attention_shares)
-    if sizes:  # else every dtype runs attention at attention_efficiency of its rate
-        shares[low] = tuple((f, min(1.0, max(cluster.flops_per_s[d] * cluster.attention_share(d, f)
-                                             for d in dtypes) / top)) for f in sizes)
-    return dataclasses.replace(cluster, flops_per_s={**cluster.flops_per_s, low: top}, attention_shares=shares,
+
+    def best(points: list[float], rate) -> tuple[tuple[float, float], ...]:
+        return tuple((x, min(1.0, max(cluster.flops_per_s[d] * rate(d, x) for d in dtypes) / top)) for x in points)
+
+    products, attention = dict(cluster.matmul_shares), dict(cluster.attention_shares)
+    if any(d in products for d in dtypes):  # else every dtype's products take the same share of its rate
+        products[low] = best(_depths(cluster, dtypes), _product_share(cluster))
+    if sizes := sorted({f for d in dtypes for f, _ in attention.get(d, ())}):  # else attention_efficiency for all
+        attention[low] = best(sizes, cluster.attention_share)
+    return dataclasses.replace(cluster, flops_per_s={**cluster.flops_per_s, low: top}, matmul_shares=products,
+                               attention_shares=attention,
                                op_overheads_s={**cluster.op_overheads_s,
                                                low: min(cluster.op_overhead_for(d) for d in dtypes)})
 
@@ -58,5 +63,18 @@ def _no_slower(cluster: Cluster, p: str, q: str) -> bool:
     a, b = DTYPES[p][0], DTYPES[q][0]
     ra, rb = cluster.flops_per_s.get(a, 0.0), cluster.flops_per_s.get(b, 0.0)
     sizes = {f for d in (a, b) for f, _ in cluster.attention_shares.get(d, ())} or {1.0}
+    product = _product_share(cluster)
     return ra >= rb and cluster.op_overhead_for(a) <= cluster.op_overhead_for(b) and \
-        all(ra * cluster.attention_share(a, f) >= rb * cluster.attention_share(b, f) for f in sizes)
+        all(ra * cluster.attention_share(a, f) >= rb * cluster.attention_share(b, f) for f in sizes) and \
+        all(ra * product(a, depth) >= rb * product(b, depth) for depth in _depths(cluster, (a, b)) or [1.0])
+
+
+def _depths(cluster: Cluster, dtypes) -> list[float]:
+    """Every contraction depth where a product share of ``dtypes`` is measured or tabled."""
+    return sorted({d for t in dtypes for d, _ in cluster.matmul_shares.get(t, ())} |
+                  {d for d, _ in cluster.matmul_depth_shares})
+
+
+def _product_share(cluster: Cluster):
+    """(dtype, depth) -> the share of its rate a product ``depth`` deep in every pass reaches."""
+    return lambda dtype, depth: cluster.matmul_share(depth, depth, depth, dtype)

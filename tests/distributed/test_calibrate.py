@@ -35,6 +35,11 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert "attention (causal, forward + backward)" in run.stdout
     for points in (cluster.attention_shares["float32"], cluster.attention_shares["bfloat16"]):
         assert len(points) == 4 and all(0 < share <= 1 for _, share in points)
+    # products timed by contraction depth in each dtype the CPU runs natively (float32 at least): the shallowest
+    # below the rate of the large product the peak comes from, none above it
+    assert "matmul by contraction depth" in run.stdout
+    depths = cluster.matmul_shares["float32"]
+    assert [d for d, _ in depths] == [32, 64, 128, 256, 512, 1024] and all(0 < sh <= 1 for _, sh in depths)
     planned = subprocess.run([sys.executable, "-m", "polyshard.cli.main", "plan", "--model", "gpt-tiny",
                               "--cluster", str(out)], capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr[-3000:]

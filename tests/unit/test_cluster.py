@@ -155,3 +155,16 @@ def test_a_product_runs_below_the_large_rate_as_its_contraction_depth_shrinks():
     assert cpu.matmul_share(8, 8, 8) == cpu.matmul_efficiency  # unmeasured: one rate for every shape
     with pytest.raises(PolyshardError, match="matmul_depth_shares"):
         dataclasses.replace(gpu, matmul_depth_shares=((1024, 0.9), (256, 0.5)))
+
+
+def test_a_dtypes_measured_depth_shares_replace_the_shared_table(tmp_path):
+    gpu = Cluster.preset("8xA100-80G")
+    c = dataclasses.replace(gpu, matmul_shares={"bfloat16": ((64, 0.25), (1024, 1.0))})
+    assert c.matmul_share(1024, 1024, 1024, "bfloat16") == 1.0  # not matmul_efficiency times the preset's table
+    assert c.matmul_share(64, 1024, 1024, "bfloat16") == pytest.approx(3 / (1 / 0.25 + 1 + 1))  # one pass shallow
+    assert c.matmul_share(256, 256, 256, "bfloat16") == pytest.approx(0.625)  # halfway in log depth
+    assert c.matmul_share(256, 256, 256, "float32") == gpu.matmul_share(256, 256, 256)  # unmeasured dtype
+    c.to_yaml(tmp_path / "c.yaml")
+    assert Cluster.from_yaml(tmp_path / "c.yaml").matmul_shares == c.matmul_shares
+    with pytest.raises(PolyshardError, match="matmul_shares.bfloat16"):
+        dataclasses.replace(gpu, matmul_shares={"bfloat16": ((64, 0.25), (1024, 1.5))})

@@ -19,14 +19,17 @@ from polyshard.transitions import wire_bytes
 
 def _cluster(name: str) -> Cluster:
     """A preset, or "cpu-mixed": 4 CPU ranks whose bf16 products run twice fp32's rate while each bf16 op
-    costs 3x the fixed time and small-head attention reaches a fifth of fp32's share (as on a CPU with bf16
-    instructions), so that neither precision is priced faster in every term."""
+    costs 3x the fixed time, shallow bf16 products a fraction of that rate and small-head attention a fifth
+    of fp32's share (as on a CPU with bf16 instructions), so that neither precision is priced faster in
+    every term."""
     if name != "cpu-mixed":
         return Cluster.preset(name)
     base = Cluster.preset("cpu-gloo:4")
     points = ((1e4, 0.05), (1e6, 0.5), (1e8, 1.0))
     return dataclasses.replace(base, flops_per_s={"float32": 5e10, "bfloat16": 1e11},
                                op_overheads_s={"bfloat16": 3 * base.op_overhead_s},
+                               matmul_shares={"float32": ((32, 0.9), (128, 1.0)),
+                                              "bfloat16": ((16, 0.1), (64, 0.4), (512, 1.0))},
                                attention_shares={"float32": points,
                                                  "bfloat16": tuple((f, sh / 5) for f, sh in points)})
 
@@ -233,6 +236,12 @@ def test_both_precisions_are_costed_where_neither_is_priced_faster_in_every_term
     assert precisions_to_cost(_cluster("cpu-mixed"), "host", None) == ("fp32",)
     _, ranked = _search("gpt-tiny", "cpu-mixed", 16)
     assert {c.precision for c in ranked if not c.pruned} == {"fp32", "bf16"}
+
+
+def test_a_precision_slower_at_shallow_products_is_costed_beside_the_other():
+    gpu = Cluster.preset("8xA100-80G")
+    shallow = dataclasses.replace(gpu, matmul_shares={"bfloat16": ((64, 0.01), (1024, 1.0))})
+    assert precisions_to_cost(shallow, "none", None) == ("fp32", "bf16")  # bf16 at 3 TFLOP/s 64 deep: fp32 wins
 
 
 def test_tensor_axes_divide_a_node_or_span_whole_nodes():

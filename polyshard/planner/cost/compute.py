@@ -72,7 +72,7 @@ def forward_seconds(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module
         q, k = (shape_of(n) for n in node.args[:2])
         peak *= cluster.attention_share(dtype, 4 * q[-2] * k[-2] * q[-1])  # by one head's slice
     elif _is_product(node, modules):
-        peak *= cluster.matmul_share(*_product_dims(node, entry, modules, flops))
+        peak *= cluster.matmul_share(*_product_dims(node, entry, modules, flops), dtype)
     bandwidth = cluster.memory_bandwidth_bytes_per_s
     moved = forward_bytes(node, entry, modules, itemsize) if bandwidth else 0.0
     return max(flops / peak, moved / bandwidth if bandwidth else 0.0)
