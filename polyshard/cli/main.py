@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 import sys
 import traceback
@@ -83,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                     "runs which micro-batch's forward and backward, when) into this PNG")
     ex.add_argument("--cluster", default="", help="time the timeline with the cost model's compute on this cluster "
                     "(NODESxDEVICESxTYPE, cpu-gloo:N or a YAML file) instead of the plan's predicted stage times")
+    ex.add_argument("--beside", default="", help="another plan file of the same model, batch and devices (e.g. your "
+                    "configuration from `polyshard cost --config ... --out`): show the two side by side, term by term")
     ex.set_defaults(handler=_explain)
 
     r = sub.add_parser("run", help="run your own script on N processes (torchrun)",
@@ -294,24 +297,46 @@ def _check_reserve(limit: int, reserve: int | None, default: int) -> None:
 
 
 def _explain(args) -> int:
-    from polyshard.planner.report import render
+    from polyshard.planner.report import compare, render, summary
     from polyshard.train.config import load_plan
 
     if args.layouts < 0:
         raise PolyshardError(f"--layouts must be 0 or more, got {args.layouts}")
     plan = load_plan(args.plan, "plan file")
+    other = load_plan(args.beside, "--beside plan file") if args.beside else None
+    if other is not None:
+        _check_comparable(plan, other, args.beside)
     print(render(plan, layouts=args.layouts))
+    if other is not None:
+        devices = math.prod(s for _, s in plan.mesh)
+        names = (Path(args.beside).stem, Path(args.plan).stem)
+        print(compare(summary(other, None, devices), summary(plan, None, devices),
+                      names=names if names[0] != names[1] else (args.beside, args.plan)))
     if args.timeline:
         _draw_plan_timeline(plan, args.timeline, args.cluster)
     return 0
+
+
+def _check_comparable(plan, other, path: str) -> None:
+    """Two plans priced by a search for the same model, global batch and devices, or a clear error."""
+    from polyshard.planner.report import chosen_row
+
+    for p, name in ((plan, "the plan"), (other, f"--beside {path!r}")):
+        if chosen_row(p.report) is None:
+            raise PolyshardError(f"{name} holds no search report to compare; write plans with `polyshard plan` or "
+                                 "`polyshard cost --out`")
+    mine, theirs = ((p.model, p.global_batch, math.prod(s for _, s in p.mesh)) for p in (plan, other))
+    differ = [f"{what} {t} against {m}" for what, t, m in zip(("model", "global batch", "devices"), theirs, mine)
+              if t != m]
+    if differ:
+        raise PolyshardError(f"--beside {path!r} differs from the plan in {', '.join(differ)}; compare plans of one "
+                             "model, batch and cluster")
 
 
 def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
     """The plan's schedule, simulated with the stage times its search predicted (the same step and
     bubble as its table), or for a plan without them with the cost model's compute on ``cluster_spec``
     (default: the cluster the plan was made for), drawn into ``path``."""
-    import math
-
     from polyshard.schedule import schedule_actions, simulate
     from polyshard.runtime.timeline import draw_timeline
 

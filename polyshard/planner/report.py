@@ -32,17 +32,20 @@ def summary(plan: Plan, cfg: GPTConfig | None, num_devices: int) -> dict:
             **rate}
 
 
-def compare(given: dict, pick: dict) -> str:
-    """Two :func:`summary` figures side by side, term by term: a configuration and the search's pick."""
+def compare(given: dict, pick: dict, names: tuple[str, str] = ("given", "pick")) -> str:
+    """Two :func:`summary` figures side by side, term by term (by default a configuration and the search's pick)."""
+    a, b = names
     rows = [("step", given["step_s"], pick["step_s"])] + \
         [(k.removesuffix("_s").replace("_", " "), given["breakdown"][k], pick["breakdown"][k]) for k in given["breakdown"]]
-    lines = [f"given {given['config']}", f"pick  {pick['config']}",
-             f"  {'term':<10} {'given':>12} {'pick':>12} {'pick - given':>13}"]
-    lines += [f"  {name:<10} {_ms(a)} {_ms(b)} {(b - a) * 1e3:>+11.1f}ms" for name, a, b in rows]
+    width = max(map(len, names))
+    lines = [f"{a:<{width}} {given['config']}", f"{b:<{width}} {pick['config']}",
+             f"  {'term':<10} {a:>12} {b:>12} {f'{b} - {a}':>13}"]
+    lines += [f"  {name:<10} {_ms(x)} {_ms(y)} {(y - x) * 1e3:>+11.1f}ms" for name, x, y in rows]
     lines.append(f"  {'memory':<10} {format_bytes(given['memory_bytes_per_device']):>12} "
                  f"{format_bytes(pick['memory_bytes_per_device']):>12}")
-    lines.append(f"the pick's steps are {given['step_s'] / pick['step_s']:.2f}x as fast" if pick["step_s"] < given["step_s"]
-                 else "the given configuration is as fast as the pick")
+    (fast, fast_s), (slow, slow_s) = sorted([(b, pick["step_s"]), (a, given["step_s"])], key=lambda n: n[1])
+    lines.append(f"{fast}'s steps are {slow_s / fast_s:.2f}x as fast as {slow}'s" if fast_s < slow_s
+                 else f"{a} and {b} predict the same step")
     return "\n".join(lines)
 
 

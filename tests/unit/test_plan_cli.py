@@ -56,6 +56,27 @@ def test_cost_compare_shows_the_pick_beside_the_configuration_term_by_term(capsy
     assert result["pick"]["step_s"] <= result["step_s"] and "tp=8" in result["config"]
 
 
+def test_explain_shows_a_plan_beside_another_term_by_term(capsys, tmp_path):
+    args = ("--model", SHAPE, "--cluster", "8xA100-80G", "--global-batch", "32")
+    pick, mine, other = (tmp_path / f"{name}.json" for name in ("pick", "mine", "other"))
+    assert _run(capsys, "plan", *args, "--out", str(pick))[0] == 0
+    assert _run(capsys, "cost", *args, "--config", "tp=8,recompute=full", "--out", str(mine))[0] == 0
+    code, out, _ = _run(capsys, "explain", str(pick), "--beside", str(mine), "--layouts", "0")
+    assert code == 0
+    table = out.split("\nmine dp=1,tp=8,")[1]
+    for term in ("step", "compute", "op comm", "dp comm", "p2p", "bubble", "memory"):
+        assert f"\n  {term} " in table
+    steps = [json.loads(_run(capsys, "cost", *args, "--config", config, "--json")[1])["step_s"]
+             for config in ("tp=8,recompute=full", Plan.from_json(pick.read_text()).report["config"])]
+    step_row = next(line for line in table.splitlines() if line.startswith("  step "))
+    assert all(f"{s * 1e3:.1f}ms" in step_row for s in steps)  # each plan's own predicted step
+    assert f"pick's steps are {steps[0] / steps[1]:.2f}x as fast as mine's" in table
+    assert _run(capsys, "cost", "--model", SHAPE, "--cluster", "4xA100-80G", "--global-batch", "32",
+                "--config", "tp=4", "--out", str(other))[0] == 0
+    code, _, err = _run(capsys, "explain", str(pick), "--beside", str(other))
+    assert code == 2 and "differs from the plan in devices 4 against 8" in err
+
+
 @pytest.mark.parametrize("args,needle", [
     (("--config", "tp=3"), "tp=3"),
     (("--config", "pipes=2"), "unknown"),
