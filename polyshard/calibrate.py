@@ -433,7 +433,8 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
     lines = [f"{'matmul':<24} {'FLOP/s':>12}"]
     lines += [f"{name:<24} {_si(rate, 'FLOP/s'):>12}" for name, rate in cluster.flops_per_s.items()]
     if cluster.matmul_shares:
-        lines += ["", f"matmul by contraction depth ({_MATMUL_SIDE} x depth by depth x {_MATMUL_SIDE}): share of the rate"]
+        lines += ["", f"matmul by contraction depth ({_MATMUL_SIDE} x depth by depth x {_MATMUL_SIDE}): "
+                  "share of the rate"]
         lines += [f"{name:<24} " + ", ".join(f"{depth:.0f}: {sh:.3f}" for depth, sh in points)
                   for name, points in cluster.matmul_shares.items()]
     lines += ["", "attention (causal, forward + backward): share of the matmul rate by one head's forward FLOPs"]

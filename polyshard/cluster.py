@@ -295,7 +295,8 @@ class Cluster:
                 **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS},
                 op_overheads_s={str(k): float(v) for k, v in dict(data["op_overheads_s"] or {}).items()},
                 matmul_depth_shares=tuple((float(d), float(sh)) for d, sh in data["matmul_depth_shares"] or ()),
-                **{table: {str(k): tuple((float(f), float(sh)) for f, sh in v) for k, v in dict(data[table] or {}).items()}
+                **{table: {str(k): tuple((float(f), float(sh)) for f, sh in v)
+                           for k, v in dict(data[table] or {}).items()}
                    for table in ("matmul_shares", "attention_shares")},
                 all_to_all=data["all_to_all"],
             )
