@@ -32,6 +32,13 @@ def cut_buckets(sizes_bytes: Sequence[int], keys: Sequence[Hashable], bucket_byt
     return out + [members for members, _ in open_buckets.values()]
 
 
+def bucket_count(total_bytes: float, bucket_bytes: int, first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> int:
+    """How many buckets :func:`cut_buckets` makes of ``total_bytes`` in many small tensors of one key: one
+    collective each."""
+    first = min(first_bucket_bytes, bucket_bytes)
+    return 1 + max(0, -(-int(total_bytes - first) // bucket_bytes))
+
+
 def padded(numel: int, world: int) -> int:
     """Elements of a flat bucket of ``numel`` once padded so ``world`` ranks get equal shards."""
     return -(-numel // world) * world

@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from polyshard.buckets import BUCKET_BYTES
+from polyshard.buckets import BUCKET_BYTES, bucket_count
 from polyshard.cluster import Cluster, format_bytes
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
@@ -619,8 +619,9 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     """Data-parallel communication per step left exposed (alpha-beta on the outermost data axis's link).
 
     With B gradient bytes over n ranks, each level moves what the runtime (polyshard.runtime.zero)
-    issues: level 0 all-reduces the gradients, 2(n-1)/n B; level 1 all-reduces them and all-gathers
-    the stepped shards, 3(n-1)/n B; level 2 reduce-scatters and all-gathers, 2(n-1)/n B; level 3
+    issues, one collective per gradient bucket: level 0 all-reduces the gradients, 2(n-1)/n B; level 1
+    all-reduces them and all-gathers the stepped shards, 3(n-1)/n B; level 2 reduce-scatters and
+    all-gathers, 2(n-1)/n B; level 3
     all-gathers each module's parameters in forward and again in backward and reduce-scatters the
     gradients, 3(n-1)/n B in 3 collectives per module; over m accumulated micro-batches level 3
     gathers in each one's forward and backward, (2m+1)(n-1)/n B; ``modules``: those level 3 gathers;
@@ -638,14 +639,15 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     latency = collective_latency(link, dp)
     gather, scatter = (collective_latency(link, dp, kind, cluster.backend) for kind in ("all_gather", "reduce_scatter"))
     pass_s = wire_bytes("reduce_scatter", grad_bytes, dp) / link.bandwidth_bytes_per_s  # (n-1)/n B once
+    buckets = bucket_count(grad_bytes, BUCKET_BYTES, first_bucket_bytes(cluster, BUCKET_BYTES))
     if zero == 3:
         sharded_s = pass_s * (1 - whole_bytes / grad_bytes) if grad_bytes else 0.0
         whole_s = 2 * (pass_s - sharded_s) + latency if whole_bytes else 0.0
         during = ((2 * micro_batches + 1) * sharded_s + modules * (2 * micro_batches * gather + scatter)
                   + whole_s)
     else:
-        during = {0: 2 * pass_s + latency, 1: 2 * pass_s + latency, 2: pass_s + scatter}[zero]
-    after = pass_s + gather if zero in (1, 2) else 0.0
+        during = pass_s + buckets * scatter if zero == 2 else 2 * pass_s + buckets * latency
+    after = pass_s + buckets * gather if zero in (1, 2) else 0.0
     if cluster.device_type != "cuda":
         return during + after
     hidden = overlap_s * (1.5 * micro_batches if zero == 3 else 1)  # level 3: beside every forward (half a backward)

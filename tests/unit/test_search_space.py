@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from polyshard import models
+from polyshard.buckets import BUCKET_BYTES, bucket_count, cut_buckets
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.planner.config import Fixed
 from polyshard.planner.report import chosen_row
 from polyshard.planner.cost.comm import axis_link
+from polyshard.planner.cost.overlap import first_bucket_bytes
 from polyshard.planner.precision import precisions_to_cost
 from polyshard.planner.search import _dp_seconds, default_reserve_bytes, mesh_candidates, search
 from polyshard.transitions import wire_bytes
@@ -95,9 +97,11 @@ def test_a_gradient_reduction_after_backward_is_priced_whole():
     beside, after = (chosen_row(_search(name, "2x8xA100-80G", 32, Fixed(**split, overlap=o))[0].report)
                      for o in (1, 0))
     assert beside["compute_s"] == pytest.approx(after["compute_s"])
-    # a ring all-reduce of the bf16 gradients over 16 ranks on the inter-node link, none of it hidden
+    # a ring all-reduce of the bf16 gradients over 16 ranks on the inter-node link, a bucket at a time, none hidden
     grads = 2 * sum(p.numel() for p in models.build(name, "meta").parameters())
-    ring_s = 2 * 15 / 16 * grads / cluster.inter_node.bandwidth_bytes_per_s
+    buckets = bucket_count(grads, BUCKET_BYTES, first_bucket_bytes(cluster, BUCKET_BYTES))
+    link = cluster.inter_node
+    ring_s = 2 * 15 / 16 * grads / link.bandwidth_bytes_per_s + buckets * 15 * link.latency_s
     assert after["dp_comm_s"] == pytest.approx(ring_s, rel=0.01) and beside["dp_comm_s"] < 0.8 * ring_s
 
 
@@ -132,6 +136,17 @@ def test_zero_levels_move_what_the_runtime_issues():
     assert small == pytest.approx(seconds[0])
     quarter = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=2, whole_bytes=grad / 4)
     assert quarter == pytest.approx(3 * 0.75 * one_pass + 2 * (2 * gather + latency) + 2 * 0.25 * one_pass + latency)
+
+
+def test_every_gradient_bucket_pays_its_collectives_fixed_cost():
+    cluster = Cluster.preset("cpu-gloo:4")
+    mesh, grad, link = (("dp", 4),), 100 * 2**20, cluster.intra_node
+    one_pass, latency = wire_bytes("reduce_scatter", grad, 4) / link.bandwidth_bytes_per_s, link.latency_s * 3
+    tensors = [2**20] * 100  # the buckets the runtime cuts 100 MiB of 1 MiB gradients into, the first as large on CPU
+    buckets = len(cut_buckets(tensors, [None] * len(tensors), BUCKET_BYTES, first_bucket_bytes(cluster, BUCKET_BYTES)))
+    assert buckets == 4
+    assert _dp_seconds(grad, mesh, ("dp",), cluster, 0) == pytest.approx(2 * one_pass + buckets * latency)
+    assert _dp_seconds(grad, mesh, ("dp",), cluster, 2) == pytest.approx(2 * one_pass + buckets * 1.5 * latency)
 
 
 def test_on_nccl_rings_a_reduce_scatter_and_an_all_gather_cost_one_all_reduce():
