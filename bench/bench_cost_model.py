@@ -81,8 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_cluster(spec: str) -> Cluster:
-    if spec == "calibrate":  # every rank measures; messages of 4 KiB to 4 MiB span what these models send
-        return calibrate(None, message_sizes(4 * 2**20), repeats=3)
+    if spec == "calibrate":  # every rank measures; messages of 4 KiB to 16 MiB, as `polyshard calibrate` times
+        return calibrate(None, message_sizes(16 * 2**20), repeats=3)  # (to 4 MiB noise can hide the size's share)
     if spec.endswith((".yaml", ".yml")) or os.path.isfile(spec):
         return Cluster.from_yaml(spec)
     return Cluster.preset(spec)
