@@ -205,19 +205,12 @@ def memory_per_level(level: int, threshold_bytes: int = 1024, bucket_bytes: int 
     """Bytes this rank holds after a step (parameters, gradients, AdamW state, communication buffers),
     summed over distinct storages, beside :func:`state_bytes_per_rank`'s prediction."""
     from polyshard.planner.cost.zero_memory import state_bytes_per_rank
-    from polyshard.runtime.zero import _call_units
 
     ps.init("dp=4")
     model = _build("gpt-tiny", torch.float32, True)
     x, y = _batch(model, 8, seed=0)
     pm = ps.parallelize(model, example_inputs=_batch(model, 2, seed=0))
-    seen: set[int] = set()
-    units = []
-    for m in _call_units(pm):
-        fresh = [p for p in m.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in fresh)
-        units.append([p.numel() for p in fresh])
-    predicted = state_bytes_per_rank([u for u in units if u], level, 4, threshold_bytes, 4, 2, bucket_bytes)
+    predicted = state_bytes_per_rank(_unit_numels(pm), level, 4, threshold_bytes, 4, 2, bucket_bytes)
     opt = setup_zero(pm, level, "adamw", threshold_bytes=threshold_bytes, bucket_bytes=bucket_bytes,
                      **OPTIMIZER_KWARGS["adamw"])
     pm(*pm.local_batch(x, y)).backward()
@@ -246,19 +239,26 @@ def gathered_modules(precision: str, threshold_bytes: int) -> dict:
     """Modules level 3 gathers on this rank, as run and as the planner counts them (level3_traffic)."""
     from polyshard.plan import DTYPES
     from polyshard.planner.pipeline import level3_traffic
-    from polyshard.runtime.zero import _call_units
 
     ps.init("dp=4")
     model = _build("gpt-tiny", torch.float32, True)
     pm = ps.parallelize(model, example_inputs=_batch(model, 2, seed=0))
+    groups = _unit_numels(pm)
+    opt = setup_zero(pm, 3, "adamw", precision, threshold_bytes=threshold_bytes, **OPTIMIZER_KWARGS["adamw"])
+    run = sum(not b.resident for b in opt.buckets)
+    opt.remove()
+    return {"run": run, "priced": level3_traffic(groups, DTYPES[precision][1], threshold_bytes)[1]}
+
+
+def _unit_numels(pm) -> tuple[tuple[int, ...], ...]:
+    """The sizes of the parameters each call unit of ``pm`` uses first, in forward order, as the planner
+    groups them (a unit that only reuses parameters is left out)."""
+    from polyshard.runtime.zero import _call_units
+
     seen: set[int] = set()
     groups = []
     for m in _call_units(pm):
         fresh = [p for p in m.parameters() if id(p) not in seen]
         seen.update(id(p) for p in fresh)
         groups.append(tuple(p.numel() for p in fresh))
-    opt = setup_zero(pm, 3, "adamw", precision, threshold_bytes=threshold_bytes, **OPTIMIZER_KWARGS["adamw"])
-    run = sum(not b.resident for b in opt.buckets)
-    opt.remove()
-    return {"run": run, "priced": level3_traffic(tuple(g for g in groups if g), DTYPES[precision][1],
-                                                 threshold_bytes)[1]}
+    return tuple(g for g in groups if g)
