@@ -33,7 +33,8 @@ def summary(plan: Plan, cfg: GPTConfig | None, num_devices: int) -> dict:
 
 
 def compare(given: dict, pick: dict, names: tuple[str, str] = ("given", "pick")) -> str:
-    """Two :func:`summary` figures side by side, term by term (by default a configuration and the search's pick)."""
+    """Two :func:`summary` figures side by side, term by term (by default a configuration and the search's
+    pick)."""
     a, b = names
     rows = [("step", given["step_s"], pick["step_s"])] + \
         [(k.removesuffix("_s").replace("_", " "), given["breakdown"][k], pick["breakdown"][k]) for k in given["breakdown"]]

@@ -621,16 +621,15 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     With B gradient bytes over n ranks, each level moves what the runtime (polyshard.runtime.zero)
     issues, one collective per gradient bucket: level 0 all-reduces the gradients, 2(n-1)/n B; level 1
     all-reduces them and all-gathers the stepped shards, 3(n-1)/n B; level 2 reduce-scatters and
-    all-gathers, 2(n-1)/n B; level 3
-    all-gathers each module's parameters in forward and again in backward and reduce-scatters the
-    gradients, 3(n-1)/n B in 3 collectives per module; over m accumulated micro-batches level 3
-    gathers in each one's forward and backward, (2m+1)(n-1)/n B; ``modules``: those level 3 gathers;
-    ``whole_bytes``: of B, parameters small enough to stay whole, all-reduced once at level 3 (at the
-    other levels the difference is negligible). Each collective pays its own fixed cost (an all-gather
-    half an all-reduce's, see collective_latency). On GPUs the collectives issued during
-    backward (level 3: during every forward and backward) run beside ``overlap_s`` of the last
-    backward and only the rest, and at least the last bucket, is exposed; the all-gather after the
-    optimizer step (levels 1, 2) is not hidden.
+    all-gathers, 2(n-1)/n B; level 3 all-gathers each module's parameters in forward and again in
+    backward and reduce-scatters the gradients, 3(n-1)/n B in 3 collectives per module; over m
+    accumulated micro-batches level 3 gathers in each one's forward and backward, (2m+1)(n-1)/n B;
+    ``modules``: those level 3 gathers; ``whole_bytes``: of B, parameters small enough to stay whole,
+    all-reduced once at level 3 (at the other levels the difference is negligible). Each collective pays
+    its own fixed cost (an all-gather half an all-reduce's, see collective_latency). On GPUs the
+    collectives issued during backward (level 3: during every forward and backward) run beside
+    ``overlap_s`` of the last backward and only the rest, and at least the last bucket, is exposed; the
+    all-gather after the optimizer step (levels 1, 2) is not hidden.
     On CPU gloo runs on the cores that compute, so nothing hides (see cost/overlap.py)."""
     dp = _data_size(mesh, data_axes)
     if dp == 1:
