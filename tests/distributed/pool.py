@@ -5,10 +5,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import queue
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
+
+CASE_TIMEOUT_S = 240  # the slowest case takes about 25 s on 2 cores
+STRAGGLER_GRACE_S = 10  # after one rank fails, how long the others get to report before the pool is replaced
 
 
 def _free_port() -> int:
@@ -39,11 +44,13 @@ def _worker(rank: int, world: int, port: int, tasks, results, one_device: bool) 
 
 class RankPool:
     """``world`` processes in one gloo group; :meth:`run` calls a function on all and returns by rank.
-    ``one_device``: every rank uses GPU 0 (gloo carries CUDA tensors, so one GPU holds a whole mesh)."""
+    ``one_device``: every rank uses GPU 0 (gloo carries CUDA tensors, so one GPU holds a whole mesh).
+    A case that fails leaves the pool ``broken``: its ranks may sit in a collective the others left."""
 
     def __init__(self, world: int, one_device: bool = False):
         ctx = mp.get_context("spawn")
         self.world = world
+        self.broken = False
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = _free_port()
@@ -52,35 +59,53 @@ class RankPool:
         for p in self.procs:
             p.start()
 
-    def run(self, fn, *args, timeout: float = 600):
+    def run(self, fn, *args, timeout: float = CASE_TIMEOUT_S):
         for q in self.tasks:
             q.put((fn, args))
-        out, errors = [None] * self.world, []
-        for _ in range(self.world):
-            rank, ok, value = self.results.get(timeout=timeout)
+        out, errors, waiting = [None] * self.world, [], set(range(self.world))
+        deadline = time.monotonic() + timeout
+        while waiting:
+            try:
+                rank, ok, value = self.results.get(timeout=1)
+            except queue.Empty:
+                dead = [r for r in waiting if not self.procs[r].is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.broken = True
+                    why = (f"ranks {dead} exited (codes {[self.procs[r].exitcode for r in dead]})" if dead
+                           else f"ranks {sorted(waiting)} did not finish")
+                    raise AssertionError("\n".join([f"{getattr(fn, 'func', fn).__name__}: {why}"] + errors)) from None
+                continue
+            waiting.discard(rank)
             if ok:
                 out[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
+                deadline = min(deadline, time.monotonic() + STRAGGLER_GRACE_S)
         if errors:
+            self.broken = True
             raise AssertionError("\n".join(errors))
         return out
 
     def close(self) -> None:
-        for q in self.tasks:
-            q.put(None)
+        if not self.broken:
+            for q in self.tasks:
+                q.put(None)
         for p in self.procs:
-            p.join(timeout=60)
+            p.join(timeout=0 if self.broken else 60)
             if p.is_alive():
                 p.kill()
+                p.join()
 
 
 @contextlib.contextmanager
 def pools_by_world(one_device: bool = False):
-    """``get(world)``: a pool of that many ranks, started on first use and shared until the block ends."""
+    """``get(world)``: a pool of that many ranks, started on first use and shared until the block ends;
+    a pool broken by a failed case is replaced, so one failure does not spread to the cases after it."""
     made: dict[int, RankPool] = {}
 
     def get(world: int) -> RankPool:
+        if world in made and made[world].broken:
+            made.pop(world).close()
         if world not in made:
             made[world] = RankPool(world, one_device)
         return made[world]
