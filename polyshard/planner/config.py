@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from polyshard.buckets import BUCKET_BYTES
 from polyshard.errors import PolyshardError
 from polyshard.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES, ZERO_LEVELS,
                                    check_choice, most_recompute)
@@ -28,7 +29,8 @@ class Fixed:
     stages first: Megatron-LM's layers per stage, DeepSpeed's uniform partition); overlap: 1 (the
     default, as polyshard's runtime runs it) prices the data-parallel gradient reduction beside
     backward, 0 after it (as Megatron-LM did before its 2023 overlap option, and DeepSpeed's pipeline
-    engine does): a pricing choice only, for comparing with runs of other systems."""
+    engine does): a pricing choice only, for comparing with runs of other systems; bucket: MiB of
+    gradients per data-parallel collective."""
 
     dp: int | None = None
     tp: int | None = None
@@ -47,6 +49,7 @@ class Fixed:
     offload: str | None = None
     cuts: str | None = None
     overlap: int | None = None
+    bucket: int | None = None
 
     @staticmethod
     def parse(text: str) -> Fixed:
@@ -96,6 +99,11 @@ class Fixed:
                                      f"{devices} devices of the cluster; choose sizes that divide {devices}")
         if {"dp", "tp", "pp"} <= set(given) and product != devices:
             raise PolyshardError(f"--config {' x '.join(given)} = {product}, and the cluster has {devices} devices")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The fixed bucket size in bytes, else the default."""
+        return BUCKET_BYTES if self.bucket is None else self.bucket * 2**20
 
     @property
     def recompute_modes(self) -> tuple[str, ...] | None:

@@ -168,14 +168,15 @@ def _unit_facts(gm: fx.GraphModule, unit_of: dict[str, int], starts: tuple[str, 
 
 
 def state_memory(groups, zero: int, dp: int, precision: str, offload: str, accumulating: bool = False,
-                 optimizer: str = "adamw", threshold_bytes: int = 64 * 1024) -> MemoryEstimate:
+                 optimizer: str = "adamw", threshold_bytes: int = 64 * 1024,
+                 bucket_bytes: int = BUCKET_BYTES) -> MemoryEstimate:
     """Parameters, gradients and optimizer state of these parameter groups (local sizes, by module),
     as :func:`polyshard.planner.cost.memory.estimate_memory` counts them; no activations."""
     itemsize = 4 if precision == "fp32" else 2
     held = state_bytes_per_rank(groups or [0], zero, dp, threshold_bytes, itemsize, optimizer_states=1,
                                 accumulating=accumulating)
     state = held["optimizer"] / itemsize * 4 * (STATES[optimizer] + (precision != "fp32"))
-    buffers = min(BUCKET_BYTES, held["params"]) if dp > 1 and zero == 0 else 0.0
+    buffers = min(bucket_bytes, held["params"]) if dp > 1 and zero == 0 else 0.0
     on_device = state if offload == "none" else 0.0
     return MemoryEstimate(held["params"], held["grads"], on_device, 0.0, buffers, state - on_device)
 
@@ -189,7 +190,7 @@ def level3_traffic(groups, itemsize: int, threshold_bytes: int = 64 * 1024) -> t
     return float(whole), sum(any(n * itemsize >= threshold_bytes for n in g) for g in groups)
 
 
-def stepped_tensors(groups, zero: int, precision: str, offload: str) -> int:
+def stepped_tensors(groups, zero: int, precision: str, offload: str, bucket_bytes: int = BUCKET_BYTES) -> int:
     """Tensors one optimizer step walks over these parameter groups (sizes, by module), as polyshard train
     builds the optimizer: plain torch steps every parameter (fp32 at level 0, or offloaded state);
     polyshard.runtime.zero steps flat buckets of masters, one per module gathered at level 3."""
@@ -198,7 +199,7 @@ def stepped_tensors(groups, zero: int, precision: str, offload: str) -> int:
     if zero == 3:
         return len(groups)
     numel = sum(map(sum, groups))
-    return max(1, -(-numel * _itemsize(precision) // BUCKET_BYTES))
+    return max(1, -(-numel * _itemsize(precision) // bucket_bytes))
 
 
 def in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int, chunk: int) -> float:
@@ -254,6 +255,7 @@ class PipelineCost:
     memory: MemoryEstimate
     span_s: float = 0.0  # the simulated schedule, first start to last end (the step less data-parallel sync and update)
     refused_s: float = float("inf")  # the least bound of the options that did not fit: what frees memory may reach
+    bucket_bytes: int = BUCKET_BYTES  # gradients per data-parallel collective
 
     @property
     def step_s(self) -> float:
@@ -269,12 +271,13 @@ class PipelineCost:
 class Setup:
     """What one pipelined mesh runs under: pp stages, dp data-parallel ranks, rows per data-parallel
     replica per step, the optimizer-parallel level, precision and offload, the memory limit;
-    send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, groups, overlap_s, m):
+    send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, groups, overlap_s, m, bucket):
     the data-parallel communication of that many gradient bytes of these parameter groups over m
-    micro-batches left exposed beside overlap_s of backward; update_seconds(numel, tensors): the optimizer
-    step's (or offload's copies') seconds over that many parameters in that many tensors (none given: a
-    lower bound); fixed: settings the user fixed; memo: results one search reuses (unit memory, simulated
-    schedules, time-balanced cuts)."""
+    micro-batches left exposed beside overlap_s of backward, in buckets of that many bytes;
+    update_seconds(numel, tensors): the optimizer step's (or offload's copies') seconds over that many
+    parameters in that many tensors (none given: a lower bound); fixed: settings the user fixed; memo:
+    results one search reuses (unit memory, simulated schedules, time-balanced cuts); bucket_sizes: the
+    gradient bucket sizes to choose from, the default first."""
 
     pp: int
     dp: int
@@ -284,10 +287,11 @@ class Setup:
     offload: str
     limit: float
     send: Callable[[np.ndarray], np.ndarray]
-    dp_seconds: Callable[[float, float, float, int], float]
+    dp_seconds: Callable[[float, float, float, int, int], float]
     update_seconds: Callable[..., float]
     fixed: Fixed = Fixed()
     memo: dict = dataclasses.field(default_factory=dict)
+    bucket_sizes: tuple[int, ...] = (BUCKET_BYTES,)
 
 
 def best_pipeline(modes: Modes, setup: Setup, best_s: float = float("inf")) -> tuple[PipelineCost | None, float]:
@@ -380,9 +384,10 @@ def _options(n: int, s: Setup):
 def _bounds(units: Units, s: Setup, options: list[tuple[int, str, int]], numel: float) -> list[float]:
     """Per (m, schedule, v): equal stages' step, (m + (p-1)/v) x the mean stage's micro-batch, or if more,
     m x the slowest unit's (whichever rank holds it runs it m times); plus the optimizer step and the least
-    exposed gradient communication of the rank holding the most parameters (at least the mean share of the
-    ``numel``): hidden beside no more than the mean chunk's backward (:func:`cost_pipeline` hides it beside the
-    least one's), at level 3 with every small parameter of the model left whole and one module gathered."""
+    exposed gradient communication (at any bucket size) of the rank holding the most parameters (at least the
+    mean share of the ``numel``): hidden beside no more than the mean chunk's backward (:func:`cost_pipeline`
+    hides it beside the least one's), at level 3 with every small parameter of the model left whole and one
+    module gathered."""
     grads = numel / s.pp * _itemsize(s.precision)
     every = (tuple(n for group in units.model_groups for n in group),)  # one module holding every parameter
     update = s.update_seconds(numel / s.pp)
@@ -394,7 +399,8 @@ def _bounds(units: Units, s: Setup, options: list[tuple[int, str, int]], numel: 
             per_m[m] = seconds.sum(), seconds.max(), float(np.max(s.send(units.send_bytes * s.rows / m)))
         total, slowest, sent = per_m[m]
         backward = (1 - units.forward_share) * total / (s.pp * v) + sent
-        out.append(max((m + (s.pp - 1) / v) * total / s.pp, m * slowest) + s.dp_seconds(grads, every, backward, m)
+        out.append(max((m + (s.pp - 1) / v) * total / s.pp, m * slowest)
+                   + min(s.dp_seconds(grads, every, backward, m, b) for b in s.bucket_sizes)
                    + update)
     return out
 
@@ -418,7 +424,7 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     n, chunks, rows = len(units), s.pp * v, s.rows / m
     fixed_of = np.concatenate([[0.0], np.cumsum([st.total_bytes for st in state])])
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
-    bucket = BUCKET_BYTES if s.dp > 1 and s.zero == 0 else 0.0
+    bucket = s.bucket_sizes[0] if s.dp > 1 and s.zero == 0 else 0.0  # level 0: a buffer per chunk, cuts fit the first
     # in one micro-batch's backward: its recomputed block alive again, and the gradients of the op running
     working = [(u.rerun_bytes.max() + u.transient_bytes.max()) * rows for u in modes]
     pinned = s.fixed.stage_recompute  # a mode per chunk, if the user gave them
@@ -485,21 +491,31 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
                          for g in unit) for r in range(s.pp)]
     groups = max(held_groups, key=lambda gs: sum(map(sum, gs)))
     numel = sum(map(sum, groups))
-    # a rank's gradients sync in its last micro-batch's backward, beside the backwards still to run there
-    dp_comm = s.dp_seconds(numel * _itemsize(s.precision), groups, min(backward), m)
-    update = s.update_seconds(numel, stepped_tensors(groups, s.zero, s.precision, s.offload))
+    # a rank's gradients sync in its last micro-batch's backward, beside the backwards still to run there, in
+    # buckets of each size: (exposed sync, optimizer step)
+    synced = {b: (s.dp_seconds(numel * _itemsize(s.precision), groups, min(backward), m, b),
+                  s.update_seconds(numel, stepped_tensors(groups, s.zero, s.precision, s.offload, b)))
+              for b in s.bucket_sizes}
     work = [m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp)]  # per rank
     # no span is shorter than a rank's own work, after the first micro-batch's forward reaches its first chunk r
     # and before the last one's backward leaves it for chunks r-1 .. 0 (the fill and drain of every schedule)
-    least = max(sum(forward[:r]) + work[r] + sum(backward[:r]) for r in range(s.pp)) + dp_comm + update
+    least = max(sum(forward[:r]) + work[r] + sum(backward[:r]) for r in range(s.pp)) + min(map(sum, synced.values()))
     if simulated and beat_s < float("inf") and least * (1 - 1e-12) >= beat_s:
         return Loses(least)
-    stages = []
-    for c, (i, j) in enumerate(parts):  # each chunk holds its units' state and its micro-batches in flight
-        activations = run[c].activation_bytes[i:j].sum() * rows * held[c] + working[mode[c]]
-        memory = _sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, activations, bucket)])
-        stages.append(Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[c], backward[c], memory,
-                            run[c].recompute))
+    # each chunk holds its units' state and its micro-batches in flight, and at level 0 a bucket-sized buffer:
+    # the fastest size whose buffer fits beside every chunk (the cuts fit the first)
+    held_bytes = [_sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, run[c].activation_bytes[i:j].sum() * rows
+                                                           * held[c] + working[mode[c]], 0.0)])
+                  for c, (i, j) in enumerate(parts)]
+    def buffer(size: int, chunk: MemoryEstimate) -> float:  # as estimate_memory counts one: no more than the gradients
+        return min(size, chunk.params_bytes) if bucket else 0.0
+
+    size = min((b for b in s.bucket_sizes if b == s.bucket_sizes[0] or
+                all(h.total_bytes + buffer(b, h) <= s.limit / v for h in held_bytes)), key=lambda b: sum(synced[b]))
+    dp_comm, update = synced[size]
+    stages = [Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[c], backward[c],
+                    dataclasses.replace(h, buffers_bytes=buffer(size, h)), run[c].recompute)
+              for c, ((i, j), h) in enumerate(zip(parts, held_bytes))]
     if simulated:
         key = (schedule, s.pp, m, v, tuple(forward), tuple(backward))  # cuts that differ only in memory time alike
         if key not in s.memo:
@@ -517,7 +533,8 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     fullest = max(range(s.pp), key=lambda r: sum(stages[c].memory.total_bytes for c in range(r, chunks, s.pp)))
     memory = _sum_memory([stages[c].memory for c in range(fullest, chunks, s.pp)])
     return PipelineCost(schedule, m, v, tuple(units.starts[i] for i in cuts), compute, op_comm, p2p,
-                        span - busy[rank], dp_comm, 1 - sum(busy) / (s.pp * span), tuple(stages), memory, span)
+                        span - busy[rank], dp_comm, 1 - sum(busy) / (s.pp * span), tuple(stages), memory, span,
+                        bucket_bytes=size)
 
 
 def _coverable(base: list[np.ndarray], acts: list[np.ndarray], held: list[float], cap: float) -> bool:

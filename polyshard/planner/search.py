@@ -15,7 +15,8 @@ that fits them (early stages hold more micro-batches in flight), all laid out by
 bounds bound them. An operator split of k ways is first bounded by the unsplit program's bound / k (no op gets
 faster than its work split evenly), so hopeless splits need no program.
 Costs use one capture of the model at one row, scaled by the rows each split gives a device
-(compute, activations and their communication grow with rows; parameters do not).
+(compute, activations and their communication grow with rows; parameters do not). Each costed option takes
+the gradient bucket size (of BUCKET_CHOICES) that syncs and steps its gradients fastest.
 A ``Fixed`` restricts the search to the settings a user gives (``polyshard cost --config``).
 """
 
@@ -65,6 +66,10 @@ SETTINGS = tuple(itertools.product(RECOMPUTE_MODES, OFFLOADS))
 GPU_RESERVE_SHARE, GPU_RESERVE_MIN_BYTES = 0.05, 2 * 2**30
 # Gradient accumulation counts tried per split without a pipeline: the fewest micro-batches that fit.
 ACCUMULATION_TRIES = 12
+# Gradient bucket sizes a plan may take: fewer, larger collectives pay fewer fixed costs, a smaller last
+# bucket leaves less unhidden after backward. 25 MiB is DDP's default; DeepSpeed's ZeRO reduces in
+# buckets of 5e8 elements (about 1 GB in bf16), so larger sizes are in use.
+BUCKET_CHOICES = tuple(mib * 2**20 for mib in (1, 5, 25, 100, 400))
 
 
 def default_reserve_bytes(cluster: Cluster) -> int:
@@ -98,6 +103,7 @@ class Candidate:
     accumulation: int = 1  # micro-batches per step without a pipeline (gradient accumulation)
     sequence: bool = False  # sequence parallel: row-parallel products reduce-scatter along the sequence
     refused_s: float = float("inf")  # the fastest option memory refused here (fewer micro-batches), if any
+    bucket_bytes: int = BUCKET_BYTES  # gradients per data-parallel collective
 
     @property
     def micro_batches(self) -> int:
@@ -121,7 +127,8 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        return self.mesh, self.recompute, self.stage_recompute, self.offload, self.zero, self.precision
+        return (self.mesh, self.recompute, self.stage_recompute, self.offload, self.zero, self.precision,
+                self.bucket_bytes)
 
     @property
     def recompute_text(self) -> str:
@@ -140,11 +147,13 @@ class Candidate:
         """This candidate's settings in the ``--config`` spelling."""
         p, tp, spatial = self.pipeline, _op_size(self.mesh, data_axes), _spatial(self.mesh)
         tp //= math.prod(spatial.values())
-        return Fixed(dp=_data_size(self.mesh, data_axes), tp=tp if tp > 1 or not spatial else None, pp=self.pp,
+        dp = _data_size(self.mesh, data_axes)
+        return Fixed(dp=dp, tp=tp if tp > 1 or not spatial else None, pp=self.pp,
                      **spatial, sp=int(self.sequence) if tp > 1 else None,
                      mbs=self.rows // self.micro_batches, m=self.micro_batches, schedule=p.schedule if p else None,
                      v=p.virtual_stages if p else None, zero=self.zero, recompute=self.recompute_text,
-                     precision=self.precision, offload=self.offload)
+                     precision=self.precision, offload=self.offload,
+                     bucket=self.bucket_bytes // 2**20 if dp > 1 else None)
 
 
 def mesh_candidates(num_devices: int, blocks: int = 1, devices_per_node: int | None = None) -> list[tuple[tuple[str, int], ...]]:
@@ -313,8 +322,17 @@ class _Costs:
         numel = self.numel / _op_size(mesh, self.data_axes) / _pp(mesh)
         itemsize = DTYPES[self.narrowest][1] if offload == "none" else 4
         dp = _data_size(mesh, self.data_axes)
-        return min(_dp_seconds(itemsize * numel, mesh, self.data_axes, self.bounds, zero, overlap_s=float("inf"))
-                   + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds) for zero in ZERO_LEVELS)
+        return min(_dp_seconds(itemsize * numel, mesh, self.data_axes, self.bounds, zero, overlap_s=float("inf"),
+                               bucket_bytes=size)
+                   + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds)
+                   for zero in ZERO_LEVELS for size in self.bucket_sizes)
+
+    @property
+    def bucket_sizes(self) -> tuple[int, ...]:
+        """Gradient bucket sizes to cost, the default first (ties keep it): the fixed one, else every choice."""
+        if self.fixed.bucket is not None:
+            return (self.fixed.bucket_bytes,)
+        return (BUCKET_BYTES, *(b for b in BUCKET_CHOICES if b != BUCKET_BYTES))
 
     def split(self, mesh, setting: tuple[str, str], best_s: float) -> list[tuple[Candidate, Plan | None]]:
         """One split under one (recompute, offload) setting, costed at every optimizer-parallel level
@@ -474,25 +492,38 @@ class _Costs:
 
     def _accumulated(self, plan: Plan, units: Units, mesh, rows: int, m: int, numel: float,
                      gap: float) -> tuple[Candidate, Plan]:
-        """``plan`` on ``rows`` rows run as ``m`` micro-batches, gradients synced in the last one's backward."""
-        plan = dataclasses.replace(plan, micro_batches=m)
+        """``plan`` on ``rows`` rows run as ``m`` micro-batches, gradients synced in the last one's backward
+        in buckets of the size that syncs and steps them fastest and fits (at level 0 a bucket is also a buffer)."""
         dp = _data_size(mesh, self.data_axes)
-        tensors = stepped_tensors(units.model_groups, plan.zero, plan.precision, plan.offload)
-        compute = float(rows * units.compute_s.sum() + m * units.overhead_s.sum()) + \
-            _update_seconds(numel, plan.offload, plan.zero, dp, plan.precision, self.cluster, tensors)
+        work = float(rows * units.compute_s.sum() + m * units.overhead_s.sum())
         op_comm = float(rows * units.comm_s.sum() + m * units.latency_s.sum())
-        backward = (1 - units.forward_share) * (compute + op_comm) / m
-        dp_comm = _dp_seconds(numel * DTYPES[plan.precision][1], mesh, self.data_axes, self.cluster, plan.zero,
-                              overlap_s=backward * self.hides, micro_batches=m,
-                              **_level3(units.model_groups, plan.precision, plan))
-        memory = _memory_floor(units, plan.zero, dp, plan.precision, plan.offload, rows // m, m > 1)
-        exact = memory.total_bytes <= self.limit  # estimated in full only where it may fit
-        if exact:
-            memory = estimate_memory(self.gm, plan, data_world=dp, rows=rows // m,
-                                     rc=self.recomputed(plan.recompute, plan.recompute_comm))
+
+        def synced(size: int) -> tuple[float, float]:  # compute with the optimizer step, exposed gradient sync
+            tensors = stepped_tensors(units.model_groups, plan.zero, plan.precision, plan.offload, size)
+            compute = work + _update_seconds(numel, plan.offload, plan.zero, dp, plan.precision, self.cluster, tensors)
+            backward = (1 - units.forward_share) * (compute + op_comm) / m
+            return compute, _dp_seconds(numel * DTYPES[plan.precision][1], mesh, self.data_axes, self.cluster,
+                                        plan.zero, overlap_s=backward * self.hides, micro_batches=m,
+                                        bucket_bytes=size, **_level3(units.model_groups, plan.precision, plan))
+
+        timed = {b: synced(b) for b in self.bucket_sizes}
+        tried = []  # fastest first (a sort keeps the default first among ties), until one fits
+        for size in sorted(timed, key=lambda b: sum(timed[b])):
+            sized = dataclasses.replace(plan, micro_batches=m, bucket_bytes=size,
+                                        first_bucket_bytes=first_bucket_bytes(self.cluster, size))
+            memory = _memory_floor(units, plan.zero, dp, plan.precision, plan.offload, rows // m, m > 1, size)
+            exact = memory.total_bytes <= self.limit  # estimated in full only where it may fit
+            if exact:
+                memory = estimate_memory(self.gm, sized, data_world=dp, rows=rows // m,
+                                         rc=self.recomputed(plan.recompute, plan.recompute_comm))
+            tried.append((sized, memory, exact))
+            if memory.total_bytes <= self.limit or plan.zero:  # above level 0 the size holds no memory
+                break
+        plan, memory, exact = tried[-1] if tried[-1][1].total_bytes <= self.limit else tried[0]
+        compute, dp_comm = timed[plan.bucket_bytes]
         return Candidate(mesh, rows, compute, op_comm, dp_comm, memory, gap, recompute=plan.recompute,
                          offload=plan.offload, zero=plan.zero, precision=plan.precision, memory_floor=not exact,
-                         accumulation=m, sequence=plan.sequence_parallel), plan
+                         accumulation=m, sequence=plan.sequence_parallel, bucket_bytes=plan.bucket_bytes), plan
 
     def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int, best_s: float,
                    modes: tuple[str, ...]) -> list[tuple[Candidate, Plan | None]]:
@@ -506,13 +537,12 @@ class _Costs:
             units = tuple(self.units(base, mesh, precision, mode) for mode in modes)
             setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
                           send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
-                          dp_seconds=lambda b, groups, overlap, m, zero=zero, precision=precision: _dp_seconds(
+                          dp_seconds=lambda b, groups, overlap, m, size, zero=zero, precision=precision: _dp_seconds(
                               b, mesh, self.data_axes, self.cluster, zero, overlap_s=overlap * self.hides,
-                              micro_batches=m,
-                              **_level3(groups, precision, base)),
+                              micro_batches=m, bucket_bytes=size, **_level3(groups, precision, base)),
                           update_seconds=lambda numel, tensors=0, zero=zero, precision=precision: _update_seconds(
                               numel, offload, zero, dp, precision, self.cluster, tensors),
-                          fixed=self.fixed, memo=self._memo)
+                          fixed=self.fixed, memo=self._memo, bucket_sizes=self.bucket_sizes)
             found, bound = best_pipeline(units, setup, best_s)
             if found is None and bound < float("inf"):
                 out.append((Candidate(mesh, rows, bound, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0),
@@ -531,11 +561,12 @@ class _Costs:
             plan = dataclasses.replace(base, zero=zero, precision=precision, offload=offload, mesh=mesh,
                                        data_axes=self.data_axes, recompute=most, stage_recompute=per_chunk,
                                        stage_boundaries=p.boundaries, schedule=p.schedule,
-                                       micro_batches=p.micro_batches, virtual_stages=p.virtual_stages)
+                                       micro_batches=p.micro_batches, virtual_stages=p.virtual_stages,
+                                       bucket_bytes=p.bucket_bytes)
             out.append((Candidate(mesh, rows, p.compute_s, p.op_comm_s, p.dp_comm_s, p.memory, solved.gap,
                                   recompute=most, stage_recompute=per_chunk, offload=offload, zero=zero,
                                   precision=precision, pipeline=p, sequence=base.sequence_parallel,
-                                  refused_s=p.refused_s), plan))
+                                  refused_s=p.refused_s, bucket_bytes=p.bucket_bytes), plan))
             if found is not None:
                 best_s = min(best_s, found.step_s)
         return out
@@ -550,10 +581,10 @@ def _nothing_to_free(found: list[tuple[Candidate, Plan | None]], variants: int, 
 
 
 def _memory_floor(units: Units, zero: int, dp: int, precision: str, offload: str, rows: int,
-                  accumulating: bool = False) -> MemoryEstimate:
+                  accumulating: bool = False, bucket_bytes: int = BUCKET_BYTES) -> MemoryEstimate:
     """Less than or equal to what estimate_memory finds: its parameter state, and of activations
     and gradients at least the larger (all kept activations are alive as backward starts)."""
-    state = state_memory(units.model_groups, zero, dp, precision, offload, accumulating)
+    state = state_memory(units.model_groups, zero, dp, precision, offload, accumulating, bucket_bytes=bucket_bytes)
     activations = units.activation_bytes.sum() * rows
     return dataclasses.replace(state, activations_bytes=activations,
                                apart_bytes=min(activations, state.grads_bytes))
@@ -615,12 +646,13 @@ def _mesh_text(mesh) -> str:
 
 
 def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0,
-                overlap_s: float = 0.0, micro_batches: int = 1, whole_bytes: float = 0.0) -> float:
+                overlap_s: float = 0.0, micro_batches: int = 1, whole_bytes: float = 0.0,
+                bucket_bytes: int = BUCKET_BYTES) -> float:
     """Data-parallel communication per step left exposed (alpha-beta on the outermost data axis's link).
 
     With B gradient bytes over n ranks, each level moves what the runtime (polyshard.runtime.zero)
-    issues, one collective per gradient bucket: level 0 all-reduces the gradients, 2(n-1)/n B; level 1
-    all-reduces them and all-gathers the stepped shards, 3(n-1)/n B; level 2 reduce-scatters and
+    issues, one collective per gradient bucket of ``bucket_bytes``: level 0 all-reduces the gradients,
+    2(n-1)/n B; level 1 all-reduces them and all-gathers the stepped shards, 3(n-1)/n B; level 2 reduce-scatters and
     all-gathers, 2(n-1)/n B; level 3 all-gathers each module's parameters in forward and again in
     backward and reduce-scatters the gradients, 3(n-1)/n B in 3 collectives per module; over m
     accumulated micro-batches level 3 gathers in each one's forward and backward, (2m+1)(n-1)/n B;
@@ -638,7 +670,7 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     latency = collective_latency(link, dp)
     gather, scatter = (collective_latency(link, dp, kind, cluster.backend) for kind in ("all_gather", "reduce_scatter"))
     pass_s = wire_bytes("reduce_scatter", grad_bytes, dp) / link.bandwidth_bytes_per_s  # (n-1)/n B once
-    buckets = bucket_count(grad_bytes, BUCKET_BYTES, first_bucket_bytes(cluster, BUCKET_BYTES))
+    buckets = bucket_count(grad_bytes, bucket_bytes, first_bucket_bytes(cluster, bucket_bytes))
     if zero == 3:
         sharded_s = pass_s * (1 - whole_bytes / grad_bytes) if grad_bytes else 0.0
         whole_s = 2 * (pass_s - sharded_s) + latency if whole_bytes else 0.0
@@ -650,7 +682,7 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     if cluster.device_type != "cuda":
         return during + after
     hidden = overlap_s * (1.5 * micro_batches if zero == 3 else 1)  # level 3: beside every forward (half a backward)
-    last_bucket = min(during, wire_bytes("all_reduce", BUCKET_BYTES, dp) / link.bandwidth_bytes_per_s + latency)
+    last_bucket = min(during, wire_bytes("all_reduce", bucket_bytes, dp) / link.bandwidth_bytes_per_s + latency)
     return max(during - hidden, last_bucket) + after
 
 

@@ -33,7 +33,7 @@ def _units(seconds, activation_mib, param_numels, send_mib=0.0):
 
 def _setup(pp, rows, limit=float("inf"), send_s_per_mib=0.0):
     return Setup(pp=pp, dp=1, rows=rows, zero=0, precision="fp32", offload="none", limit=limit,
-                 send=lambda b: b / MiB * send_s_per_mib, dp_seconds=lambda b, modules, overlap, m: 0.0,
+                 send=lambda b: b / MiB * send_s_per_mib, dp_seconds=lambda b, modules, overlap, m, size: 0.0,
                  update_seconds=lambda numel, tensors=0: 0.0)
 
 
@@ -204,7 +204,7 @@ def test_an_interleaved_rank_syncs_and_steps_the_parameters_of_every_chunk_it_ho
     units = _units([0.1] * 4, [1.0] * 4, [10, 20, 30, 40])
     synced, stepped = [], []
     setup = dataclasses.replace(_setup(pp=2, rows=2), dp=2,
-                                dp_seconds=lambda b, modules, overlap, m: synced.append(b) or 0.0,
+                                dp_seconds=lambda b, modules, overlap, m, size: synced.append(b) or 0.0,
                                 update_seconds=lambda numel, tensors=0: stepped.append((numel, tensors)) or 0.0)
     state = [state_memory([(k,)], 0, 2, "fp32", "none") for k in (10, 20, 30, 40)]
     found = cost_pipeline((units,), setup, state, 2, "interleaved", 2)

@@ -15,7 +15,7 @@ from polyshard.planner.report import chosen_row
 from polyshard.planner.cost.comm import axis_link
 from polyshard.planner.cost.overlap import first_bucket_bytes
 from polyshard.planner.precision import precisions_to_cost
-from polyshard.planner.search import _dp_seconds, default_reserve_bytes, mesh_candidates, search
+from polyshard.planner.search import BUCKET_CHOICES, _dp_seconds, default_reserve_bytes, mesh_candidates, search
 from polyshard.transitions import wire_bytes
 
 
@@ -83,9 +83,11 @@ def test_config_spelling_round_trips_and_refuses_nonsense():
     assert Fixed.parse(text).text() == "dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,recompute=full,precision=bf16"
     assert Fixed.parse("pp=2,v=2,recompute=full/full/selective/none").stage_recompute == \
         ("full", "full", "selective", "none")
+    assert Fixed.parse("dp=8,bucket=100").bucket_bytes == 100 * 2**20 and Fixed().bucket_bytes == BUCKET_BYTES
     for bad, needle in (("tp=0", "positive"), ("tq=2", "unknown"), ("tp", "KEY=VALUE"), ("tp=2,tp=4", "twice"),
                         ("schedule=zigzag", "schedule"), ("zero=5", "zero"), ("v=2,schedule=1f1b", "interleaved"),
-                        ("overlap=2", "0 or 1"), ("pp=2,recompute=full/sometimes", "recompute must be one of"),
+                        ("overlap=2", "0 or 1"), ("bucket=0", "positive"),
+                        ("pp=2,recompute=full/sometimes", "recompute must be one of"),
                         ("recompute=full/none", "give pp"), ("pp=2,v=2,recompute=full/none", "pp x v is 2")):
         with pytest.raises(PolyshardError, match=needle):
             Fixed.parse(bad)
@@ -93,7 +95,7 @@ def test_config_spelling_round_trips_and_refuses_nonsense():
 
 def test_a_gradient_reduction_after_backward_is_priced_whole():
     name, cluster = "gpt:layers=12,hidden=1024,heads=16,seq=512,vocab=8192", Cluster.preset("2x8xA100-80G")
-    split = dict(dp=16, tp=1, pp=1, zero=0, mbs=2, precision="bf16")
+    split = dict(dp=16, tp=1, pp=1, zero=0, mbs=2, precision="bf16", bucket=BUCKET_BYTES // 2**20)
     beside, after = (chosen_row(_search(name, "2x8xA100-80G", 32, Fixed(**split, overlap=o))[0].report)
                      for o in (1, 0))
     assert beside["compute_s"] == pytest.approx(after["compute_s"])
@@ -147,6 +149,33 @@ def test_every_gradient_bucket_pays_its_collectives_fixed_cost():
     assert buckets == 4
     assert _dp_seconds(grad, mesh, ("dp",), cluster, 0) == pytest.approx(2 * one_pass + buckets * latency)
     assert _dp_seconds(grad, mesh, ("dp",), cluster, 2) == pytest.approx(2 * one_pass + buckets * 1.5 * latency)
+
+
+@pytest.mark.parametrize("batch,fixed", [(32, Fixed(dp=16, tp=1, zero=2)), (64, Fixed(dp=8, pp=2, zero=2)),
+                                         (32, Fixed(dp=16, tp=1, zero=0))])
+def test_the_search_takes_the_bucket_size_no_fixed_size_beats(batch, fixed):
+    name, cluster = "gpt:layers=12,hidden=1024,heads=16,seq=512,vocab=8192", "2x8xA100-80G"
+    plan, _ = _search(name, cluster, batch, fixed)
+    steps = {}
+    for size in BUCKET_CHOICES:
+        pinned, _ = _search(name, cluster, batch, dataclasses.replace(fixed, bucket=size // 2**20))
+        assert pinned.bucket_bytes == size and f"bucket={size // 2**20}" in pinned.report["config"]
+        steps[size] = chosen_row(pinned.report)["step_s"]
+    assert chosen_row(plan.report)["step_s"] == pytest.approx(min(steps.values()), rel=1e-12)
+    assert steps[plan.bucket_bytes] == min(steps.values()) and len(set(steps.values())) > 1  # the size matters here
+
+
+@pytest.mark.parametrize("fixed", [Fixed(dp=16, tp=1, pp=1, zero=0, mbs=2), Fixed(dp=8, tp=1, pp=2, zero=0, m=4)])
+def test_a_bucket_whose_buffer_does_not_fit_is_not_taken(fixed):
+    # nothing hidden: the fewer buckets the faster, and at level 0 each bucket is also a buffer
+    name, cluster = "gpt:layers=12,hidden=1024,heads=16,seq=512,vocab=8192", "2x8xA100-80G"
+    fixed = dataclasses.replace(fixed, precision="bf16", overlap=0, schedule="1f1b" if fixed.pp > 1 else None)
+    held = {mib: chosen_row(_search(name, cluster, 32, dataclasses.replace(fixed, bucket=mib))[0].report)
+            for mib in (100, 400)}
+    assert held[400]["step_s"] < held[100]["step_s"] and held[400]["memory"]["total"] > held[100]["memory"]["total"]
+    usable = (held[100]["memory"]["total"] + held[400]["memory"]["total"]) / 2
+    plan, _ = _search(name, cluster, 32, fixed, limit=usable + default_reserve_bytes(_cluster(cluster)))
+    assert plan.bucket_bytes == 100 * 2**20 and chosen_row(plan.report)["memory"]["total"] <= usable
 
 
 def test_on_nccl_rings_a_reduce_scatter_and_an_all_gather_cost_one_all_reduce():
