@@ -424,7 +424,7 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     n, chunks, rows = len(units), s.pp * v, s.rows / m
     fixed_of = np.concatenate([[0.0], np.cumsum([st.total_bytes for st in state])])
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
-    bucket = s.bucket_sizes[0] if s.dp > 1 and s.zero == 0 else 0.0  # level 0: a buffer per chunk, cuts fit the first
+    bucket = min(s.bucket_sizes) if s.dp > 1 and s.zero == 0 else 0.0  # level 0: a buffer per chunk, cuts fit the least
     # in one micro-batch's backward: its recomputed block alive again, and the gradients of the op running
     working = [(u.rerun_bytes.max() + u.transient_bytes.max()) * rows for u in modes]
     pinned = s.fixed.stage_recompute  # a mode per chunk, if the user gave them
@@ -503,14 +503,15 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     if simulated and beat_s < float("inf") and least * (1 - 1e-12) >= beat_s:
         return Loses(least)
     # each chunk holds its units' state and its micro-batches in flight, and at level 0 a bucket-sized buffer:
-    # the fastest size whose buffer fits beside every chunk (the cuts fit the first)
+    # the fastest size whose buffer fits beside every chunk (the cuts fit the least)
     held_bytes = [_sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, run[c].activation_bytes[i:j].sum() * rows
                                                            * held[c] + working[mode[c]], 0.0)])
                   for c, (i, j) in enumerate(parts)]
+
     def buffer(size: int, chunk: MemoryEstimate) -> float:  # as estimate_memory counts one: no more than the gradients
         return min(size, chunk.params_bytes) if bucket else 0.0
 
-    size = min((b for b in s.bucket_sizes if b == s.bucket_sizes[0] or
+    size = min((b for b in s.bucket_sizes if b == min(s.bucket_sizes) or
                 all(h.total_bytes + buffer(b, h) <= s.limit / v for h in held_bytes)), key=lambda b: sum(synced[b]))
     dp_comm, update = synced[size]
     stages = [Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[c], backward[c],

@@ -165,17 +165,20 @@ def test_the_search_takes_the_bucket_size_no_fixed_size_beats(batch, fixed):
     assert steps[plan.bucket_bytes] == min(steps.values()) and len(set(steps.values())) > 1  # the size matters here
 
 
-@pytest.mark.parametrize("fixed", [Fixed(dp=16, tp=1, pp=1, zero=0, mbs=2), Fixed(dp=8, tp=1, pp=2, zero=0, m=4)])
-def test_a_bucket_whose_buffer_does_not_fit_is_not_taken(fixed):
+@pytest.mark.parametrize("fixed,small,large", [(Fixed(dp=16, tp=1, pp=1, zero=0, mbs=2), 100, 400),
+                                               (Fixed(dp=8, tp=1, pp=2, zero=0, m=4), 100, 400),
+                                               (Fixed(dp=8, tp=1, pp=2, zero=0, m=4), 1, 5)])
+def test_a_bucket_whose_buffer_does_not_fit_is_not_taken(fixed, small, large):
     # nothing hidden: the fewer buckets the faster, and at level 0 each bucket is also a buffer
     name, cluster = "gpt:layers=12,hidden=1024,heads=16,seq=512,vocab=8192", "2x8xA100-80G"
     fixed = dataclasses.replace(fixed, precision="bf16", overlap=0, schedule="1f1b" if fixed.pp > 1 else None)
     held = {mib: chosen_row(_search(name, cluster, 32, dataclasses.replace(fixed, bucket=mib))[0].report)
-            for mib in (100, 400)}
-    assert held[400]["step_s"] < held[100]["step_s"] and held[400]["memory"]["total"] > held[100]["memory"]["total"]
-    usable = (held[100]["memory"]["total"] + held[400]["memory"]["total"]) / 2
+            for mib in (small, large)}
+    assert held[large]["step_s"] < held[small]["step_s"]
+    assert held[large]["memory"]["total"] > held[small]["memory"]["total"]
+    usable = (held[small]["memory"]["total"] + held[large]["memory"]["total"]) / 2
     plan, _ = _search(name, cluster, 32, fixed, limit=usable + default_reserve_bytes(_cluster(cluster)))
-    assert plan.bucket_bytes == 100 * 2**20 and chosen_row(plan.report)["memory"]["total"] <= usable
+    assert plan.bucket_bytes == small * 2**20 and chosen_row(plan.report)["memory"]["total"] <= usable
 
 
 def test_on_nccl_rings_a_reduce_scatter_and_an_all_gather_cost_one_all_reduce():
