@@ -67,8 +67,8 @@ GPU_RESERVE_SHARE, GPU_RESERVE_MIN_BYTES = 0.05, 2 * 2**30
 # Gradient accumulation counts tried per split without a pipeline: the fewest micro-batches that fit.
 ACCUMULATION_TRIES = 12
 # Gradient bucket sizes a plan may take: fewer, larger collectives pay fewer fixed costs, a smaller last
-# bucket leaves less unhidden after backward. 25 MiB is DDP's default; DeepSpeed's ZeRO reduces in
-# buckets of 5e8 elements (about 1 GB in bf16), so larger sizes are in use.
+# bucket leaves less unhidden after backward. 25 MiB is torch DDP's default (bucket_cap_mb); DeepSpeed's
+# ZeRO config defaults reduce_bucket_size to 5e8 elements (about 1 GB in bf16), so larger sizes are in use.
 BUCKET_CHOICES = tuple(mib * 2**20 for mib in (1, 5, 25, 100, 400))
 
 
@@ -127,8 +127,7 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        return (self.mesh, self.recompute, self.stage_recompute, self.offload, self.zero, self.precision,
-                self.bucket_bytes)
+        return self.mesh, self.recompute, self.stage_recompute, self.offload, self.zero, self.precision
 
     @property
     def recompute_text(self) -> str:
