@@ -139,7 +139,8 @@ class Candidate:
                   else [f"accumulate m={self.accumulation}"] * (self.accumulation > 1)) + \
             [f"recompute {self.recompute_text}"] * (self.recompute != "none") + \
             [f"offload {self.offload}"] * (self.offload != "none") + [f"zero {self.zero}"] * (self.zero > 0) + \
-            [self.precision] * (self.precision != "fp32") + ["sequence parallel"] * self.sequence
+            [self.precision] * (self.precision != "fp32") + ["sequence parallel"] * self.sequence + \
+            [f"buckets {self.bucket_bytes / 2**20:g} MiB"] * (self.bucket_bytes != BUCKET_BYTES)
         return ", ".join([_mesh_text(self.mesh), *extras])
 
     def config(self, data_axes: tuple[str, ...] = ("dp",)) -> Fixed:
@@ -152,7 +153,7 @@ class Candidate:
                      mbs=self.rows // self.micro_batches, m=self.micro_batches, schedule=p.schedule if p else None,
                      v=p.virtual_stages if p else None, zero=self.zero, recompute=self.recompute_text,
                      precision=self.precision, offload=self.offload,
-                     bucket=self.bucket_bytes // 2**20 if dp > 1 else None)
+                     bucket=self.bucket_bytes // 2**20 if dp > 1 or self.bucket_bytes != BUCKET_BYTES else None)
 
 
 def mesh_candidates(num_devices: int, blocks: int = 1, devices_per_node: int | None = None) -> list[tuple[tuple[str, int], ...]]:
