@@ -511,7 +511,7 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     def buffer(size: int, chunk: MemoryEstimate) -> float:  # as estimate_memory counts one: no more than the gradients
         return min(size, chunk.params_bytes) if bucket else 0.0
 
-    size = min((b for b in s.bucket_sizes if b == min(s.bucket_sizes) or
+    size = min((b for b in s.bucket_sizes if not bucket or b == bucket or
                 all(h.total_bytes + buffer(b, h) <= s.limit / v for h in held_bytes)), key=lambda b: sum(synced[b]))
     dp_comm, update = synced[size]
     stages = [Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[c], backward[c],
