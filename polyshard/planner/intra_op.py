@@ -2,12 +2,13 @@
 
 Each op gets candidate strategies (:mod:`polyshard.planner.candidates`: column/row/replicated Linear,
 split/whole Embedding, vocabulary-parallel/plain loss, ...). A binary variable picks one per op; a pair
-variable per two picks of neighbouring ops, tied to both, carries the redistribution's cost. Minimised: compute
-plus communication (seconds); subject to: per-device memory under the limit, and shared
-parameters laid out alike at every use. Repeated blocks (a ModuleList of identical layers)
-share one set of variables, so a 96-layer model is solved as one layer. The LP relaxation's
-optimum bounds the true optimum from below: the gap reported is how far the plan can be from it
-(where that optimum picks whole strategies, it is the plan, and no branching is needed).
+variable per two picks of neighbouring ops, tied to both, carries the redistribution's cost; a value several
+ops take in one layout is moved once (as lowering does), by a variable per producer pick and layout that every
+such pair variable bounds from below. Minimised: compute plus communication (seconds); subject to: per-device
+memory under the limit, and shared parameters laid out alike at every use. Repeated blocks (a ModuleList of
+identical layers) share one set of variables, so a 96-layer model is solved as one layer. The LP relaxation's
+optimum bounds the true optimum from below: the gap reported is how far the plan can be from it (where that
+optimum picks whole strategies, it is the plan, and no branching is needed).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class IntraOpResult:
 class Program:
     """The integer program's data. options: candidates per node; rep: each node's stand-in (tied
     blocks share variables); var_of: (stand-in, candidate) -> column; node_cost / node_mem: per
-    column; edges: (producer stand-in, consumer stand-in) -> cost matrix [producer pick, consumer pick]."""
+    column; edges: (producer stand-in, consumer stand-in) -> cost matrix [producer pick, consumer pick];
+    shared: each shared move with its cost matrix [producer pick, layout]."""
 
     options: dict[str, Sequence[NodePlan]]
     rep: dict[str, str]
@@ -69,6 +71,18 @@ class Program:
     node_mem: np.ndarray
     edges: dict[tuple[str, str], np.ndarray]
     conflicts: list[tuple[tuple[str, int], tuple[str, int]]]
+    shared: list[tuple[SharedMove, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class SharedMove:
+    """A value several consumers take, which lowering moves once per layout however many take it so.
+    producer: its stand-in; consumers: each consumer stand-in with the layout (an index) each of its picks takes
+    the value in, -1 for none; cost: (per row, fixed) seconds [producer pick, layout], over every value moved alike."""
+
+    producer: str
+    consumers: tuple[tuple[str, np.ndarray], ...]
+    cost: tuple[np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -84,11 +98,12 @@ class Terms:
     mem: tuple[np.ndarray, np.ndarray]
     edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
     conflicts: list[tuple[tuple[str, int], tuple[str, int]]]
+    shared: tuple[SharedMove, ...] = ()
 
     def at(self, rows: float) -> Program:
         return Program(self.options, self.rep, self.var_of, rows * self.cost[0] + self.cost[1],
                        rows * self.mem[0] + self.mem[1], {k: rows * a + b for k, (a, b) in self.edges.items()},
-                       self.conflicts)
+                       self.conflicts, [(m, rows * m.cost[0] + m.cost[1]) for m in self.shared])
 
     @cached_property
     def chosen(self) -> dict[tuple[int, ...], Plan]:
@@ -96,32 +111,60 @@ class Terms:
         return {}
 
     @cached_property
-    def columns(self) -> tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray], tuple[np.ndarray, ...]]:
+    def columns(self) -> tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray], tuple[np.ndarray, ...],
+                               tuple[np.ndarray, ...]]:
         """What the program has at every row count: each stand-in's columns; a pair variable for every two picks
-        of neighbours whose redistribution costs something, with that cost (per row, fixed); and the rows that
-        tie each pair's variables to the picks (see :func:`solve`), as (starts, columns, values) past the picks'."""
+        of neighbours whose redistribution costs something (or that a shared move reads), then a column per
+        shared move's producer pick and layout that costs something, with their costs (per row, fixed); the rows
+        that tie each pair's variables to the picks (see :func:`solve`), and the rows that hold each shared move's
+        column at or above the pair variables that take the value to its layout, as (starts, columns, values)."""
         picks = {name: np.array([self.var_of[(name, i)] for i in range(len(self.options[name]))], dtype=np.int32)
                  for name in dict.fromkeys(self.rep.values())}
+        read = {(m.producer, c) for m in self.shared for c, _ in m.consumers}
         paired = len(self.var_of)  # the next pair variable's column
-        per_row, fixed, index, values, lengths = [np.zeros(0)], [np.zeros(0)], [], [], []
+        first_pair: dict[tuple[str, str], int] = {}
+        per_row, fixed, ties, bounds = [np.zeros(0)], [np.zeros(0)], _Rows(), _Rows()
         for (u, v), (a, b) in self.edges.items():
-            if not (a + b).any():  # free at every row count
+            if not (a + b).any() and (u, v) not in read:  # free at every row count
                 continue
             # pair (i, j), column paired + i * nv + j: u picks i and v picks j; a row per pick of u over its
             # pairs, and one per pick of v
             (nu, nv), own_u, own_v = a.shape, picks[u].tolist(), picks[v].tolist()
             for i in range(nu):
-                index += [*range(paired + i * nv, paired + (i + 1) * nv), own_u[i]]
+                ties.add([*range(paired + i * nv, paired + (i + 1) * nv), own_u[i]], [1.0] * nv + [-1.0])
             for j in range(nv):
-                index += [*range(paired + j, paired + nu * nv, nv), own_v[j]]
-            values += ([1.0] * nv + [-1.0]) * nu + ([1.0] * nu + [-1.0]) * nv
-            lengths += [nv + 1] * nu + [nu + 1] * nv
+                ties.add([*range(paired + j, paired + nu * nv, nv), own_v[j]], [1.0] * nu + [-1.0])
             per_row.append(a.ravel())
             fixed.append(b.ravel())
+            first_pair[(u, v)] = paired
             paired += a.size
-        starts = np.cumsum([0] + lengths[:-1]).astype(np.int32) if lengths else np.zeros(0, np.int32)
-        index, values = np.array(index, dtype=np.int32), np.array(values, dtype=float)
-        return list(picks.values()), (np.concatenate(per_row), np.concatenate(fixed)), (starts, index, values)
+        for move in self.shared:
+            a, b = move.cost
+            for i, layout in zip(*np.nonzero(a + b)):
+                for c, takes in move.consumers:
+                    nv = len(takes)
+                    pairs = first_pair[(move.producer, c)] + i * nv + np.flatnonzero(takes == layout)
+                    bounds.add([paired, *pairs.tolist()], [1.0] + [-1.0] * len(pairs))
+                per_row.append(a[i, layout:layout + 1])
+                fixed.append(b[i, layout:layout + 1])
+                paired += 1
+        return list(picks.values()), (np.concatenate(per_row), np.concatenate(fixed)), ties.arrays(), bounds.arrays()
+
+
+class _Rows:
+    """Sparse rows of an integer program, gathered one by one and handed to HiGHS as (starts, columns, values)."""
+
+    def __init__(self):
+        self.index, self.values, self.lengths = [], [], []
+
+    def add(self, index: list[int], values: list[float]) -> None:
+        self.index += index
+        self.values += values
+        self.lengths.append(len(index))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        starts = np.cumsum([0] + self.lengths[:-1]).astype(np.int32) if self.lengths else np.zeros(0, np.int32)
+        return starts, np.array(self.index, dtype=np.int32), np.array(self.values, dtype=float)
 
 
 def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int,
@@ -144,9 +187,9 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     repeated = [r for r in found.repeats if not (rc.rerun or rc.freed) or
                 all(_recomputed_alike(rc, m, t) for m, t in zip(r.members, r.twins))]
     totals = _node_terms(gm, found, var_of, repeated, op_axes, cluster, rc, offload, precision)
-    edges = _edge_terms(gm, found, repeated, op_axes, cluster, rc, precision)
+    edges, shared = _edge_terms(gm, found, repeated, op_axes, cluster, rc, precision)
     return Terms(found.options, found.rep, var_of, (totals[:, 0, 0], totals[:, 0, 1]),
-                 (totals[:, 1, 0], totals[:, 1, 1]), edges, found.conflicts)
+                 (totals[:, 1, 0], totals[:, 1, 1]), edges, found.conflicts, shared)
 
 
 def _node_terms(gm: fx.GraphModule, found: Enumeration, var_of: dict[tuple[str, int], int],
@@ -187,10 +230,12 @@ def _node_terms(gm: fx.GraphModule, found: Enumeration, var_of: dict[tuple[str, 
     return totals
 
 
-def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], op_axes: Axes,
-                cluster: Cluster, rc: Recomputed, precision: str) -> dict[tuple[str, str], tuple[np.ndarray, ...]]:
+def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], op_axes: Axes, cluster: Cluster,
+                rc: Recomputed, precision: str) -> tuple[dict[tuple[str, str], tuple[np.ndarray, ...]],
+                                                         tuple[SharedMove, ...]]:
     """Each pair of stand-ins' redistribution seconds [producer pick, consumer pick], (per row, fixed),
-    summed over the edges it stands for."""
+    summed over the edges it stands for; and the moves of values several consumers take, which those
+    edges leave out."""
     options, copied, rep = found.options, found.copied, found.rep
     itemsize = DTYPES[precision][1]
     moves = found.moves.setdefault((cluster, precision), {})  # (producer, consumer, passes) -> edge seconds
@@ -234,10 +279,61 @@ def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], 
     for twin_edges, count in Counter(r.twin_edges for r in repeated).items():  # a repeat's edges are its twins'
         for u, t in twin_edges:  # but for those from the block before it
             edge_uses[((rep[u], rep[t]), id(per_edge[(u, t)]))] += count
+    shared = _shared_moves(nodes, options, rep, repeated, per_edge, returned)
+    for move, uses, count in shared:  # their edges are paid as the shared moves instead
+        for pair, costs in uses:
+            edge_uses[(pair, id(costs))] -= count
     summed: dict[tuple[str, str], np.ndarray] = {}
     for (key, costs_id), uses in edge_uses.items():
         summed[key] = summed.get(key, 0) + uses * by_id[costs_id]
-    return {key: (costs[..., 0], costs[..., 1]) for key, costs in summed.items()}
+    return {key: (costs[..., 0], costs[..., 1]) for key, costs in summed.items()}, tuple(m for m, _, _ in shared)
+
+
+def _shared_moves(nodes: list[fx.Node], options, rep: dict[str, str], repeated: list[Repeat], per_edge: dict,
+                  returned: dict[str, Layout]) -> list[tuple[SharedMove, tuple, int]]:
+    """Each value that two or more consumers may have to move (a norm's output read by q, k and v): its
+    :class:`SharedMove` (over the values alike), the edges it pays for ((stand-in pair, costs) per consumer of
+    one value) and how many values it stands for. A layout's cost at a producer pick is the most any consumer
+    pays to take the value so (they differ only where recompute runs one consumer's collectives again)."""
+    by_name = {n.name: n for n in nodes}
+    twin_of = {m: by_name[t] for r in repeated for m, t in zip(r.members, r.twins)}
+
+    def counted_as(u: fx.Node, c: fx.Node) -> tuple[tuple[str, str], np.ndarray]:
+        walked = per_edge.get((u.name, c.name))
+        if walked is not None:
+            return (rep[u.name], rep[c.name]), walked
+        twin = twin_of[c.name]  # an edge inside a repeated block: counted as its twin's
+        v = twin.all_input_nodes[c.all_input_nodes.index(u)]
+        return (rep[v.name], rep[twin.name]), per_edge[(v.name, twin.name)]
+
+    found: dict[tuple, list] = {}
+    for u in nodes:
+        if u.name in returned:
+            continue
+        uses = []
+        for c in u.users:
+            pair, costs = counted_as(u, c)
+            if costs.any():
+                uses.append((pair, costs, tuple(d.inputs.get(u.name) for d in options[c.name])))
+        if len(uses) > 1:
+            edges = sorted(((pair, id(costs), takes) for pair, costs, takes in uses), key=lambda e: e[:2])
+            key = (rep[u.name], tuple(edges))
+            found.setdefault(key, [uses, 0])[1] += 1
+    out = []
+    for (producer, _), (uses, count) in found.items():
+        layouts = list(dict.fromkeys(l for _, _, takes in uses for l in takes if l is not None))
+        cost = np.zeros((uses[0][1].shape[0], len(layouts), 2))
+        consumers: dict[str, np.ndarray] = {}
+        for (_, c), costs, takes in uses:
+            index = np.array([-1 if l is None else layouts.index(l) for l in takes])
+            consumers[c] = index
+            for j, layout in enumerate(index):
+                if layout >= 0:
+                    cost[:, layout] = np.maximum(cost[:, layout], costs[:, j])
+        cost *= count
+        move = SharedMove(producer, tuple(consumers.items()), (cost[..., 0], cost[..., 1]))
+        out.append((move, tuple((pair, costs) for pair, costs, _ in uses), count))
+    return out
 
 
 def forward_floor(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, precision: str, times: Callable[[str], int],
@@ -295,6 +391,9 @@ def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
     cost = float(program.node_cost @ x)
     for (u, v), costs in program.edges.items():
         cost += float(costs[picks[u], picks[v]])
+    for move, costs in program.shared:
+        taken = {int(takes[picks[c]]) for c, takes in move.consumers} - {-1}
+        cost += float(sum(costs[picks[move.producer], layout] for layout in taken))
     return cost, float(program.node_mem @ x)
 
 
@@ -314,7 +413,7 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     terms = terms or program_terms(gm, op_axes, cluster, recomputed(gm, recompute, recompute_comm), offload, precision,
                                    sequence)
     options, rep, var_of = terms.options, terms.rep, terms.var_of
-    picks, (paid_per_row, paid_fixed), (starts, index, values) = terms.columns
+    picks, (paid_per_row, paid_fixed), (starts, index, values), moved = terms.columns
     node_cost, node_mem = rows * terms.cost[0] + terms.cost[1], rows * terms.mem[0] + terms.mem[1]
     paid = rows * paid_per_row + paid_fixed
     # Seconds can be 1e-9 and bytes 1e11: scale both to order one so the solver's tolerances bite.
@@ -335,6 +434,9 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
               np.array([], np.int32), np.array([]))
     if len(starts):
         h.addRows(len(starts), np.zeros(len(starts)), np.zeros(len(starts)), len(index), starts, index, values)
+    if len(moved[0]):  # a shared move is paid where any consumer takes the value to its layout
+        h.addRows(len(moved[0]), np.zeros(len(moved[0])), np.full(len(moved[0]), highspy.kHighsInf), len(moved[1]),
+                  *moved)
     for a, b in terms.conflicts:
         h.addRow(-highspy.kHighsInf, 1.0, 2, np.array([var_of[a], var_of[b]], dtype=np.int32), np.array([1.0, 1.0]))
     h.addRow(-highspy.kHighsInf, 1.0, num_x, np.arange(num_x, dtype=np.int32), node_mem / memory_limit_bytes)
