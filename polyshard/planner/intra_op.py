@@ -400,21 +400,24 @@ def evaluate(program: Program, picks: dict[str, int]) -> tuple[float, float]:
 def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory_limit_bytes: float,
           cutoff_s: float | None = None, time_limit_s: float = 30.0, recompute: str = "none",
           recompute_comm: str = "keep", offload: str = "none", precision: str = "fp32",
-          sequence: bool | None = None, terms: Terms | None = None) -> IntraOpResult:
+          sequence: bool | None = None, terms: Terms | None = None,
+          extra_per_row_s: np.ndarray | None = None) -> IntraOpResult:
     """The cheapest strategy per op for ``rows`` batch rows per device (``gm`` captured at one row),
     with activations under ``recompute`` and optimizer state under ``offload`` (see :class:`Plan`),
     computing and communicating in ``precision``.
 
     Pruned (no plan) when the LP bound shows nothing here costs less than ``cutoff_s``; ``sequence``:
     sequence parallel everywhere it applies (True), nowhere (False), or where it pays (None); ``terms``:
-    :func:`program_terms` of the same arguments, where the caller keeps them for other row counts."""
+    :func:`program_terms` of the same arguments, where the caller keeps them for other row counts;
+    ``extra_per_row_s``: seconds per row more for each column (its pick), which the costs reported include."""
     import highspy
 
     terms = terms or program_terms(gm, op_axes, cluster, recomputed(gm, recompute, recompute_comm), offload, precision,
                                    sequence)
     options, rep, var_of = terms.options, terms.rep, terms.var_of
     picks, (paid_per_row, paid_fixed), (starts, index, values), moved = terms.columns
-    node_cost, node_mem = rows * terms.cost[0] + terms.cost[1], rows * terms.mem[0] + terms.mem[1]
+    per_row = terms.cost[0] if extra_per_row_s is None else terms.cost[0] + extra_per_row_s
+    node_cost, node_mem = rows * per_row + terms.cost[1], rows * terms.mem[0] + terms.mem[1]
     paid = rows * paid_per_row + paid_fixed
     # Seconds can be 1e-9 and bytes 1e11: scale both to order one so the solver's tolerances bite.
     scale = 1.0 / max(node_cost.max(initial=0.0), paid.max(initial=0.0), 1e-30)

@@ -120,6 +120,22 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
                  recompute=str(plan.recompute), **fields)
 
 
+def crossing_bytes(gm: fx.GraphModule, terms, unit_of: dict[str, int], itemsize: int) -> np.ndarray:
+    """Bytes per row each column of an intra-op program (:class:`polyshard.planner.intra_op.Terms`) would send
+    between pipeline stages, over every cut of units its value crosses (a value a later unit reads crosses each
+    cut up to that unit's)."""
+    out = np.zeros(len(terms.var_of))
+    for node in gm.graph.nodes:
+        unit, shape = unit_of.get(node.name), shape_of(node)
+        reach = max((unit_of.get(user.name, -1) for user in node.users), default=-1)
+        if unit is None or shape is None or reach <= unit:
+            continue
+        for i, d in enumerate(terms.options[node.name]):
+            if isinstance(d.output, Layout):
+                out[terms.var_of[(terms.rep[node.name], i)]] += (reach - unit) * local_numel(shape, d.output) * itemsize
+    return out
+
+
 @dataclass(frozen=True)
 class _UnitFacts:
     """What :func:`unit_costs` reads of a graph whatever the plan: each valued node with its unit,

@@ -46,7 +46,7 @@ from polyshard.planner.cost.compute import optimizer_seconds, passes
 from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.intra_op import IntraOpResult, Terms, forward_floor, program_terms, solve
 from polyshard.planner.precision import bounding_cluster, narrowest, precisions_to_cost
-from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, ideal_bubble,
+from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, crossing_bytes, ideal_bubble,
                                         leanest_pipeline, level3_traffic, state_memory, stepped_tensors,
                                         unit_costs)
 from polyshard.planner.config import Fixed
@@ -292,6 +292,7 @@ class _Costs:
         self.sequence = None if fixed.sp is None else bool(fixed.sp)
         self.hides = float(fixed.overlap != 0)  # of backward, the share gradient communication may run beside
         self._solved: dict[tuple, IntraOpResult] = {}
+        self._sending: dict[tuple, IntraOpResult] = {}
         self._terms: dict[tuple, Terms] = {}
         self.recomputed = functools.cache(functools.partial(recomputed, gm))
         self._worth: dict[str, bool] = {}
@@ -374,7 +375,11 @@ class _Costs:
         if solved.plan is None:
             return pruned(solved.lower_bound_s)
         if _pp(mesh) > 1:
-            return self._pipelined(solved, mesh, offload, rows, best_s, modes)
+            found = self._pipelined(solved, mesh, offload, rows, best_s, modes)
+            sending = self.solved_sending(op_axes, program, rows / _pp(mesh), mesh)
+            if sending.plan.nodes != solved.plan.nodes:
+                found = _faster_per_variant(found + self._pipelined(sending, mesh, offload, rows, best_s, modes))
+            return found
         out = self._whole(solved.plan, solved.gap, mesh, offload, rows)
         if not out:  # the fixed settings allow no level or precision here (level 1 and more need dp > 1)
             return out
@@ -411,6 +416,22 @@ class _Costs:
                                               recompute_comm=self.recompute_comm,
                                               terms=self.terms(op_axes, recompute, "none"))
         return found
+
+    def solved_sending(self, op_axes, recompute: str, rows: float, mesh) -> IntraOpResult:
+        """The fastest strategies on ``op_axes`` with what crosses ``mesh``'s pipeline cuts priced as sent: the plain
+        program leaves sends out, so it may keep whole a value every stage sends. A stage sends what crosses its
+        two cuts, out in forward and back in backward, for each of its rows (rows x pp of the program's): over
+        the model's cuts, 2 pp / (cuts) of what crosses each."""
+        pp, link = _pp(mesh), axis_link(mesh, PIPELINE_AXIS, self.cluster)
+        key = (op_axes, recompute, rows, pp, link.bandwidth_bytes_per_s)
+        if key not in self._sending:
+            terms = self.terms(op_axes, recompute, "none")
+            sent = crossing_bytes(self.gm, terms, self.unit_of, DTYPES[self.narrowest][1])
+            per_row_s = sent * 2 * pp / (len(self.blocks) - 1) / link.bandwidth_bytes_per_s
+            self._sending[key] = solve(self.gm, op_axes, self.bounds, rows, float("inf"), recompute=recompute,
+                                       precision=self.narrowest, recompute_comm=self.recompute_comm, terms=terms,
+                                       extra_per_row_s=per_row_s)
+        return self._sending[key]
 
     def unsplit_bound(self, recompute: str, rows: float, enough_s: float) -> float:
         """A lower bound of the unsplit program's cost at ``rows`` rows, solved only when the bounds at
@@ -570,6 +591,17 @@ class _Costs:
             if found is not None:
                 best_s = min(best_s, found.step_s)
         return out
+
+
+def _faster_per_variant(found: list[tuple[Candidate, Plan | None]]) -> list[tuple[Candidate, Plan | None]]:
+    """Of candidates for one split, the fastest per (optimizer-parallel level, precision): one costed before one
+    only bounded, and of two bounds the lesser."""
+    best: dict[tuple, tuple[Candidate, Plan | None]] = {}
+    for c, plan in found:
+        key, known = (c.zero, c.precision), best.get((c.zero, c.precision))
+        if known is None or (c.pruned, c.step_s) < (known[0].pruned, known[0].step_s):
+            best[key] = c, plan
+    return list(best.values())
 
 
 def _nothing_to_free(found: list[tuple[Candidate, Plan | None]], variants: int, best_s: float, limit: float) -> bool:
