@@ -13,7 +13,7 @@ engine), so there the two streams are one and nothing hides: more copies only ad
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import fx
 
@@ -40,8 +40,9 @@ class OpCost:
 def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "float32", itemsize: int = 4,
              rc: Recomputed | None = None) -> list[OpCost]:
     """Training cost of every op in program order (forward, backward and recompute folded together); a
-    layer's node that runs as its twin in an earlier layer does costs what the twin did. ``rc``: the
-    plan's recompute, where the caller has it."""
+    layer's node that runs as its twin in an earlier layer does costs what the twin did; the last op also pays
+    for moving what the model returns to the layout it is returned in. ``rc``: the plan's recompute, where the
+    caller has it."""
     modules = dict(gm.named_modules())
     rc = rc or recomputed(gm, plan.recompute, plan.recompute_comm)
     same = costed_as(gm, plan)
@@ -62,6 +63,13 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
         by_name[node.name] = OpCost(seconds, comm_passes * transfer, comm_passes * latency,
                                     op_overhead(plan.nodes[node.name], cluster, compute_passes, dtype))
         out.append(by_name[node.name])
+    output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if out and output is not None and output.name in plan.nodes:  # e.g. split logits gathered whole
+        sent = node_comm_bytes(output, plan, modules, itemsize, cluster.backend, cluster.all_to_all)
+        transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
+        comm_passes = passes(output.name, rc)[1]
+        out[-1] = replace(out[-1], comm_s=out[-1].comm_s + comm_passes * transfer,
+                          latency_s=out[-1].latency_s + comm_passes * latency)
     return out
 
 
