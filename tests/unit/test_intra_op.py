@@ -13,6 +13,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.planner.candidates import candidates
 from polyshard.graph.regions import Recomputed, recomputed
+from polyshard.plan import Plan
 from polyshard.planner.cost.overlap import op_costs
 from polyshard.planner.cost.compute import passes
 from polyshard.planner.intra_op import _edge_seconds, build_program, evaluate, forward_floor, solve
@@ -166,6 +167,10 @@ def test_a_value_two_ops_take_alike_is_paid_once_in_the_program_as_lowering_move
         picked = dict(zip(names, picks))
         seconds.append(_moved_once_seconds(gm, program, picked, axes, cl))
         assert evaluate(program, picked)[0] == pytest.approx(seconds[-1], rel=1e-12), picked
+        plan = Plan(op_axes=axes, nodes={n: program.options[n][picked[program.rep[n]]] for n in program.options})
+        predicted = sum(c.compute_s + c.comm_s + c.latency_s + c.overhead_s for c in op_costs(gm, plan, cl))
+        # and the plan's predicted cost: within 1e-6, as the program also prices reading the batch (1e-11 s here)
+        assert predicted == pytest.approx(seconds[-1], rel=1e-6), picked
     layouts = [{d.inputs.get("inp") for d in program.options[n]} - {None} for n in ("a", "b")]
     assert layouts[0] == layouts[1] and len(layouts[0]) > 1 and len(seconds) > 100  # both may take it whole or split
     assert solve(gm, axes, cl, 1, 2**40).cost_s == pytest.approx(min(seconds), rel=1e-9)

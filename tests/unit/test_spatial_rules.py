@@ -86,7 +86,7 @@ def test_the_cost_model_counts_a_tile_s_products_and_its_halo():
     plan = _plan(ResNet(), ((1, 1, 2, 2), None), [])
     gm = capture(ResNet(), (torch.zeros(2, 3, 32, 32), torch.zeros(2, dtype=torch.long)))
     modules, stem = dict(gm.named_modules()), next(n for n in gm.graph.nodes if n.name == "stem_0")
-    assert node_comm_bytes(stem, plan, modules, 4, "gloo") == {"h": 2 * 2 * 3 * 16 * 4, "w": 2 * 2 * 3 * 18 * 4}
+    assert node_comm_bytes(stem, plan, modules, 4, "gloo") == [{"h": 2 * 2 * 3 * 16 * 4, "w": 2 * 2 * 3 * 18 * 4}]
     assert forward_flops(stem, plan.nodes[stem.name], modules) == 2 * (2 * 8 * 16 * 16) * (3 * 3 * 3)
 
 

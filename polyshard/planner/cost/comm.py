@@ -37,19 +37,17 @@ def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster) -> Link:
 
 
 def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int,
-                    backend: str, all_to_all: bool = True) -> dict[str, float]:
-    """Bytes this rank sends, per axis, for ``node``: its input redistributions (each value moved to a
-    layout once, by its first consumer that takes it so, as lowering does) and its partial sums."""
+                    backend: str, all_to_all: bool = True) -> list[dict[str, float]]:
+    """Bytes this rank sends for ``node``, per collective and axis: its input redistributions (each value moved
+    to a layout once, by its first consumer that takes it so, as lowering does), then its partial sums."""
     entry = plan.nodes[node.name]
-    out: dict[str, float] = {}
+    out = []
     for inp in node.all_input_nodes:
         src, dst = plan.nodes[inp.name].output, entry.inputs.get(inp.name)
         if isinstance(src, Layout) and dst is not None and src != dst and first_to_take(node, inp, dst, plan):
-            for axis, b in transition_bytes(src, dst, shape_of(inp), itemsize, backend, all_to_all).items():
-                out[axis] = out.get(axis, 0.0) + b
-    for axis, b in own_bytes(node, entry, modules, itemsize, backend).items():
-        out[axis] = out.get(axis, 0.0) + b
-    return out
+            out.append(transition_bytes(src, dst, shape_of(inp), itemsize, backend, all_to_all))
+    own = own_bytes(node, entry, modules, itemsize, backend)
+    return out + [own] if own else out
 
 
 def first_to_take(node: fx.Node, inp: fx.Node, dst: Layout, plan: Plan) -> bool:

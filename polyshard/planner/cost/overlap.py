@@ -57,20 +57,25 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
             out.append(by_name.setdefault(node.name, by_name[twin]))
             continue
         seconds = compute_passes * forward_seconds(node, plan.nodes[node.name], modules, cluster, dtype, itemsize)
-        sent = node_comm_bytes(node, plan, modules, itemsize, cluster.backend, cluster.all_to_all)
-        transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
+        transfer, latency = _collectives_seconds(node, plan, modules, itemsize, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
         by_name[node.name] = OpCost(seconds, comm_passes * transfer, comm_passes * latency,
                                     op_overhead(plan.nodes[node.name], cluster, compute_passes, dtype))
         out.append(by_name[node.name])
     output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
     if out and output is not None and output.name in plan.nodes:  # e.g. split logits gathered whole
-        sent = node_comm_bytes(output, plan, modules, itemsize, cluster.backend, cluster.all_to_all)
-        transfer, latency = comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
+        transfer, latency = _collectives_seconds(output, plan, modules, itemsize, cluster)
         comm_passes = passes(output.name, rc)[1]
         out[-1] = replace(out[-1], comm_s=out[-1].comm_s + comm_passes * transfer,
                           latency_s=out[-1].latency_s + comm_passes * latency)
     return out
+
+
+def _collectives_seconds(node: fx.Node, plan: Plan, modules, itemsize: int, cluster: Cluster) -> tuple[float, float]:
+    """(transfer, latency) of ``node``'s collectives, one after another, each paying its own latency."""
+    times = [comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
+             for sent in node_comm_bytes(node, plan, modules, itemsize, cluster.backend, cluster.all_to_all)]
+    return sum(t for t, _ in times), sum(l for _, l in times)
 
 
 def step_seconds(costs: list[OpCost], copies: int, overlap: bool = True) -> float:
