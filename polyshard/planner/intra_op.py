@@ -30,7 +30,7 @@ from polyshard.layout import Axes, Layout
 from polyshard.planner.candidates import Enumeration, Repeat, enumerated, shares_params
 from polyshard.planner.cost.comm import comm_seconds, own_bytes
 from polyshard.graph.regions import Recomputed, recomputed
-from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
+from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes
 from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
 from polyshard.plan import DTYPES, NodePlan, Plan
@@ -261,7 +261,7 @@ def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], 
                 if costs is None and twin_inputs[k] is u:
                     costs = per_edge[(u.name, twin.name)]
             if costs is None or u.name in returned:
-                comm_passes = passes(n.name, rc)[1]
+                comm_passes = RETURNED_PASSES if n.op == "output" else passes(n.name, rc)[1]
                 key = (u.name, n.name, comm_passes)
                 costs = moves.get(key)
                 if costs is None:

@@ -147,6 +147,12 @@ def _split(entry: NodePlan, arg: fx.Node, dim: int) -> int:
     return layout.num_shards(dim % layout.ndim) if isinstance(layout, Layout) else 1
 
 
+# What the model returns is moved to the layout it is returned in once per step, in forward: no gradient flows back
+# into a returned value the loss was not computed from (logits gathered whole), and a returned loss's move sends
+# nothing back (a pending sum reduced to one value: its gradient is the same value everywhere).
+RETURNED_PASSES = 1
+
+
 def passes(name: str, recomputed: Recomputed) -> tuple[int, int]:
     """(forward-equivalents of compute, passes of communication) per training step for node ``name``:
     3 and 2 (forward, backward), one more of each when recompute runs it again (communication

@@ -21,7 +21,7 @@ from polyshard.buckets import FIRST_BUCKET_BYTES
 from polyshard.cluster import Cluster
 from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes
 from polyshard.graph.regions import Recomputed, recomputed
-from polyshard.planner.cost.compute import forward_seconds, op_overhead, passes
+from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes
 from polyshard.planner.cost.repeat import costed_as
 from polyshard.plan import Plan
 
@@ -65,9 +65,8 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
     output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
     if out and output is not None and output.name in plan.nodes:  # e.g. split logits gathered whole
         transfer, latency = _collectives_seconds(output, plan, modules, itemsize, cluster)
-        comm_passes = passes(output.name, rc)[1]
-        out[-1] = replace(out[-1], comm_s=out[-1].comm_s + comm_passes * transfer,
-                          latency_s=out[-1].latency_s + comm_passes * latency)
+        out[-1] = replace(out[-1], comm_s=out[-1].comm_s + RETURNED_PASSES * transfer,
+                          latency_s=out[-1].latency_s + RETURNED_PASSES * latency)
     return out
 
 
