@@ -98,7 +98,7 @@ class Terms:
     mem: tuple[np.ndarray, np.ndarray]
     edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
     conflicts: list[tuple[tuple[str, int], tuple[str, int]]]
-    shared: tuple[SharedMove, ...] = ()
+    shared: tuple[SharedMove, ...]
 
     def at(self, rows: float) -> Program:
         return Program(self.options, self.rep, self.var_of, rows * self.cost[0] + self.cost[1],
@@ -280,7 +280,7 @@ def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], 
         for u, t in twin_edges:  # but for those from the block before it
             edge_uses[((rep[u], rep[t]), id(per_edge[(u, t)]))] += count
     shared = _shared_moves(nodes, options, rep, repeated, per_edge, returned)
-    for move, uses, count in shared:  # their edges are paid as the shared moves instead
+    for _, uses, count in shared:  # their edges are paid as the shared moves instead
         for pair, costs in uses:
             edge_uses[(pair, id(costs))] -= count
     summed: dict[tuple[str, str], np.ndarray] = {}
