@@ -1,5 +1,5 @@
 """How far apart ranks reach a collective after the same work: the wait a step's gradient all-reduce pays
-beyond its calibrated time, which no cost-model term prices.
+beyond its calibrated time, which `polyshard calibrate` measures the same way as the cluster's arrival skew.
 
     torchrun --nproc-per-node 4 bench/bench_arrival_spread.py              # 128 KiB all-reduce, 0 .. 20 ms of work
     torchrun --nproc-per-node 2 bench/bench_arrival_spread.py --work-ms 0,5,20

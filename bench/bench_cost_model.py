@@ -135,7 +135,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def figures_of(c) -> dict:
     return {"rows": c.rows, "step_s": c.step_s, "compute_s": c.compute_s, "op_comm_s": c.op_comm_s,
-            "dp_comm_s": c.dp_comm_s, "memory_bytes": float(c.memory.total_bytes)}
+            "dp_comm_s": c.dp_comm_s, "skew_s": c.skew_s, "memory_bytes": float(c.memory.total_bytes)}
 
 
 def same_plan(a: str, b: str) -> bool:
@@ -343,7 +343,8 @@ def report(args, cluster, configs, runs, predicted, picks, detail, first_loss) -
                          "rows": int(c["rows"]), "predicted_ms": round(p * 1e3, 3), "measured_ms": round(m * 1e3, 2),
                          "error": round(p / m - 1, 4), "predicted_rank": a, "measured_rank": b,
                          "compute_ms": round(c["compute_s"] * 1e3, 3), "op_comm_ms": round(c["op_comm_s"] * 1e3, 3),
-                         "dp_comm_ms": round(c["dp_comm_s"] * 1e3, 3), "memory_bytes": int(c["memory_bytes"]),
+                         "dp_comm_ms": round(c["dp_comm_s"] * 1e3, 3), "skew_ms": round(c["skew_s"] * 1e3, 3),
+                         "memory_bytes": int(c["memory_bytes"]),
                          "rounds_ms": [round(t * 1e3, 2) for t in r.times]})
         pick = picks[(model, batch)]
         fastest = min(zip(meas, these), key=lambda x: x[0])

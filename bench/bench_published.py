@@ -124,7 +124,7 @@ def price(run: Run, fixed: Fixed) -> tuple[dict, float]:
 
 def why_faster(pick: dict, published: dict) -> str:
     """The term that differs most between two candidates, in the published one's favour or not."""
-    terms = ("compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s")
+    terms = ("compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s", "skew_s")
     gains = {t.removesuffix("_s"): published[t] - pick[t] for t in terms}
     term = max(gains, key=gains.get)
     return f"{term} -{gains[term]:.2f}s" if gains[term] > 0 else "same"

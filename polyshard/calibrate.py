@@ -34,6 +34,9 @@ MIN_BYTES = 4 * 2**10
 _BATCH_BYTES = 256 * 2**10
 # Large enough to run at full rate, small enough to take well under a second per product.
 _MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
+# Arrival skew: products of this side run for each of these seconds before a small all-reduce, each timed
+# this many times at least (ranks time-sliced on shared cores drift apart by a share of the work).
+_SKEW_SIDE, _SKEW_WORK_S, _SKEW_REPEATS, _SKEW_PAYLOAD = 128, (0.01, 0.02, 0.04), 10, 64 * 2**10
 # A product timed for a rate is no larger than one that takes about this long: a type the device only emulates
 # (bfloat16 on a CPU without it) runs at a hundredth of float32's rate at every size, so a smaller one times it.
 _MATMUL_BUDGET_S = 0.25
@@ -248,6 +251,40 @@ def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None, 
     return statistics.median(_all_reduce(times, dist.ReduceOp.MAX, group))
 
 
+def measure_arrival_skew(device: torch.device, repeats: int) -> float:
+    """Of the compute before a collective, how much longer the average rank waits in it than after none:
+    the slope, through the origin, of the mean rank's extra wait over ``_SKEW_WORK_S`` of products, each
+    rank running as many as it ran in that time while every rank ran them (as in a step)."""
+    a = torch.randn(_SKEW_SIDE, _SKEW_SIDE, device=device)
+    payload = torch.ones(_SKEW_PAYLOAD // 4, device=device)
+    dist.barrier()
+    _sync(device)
+    count, end = 0, time.perf_counter() + max(_SKEW_WORK_S)
+    while time.perf_counter() < end:
+        a @ a
+        _sync(device)
+        count += 1
+    per_s = _all_reduce([count / max(_SKEW_WORK_S)], dist.ReduceOp.MIN, None)[0]
+
+    def wait_after(work_s: float) -> float:  # this rank's median seconds in the all-reduce after the work
+        waits = []
+        for _ in range(max(repeats, _SKEW_REPEATS)):
+            dist.barrier()
+            for _ in range(int(per_s * work_s)):
+                a @ a
+            _sync(device)
+            start = time.perf_counter()
+            dist.all_reduce(payload)
+            _sync(device)
+            waits.append(time.perf_counter() - start)
+        return statistics.median(waits)
+
+    waits = _all_reduce([wait_after(w) for w in (0.0, *_SKEW_WORK_S)], dist.ReduceOp.SUM, None)
+    extra = np.array(waits[1:]) / dist.get_world_size() - waits[0] / dist.get_world_size()
+    work = np.array(_SKEW_WORK_S)
+    return max(0.0, float(extra @ work / (work @ work)))
+
+
 def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float], kind: str, group_size: int) -> Link:
     """Least squares of time = latency + wire bytes / bandwidth, in relative error so the small messages
     that carry the latency count as much as the large ones; latency is kept at or above 0 and returned
@@ -293,6 +330,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
     sweeps = _sweeps(base, sizes, repeats)
     fits = _fits(sweeps, sizes)
+    skew = measure_arrival_skew(_comm_device(None), repeats) if world > 1 else 0.0
     intra, inter = (fits["all_reduce"], fits.get("all_reduce, all nodes", fits["all_reduce"])) if sweeps else \
         (base.intra_node, base.inter_node)
     if world == 1:
@@ -319,6 +357,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         memory_bandwidth_bytes_per_s=memory_bw,
         host_bandwidth_bytes_per_s=host_bw,
         disk_bandwidth_bytes_per_s=disk_bw,
+        arrival_skew=skew,
     )
     if dist.get_rank() == 0:
         print(_report(cluster, sweeps, sizes, fits, notes))
@@ -451,6 +490,8 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
               f"{'host <-> disk':<24} {_si(cluster.disk_bandwidth_bytes_per_s, 'B/s'):>12}"]
     if not sweeps:
         return "\n".join(lines + [""] + [f"note: {n}" for n in notes])
+    lines += ["", f"{'arrival skew':<24} {cluster.arrival_skew:>12.3f}  (the mean rank's extra wait in a collective, "
+              "per second of compute before it)"]
     lines += ["", f"{'collective':<24} {'ranks':>5} {'message':>10} {'seconds':>10} {'bus bandwidth':>14}"]
     for label, s in sweeps.items():
         for i, size in enumerate(sizes):

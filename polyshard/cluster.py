@@ -113,6 +113,7 @@ _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s")
 _OFFLOAD_KEYS = ("host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s")
 _RATE_KEYS = ("memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency")
+_SKEW_KEY = "arrival_skew"
 
 _SPEC = re.compile(r"(?:(\d+)x)?(\d+)x(.+?)(?:-nvlink|-ib)*", re.IGNORECASE)
 _CPU_GLOO = re.compile(r"cpu-gloo(?::(\d+))?", re.IGNORECASE)
@@ -163,6 +164,10 @@ class Cluster:
     attention_shares: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict, hash=False)
     # Whether the network runs all-to-all; without it a split moving between dims is gathered and sliced.
     all_to_all: bool = True
+    # Of the compute between two collectives, how much later than the average rank the last one reaches the
+    # second: ranks time-sliced on shared cores drift apart (about 0.2 with 4 processes on 2 cores); 0 where
+    # every rank has its own device. A step whose ranks communicate waits this share of its compute.
+    arrival_skew: float = 0.0
 
     def op_overhead_for(self, dtype: str) -> float:
         """Fixed seconds per op and micro-batch of an op computing in ``dtype``."""
@@ -202,7 +207,8 @@ class Cluster:
         if self.device_type == "cuda":  # a CPU's memory is the host's, 0 in its preset
             positive["memory_bytes"] = self.memory_bytes
         at_least_zero = {f"{link}.latency_s": getattr(self, link).latency_s for link in ("intra_node", "inter_node")}
-        at_least_zero |= {key: getattr(self, key) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS[:1]}
+        at_least_zero |= {key: getattr(self, key) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS[:1] +
+                          (_SKEW_KEY,)}
         at_least_zero |= {f"op_overheads_s.{dtype}": s for dtype, s in self.op_overheads_s.items()}
         for key, value in positive.items():
             if not value > 0:
@@ -272,7 +278,7 @@ class Cluster:
             data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload_bandwidths)),
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
                     "matmul_depth_shares": [], "matmul_shares": {}, "attention_shares": {}, "op_overheads_s": {},
-                    "all_to_all": True,
+                    "all_to_all": True, _SKEW_KEY: 0.0,
                     **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         if not isinstance(data["all_to_all"], bool):
@@ -292,7 +298,7 @@ class Cluster:
                 intra_node=Link(**{k: float(v) for k, v in links["intra_node"].items()}),
                 inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
                 flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
-                **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS},
+                **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS + (_SKEW_KEY,)},
                 op_overheads_s={str(k): float(v) for k, v in dict(data["op_overheads_s"] or {}).items()},
                 matmul_depth_shares=tuple((float(d), float(sh)) for d, sh in data["matmul_depth_shares"] or ()),
                 **{table: {str(k): tuple((float(f), float(sh)) for f, sh in v)

@@ -349,7 +349,7 @@ def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
         times = simulate(schedule_actions(plan.schedule, pp, plan.micro_batches, plan.virtual_stages),
                          [s["forward_s"] for s in stages], [s["backward_s"] for s in stages])
         source = f"the plan's predicted stage times (step {chosen['step_s'] * 1e3:.4g} ms with the data-parallel " \
-                 "sync and optimizer step)"
+                 "sync, the optimizer step" + " and ranks arriving apart" * bool(chosen.get("skew_s")) + ")"
     else:
         from polyshard import models
         from polyshard.cluster import Cluster

@@ -27,7 +27,8 @@ def summary(plan: Plan, cfg: GPTConfig | None, num_devices: int) -> dict:
                 "model_tflops_per_device": flops_per_token(cfg) * tokens / chosen["step_s"] / num_devices / 1e12}
     return {"step_s": chosen["step_s"], "memory_bytes_per_device": chosen["memory"]["total"],
             "config": rep["config"], "mesh": chosen["mesh"],
-            "breakdown": {k: chosen[k] for k in ("compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s")},
+            "breakdown": {k: chosen.get(k, 0.0) for k in ("compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s",
+                                                          "skew_s")},
             "memory": chosen["memory"], "limit_bytes": rep["limit_bytes"], "reserve_bytes": rep.get("reserve_bytes", 0),
             **rate}
 
@@ -74,6 +75,9 @@ def render(plan: Plan, layouts: int = 40) -> str:
         if runner:
             lines.append(f"chosen {chosen['mesh']}: {runner['mesh']} (runner-up) predicts "
                          f"{(runner['step_s'] / chosen['step_s'] - 1) * 100:.1f}% longer steps")
+        if chosen.get("skew_s"):
+            lines.append(f"the step waits {chosen['skew_s'] * 1e3:.1f}ms for ranks that reach its collectives apart "
+                         "(the cluster's arrival skew)")
         lines.append(_memory_line("memory per device" + " (the fullest pipeline rank)" * ("pipeline" in chosen),
                                   chosen["memory"], rep["limit_bytes"]))
         plain = next((c for c in rep["candidates"] if c.get("split") == chosen.get("split")

@@ -104,6 +104,7 @@ class Candidate:
     sequence: bool = False  # sequence parallel: row-parallel products reduce-scatter along the sequence
     refused_s: float = float("inf")  # the fastest option memory refused here (fewer micro-batches), if any
     bucket_bytes: int = BUCKET_BYTES  # gradients per data-parallel collective
+    skew_s: float = 0.0  # waiting for ranks that reach the step's collectives apart (Cluster.arrival_skew)
 
     @property
     def micro_batches(self) -> int:
@@ -123,7 +124,7 @@ class Candidate:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.op_comm_s + self.dp_comm_s + self.p2p_s + self.bubble_s
+        return self.compute_s + self.op_comm_s + self.dp_comm_s + self.p2p_s + self.bubble_s + self.skew_s
 
     @property
     def key(self) -> tuple:
@@ -327,6 +328,10 @@ class _Costs:
                                bucket_bytes=size)
                    + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds)
                    for zero in ZERO_LEVELS for size in self.bucket_sizes)
+
+    def skew(self, compute_s: float, communicates: bool) -> float:
+        """Seconds a step waits for ranks that reach its collectives apart: none where it has none."""
+        return self.cluster.arrival_skew * compute_s if communicates else 0.0
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
@@ -544,7 +549,8 @@ class _Costs:
         compute, dp_comm = timed[plan.bucket_bytes]
         return Candidate(mesh, rows, compute, op_comm, dp_comm, memory, gap, recompute=plan.recompute,
                          offload=plan.offload, zero=plan.zero, precision=plan.precision, memory_floor=not exact,
-                         accumulation=m, sequence=plan.sequence_parallel, bucket_bytes=plan.bucket_bytes), plan
+                         accumulation=m, sequence=plan.sequence_parallel, bucket_bytes=plan.bucket_bytes,
+                         skew_s=self.skew(compute, op_comm > 0 or dp > 1)), plan
 
     def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int, best_s: float,
                    modes: tuple[str, ...]) -> list[tuple[Candidate, Plan | None]]:
@@ -587,9 +593,10 @@ class _Costs:
             out.append((Candidate(mesh, rows, p.compute_s, p.op_comm_s, p.dp_comm_s, p.memory, solved.gap,
                                   recompute=most, stage_recompute=per_chunk, offload=offload, zero=zero,
                                   precision=precision, pipeline=p, sequence=base.sequence_parallel,
-                                  refused_s=p.refused_s, bucket_bytes=p.bucket_bytes), plan))
+                                  refused_s=p.refused_s, bucket_bytes=p.bucket_bytes,
+                                  skew_s=self.skew(p.compute_s, True)), plan))
             if found is not None:
-                best_s = min(best_s, found.step_s)
+                best_s = min(best_s, out[-1][0].step_s)
         return out
 
 
@@ -726,7 +733,7 @@ def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: f
                 "recompute": c.recompute_text, "offload": c.offload, "zero": c.zero, "precision": c.precision, "pp": c.pp,
                 "rows": c.rows, "micro_batches": c.micro_batches, "step_s": float(c.step_s),
                 "compute_s": float(c.compute_s), "op_comm_s": float(c.op_comm_s), "dp_comm_s": float(c.dp_comm_s),
-                "p2p_s": float(c.p2p_s), "bubble_s": float(c.bubble_s), "gap": float(c.gap),
+                "p2p_s": float(c.p2p_s), "bubble_s": float(c.bubble_s), "skew_s": float(c.skew_s), "gap": float(c.gap),
                 "memory": _memory_row(c.memory), "memory_floor": bool(c.memory_floor),
                 "fits": bool(c.memory.total_bytes <= limit_bytes and not c.pruned), "pruned": bool(c.pruned),
                 **({"pipeline": _pipeline_row(c.pipeline)} if c.pipeline else {})}

@@ -63,6 +63,12 @@ def test_yaml_round_trip(tmp_path):
     timed.to_yaml(path)
     assert Cluster.from_yaml(path) == timed and timed.op_overhead_for("bfloat16") == 2e-5
     assert timed.op_overhead_for("float16") == c.op_overhead_s
+    skewed = dataclasses.replace(c, arrival_skew=0.2)  # ranks that reach collectives apart
+    skewed.to_yaml(path)
+    assert Cluster.from_yaml(path) == skewed
+    path.write_text(path.read_text().replace("arrival_skew: 0.2", "arrival_skew: -0.1"))
+    with pytest.raises(PolyshardError, match="arrival_skew must be zero or more"):
+        Cluster.from_yaml(path)
     without = dataclasses.replace(c, all_to_all=False)  # a network without all-to-all says so in its file
     without.to_yaml(path)
     assert Cluster.from_yaml(path) == without
@@ -126,7 +132,7 @@ def test_yaml_written_before_overheads_takes_its_device_types(tmp_path):
     data = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(c)))
     for key in ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s", "host_bandwidth_bytes_per_s",
                 "disk_bandwidth_bytes_per_s",
-                "memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency"):
+                "memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency", "arrival_skew"):
         del data[key]
     path.write_text(yaml.safe_dump(data))
     assert Cluster.from_yaml(path) == c

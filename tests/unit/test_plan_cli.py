@@ -23,7 +23,8 @@ def test_plan_json_has_the_figures_scripts_compare(capsys):
     assert code == 0
     result = json.loads(out)  # one JSON object and nothing else on stdout
     assert result["step_s"] > 0 and 0 < result["memory_bytes_per_device"] <= result["limit_bytes"]
-    assert set(result["breakdown"]) == {"compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s"}
+    assert set(result["breakdown"]) == {"compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s",
+                                          "skew_s"}
     config = dict(kv.split("=") for kv in result["config"].split(","))
     assert int(config["dp"]) * int(config["tp"]) * int(config["pp"]) == 16
     assert result["model_tflops_per_device"] > 0 and result["planning_s"] < 60

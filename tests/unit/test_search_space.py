@@ -24,6 +24,8 @@ def _cluster(name: str) -> Cluster:
     costs 3x the fixed time, shallow bf16 products a fraction of that rate and small-head attention a fifth
     of fp32's share (as on a CPU with bf16 instructions), so that neither precision is priced faster in
     every term."""
+    if name == "cpu-skewed":  # ranks on shared cores, reaching collectives apart by a quarter of their compute
+        return dataclasses.replace(Cluster.preset("cpu-gloo:4"), arrival_skew=0.25)
     if name != "cpu-mixed":
         return Cluster.preset(name)
     base = Cluster.preset("cpu-gloo:4")
@@ -55,6 +57,8 @@ def _settings(c) -> Fixed:
     ("gpt-small", "8xA100-80G", 64, 4096 + 6), ("gpt-small", "cpu-gloo:4", 64, 10),
     # neither precision dominates: both are costed, and the bounds hold for both
     ("gpt-small", "cpu-mixed", 16, None), ("gpt-tiny", "cpu-mixed", 16, None),
+    # a step whose ranks communicate also waits for them: bounds leave that out, and stay below
+    ("gpt-small", "cpu-skewed", 16, None),
 ])
 def test_every_pruned_bound_is_below_what_the_split_costs(name, cluster, batch, limit_mib):
     limit = limit_mib and limit_mib * 2**20
@@ -105,6 +109,20 @@ def test_a_gradient_reduction_after_backward_is_priced_whole():
     link = cluster.inter_node
     ring_s = 2 * 15 / 16 * grads / link.bandwidth_bytes_per_s + buckets * 15 * link.latency_s
     assert after["dp_comm_s"] == pytest.approx(ring_s, rel=0.01) and beside["dp_comm_s"] < 0.8 * ring_s
+
+
+@pytest.mark.parametrize("config", ["dp=4", "dp=2,pp=2", "dp=2,tp=2"])
+def test_a_step_whose_ranks_communicate_waits_the_clusters_arrival_skew(config):
+    skewed, even = (chosen_row(_search("gpt-small", name, 16, Fixed.parse(config))[0].report)
+                    for name in ("cpu-skewed", "cpu-gloo:4"))
+    assert skewed["skew_s"] == pytest.approx(0.25 * skewed["compute_s"]) and even["skew_s"] == 0
+    assert skewed["step_s"] == pytest.approx(even["step_s"] + skewed["skew_s"])
+
+
+def test_one_rank_waits_for_no_other():
+    model = models.build("gpt-tiny", "meta")
+    alone = dataclasses.replace(Cluster.preset("cpu-gloo:1"), arrival_skew=0.25)
+    assert chosen_row(search(model, model.example_inputs(1), alone, 4)[0].report)["skew_s"] == 0
 
 
 def test_a_configuration_no_split_allows_is_refused():
