@@ -695,9 +695,9 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     all-gathers, 2(n-1)/n B; level 3 all-gathers each module's parameters in forward and again in
     backward and reduce-scatters the gradients, 3(n-1)/n B in 3 collectives per module; over m
     accumulated micro-batches level 3 gathers in each one's forward and backward, (2m+1)(n-1)/n B;
-    ``modules``: those level 3 gathers; ``whole_bytes``: of B, parameters small enough to stay whole,
-    all-reduced once at level 3 (at the other levels the difference is negligible). Each collective pays
-    its own fixed cost (an all-gather half an all-reduce's, see collective_latency). On GPUs the
+    ``modules``: those level 3 gathers; ``whole_bytes``: of B, parameters small enough to stay whole at
+    levels 1-3, all-reduced in buckets of their own and never gathered. Each collective pays its own fixed
+    cost (an all-gather half an all-reduce's, see collective_latency). On GPUs the
     collectives issued during backward (level 3: during every forward and backward) run beside
     ``overlap_s`` of the last backward and only the rest, and at least the last bucket, is exposed; the
     all-gather after the optimizer step (levels 1, 2) is not hidden.
@@ -709,15 +709,20 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     latency = collective_latency(link, dp)
     gather, scatter = (collective_latency(link, dp, kind, cluster.backend) for kind in ("all_gather", "reduce_scatter"))
     pass_s = wire_bytes("reduce_scatter", grad_bytes, dp) / link.bandwidth_bytes_per_s  # (n-1)/n B once
-    buckets = bucket_count(grad_bytes, bucket_bytes, first_bucket_bytes(cluster, bucket_bytes))
+    first = first_bucket_bytes(cluster, bucket_bytes)
+    buckets = bucket_count(grad_bytes, bucket_bytes, first)
+    sharded = grad_bytes - whole_bytes if zero else 0.0
+    sharded_s = pass_s * sharded / grad_bytes if grad_bytes else 0.0
+    sharded_buckets = bucket_count(sharded, bucket_bytes, first) if sharded > 0 else 0
+    whole_s = 2 * (pass_s - sharded_s) + bucket_count(whole_bytes, bucket_bytes, first) * latency if whole_bytes else 0.0
     if zero == 3:
-        sharded_s = pass_s * (1 - whole_bytes / grad_bytes) if grad_bytes else 0.0
-        whole_s = 2 * (pass_s - sharded_s) + latency if whole_bytes else 0.0
         during = ((2 * micro_batches + 1) * sharded_s + modules * (2 * micro_batches * gather + scatter)
                   + whole_s)
+    elif zero == 2:
+        during = sharded_s + sharded_buckets * scatter + whole_s
     else:
-        during = pass_s + buckets * scatter if zero == 2 else 2 * pass_s + buckets * latency
-    after = pass_s + buckets * gather if zero in (1, 2) else 0.0
+        during = 2 * pass_s + buckets * latency
+    after = sharded_s + sharded_buckets * gather if zero in (1, 2) else 0.0
     if cluster.device_type != "cuda":
         return during + after
     hidden = overlap_s * (1.5 * micro_batches if zero == 3 else 1)  # level 3: beside every forward (half a backward)

@@ -125,6 +125,17 @@ def test_one_rank_waits_for_no_other():
     assert chosen_row(search(model, model.example_inputs(1), alone, 4)[0].report)["skew_s"] == 0
 
 
+def test_parameters_small_enough_to_stay_whole_are_all_reduced_at_every_level():
+    """polyshard.runtime.zero shards no parameter under its threshold: gpt-tiny's are all under 64 KiB, so at
+    levels 1 and 2 its gradients are all-reduced as at level 0, and nothing is gathered after the step."""
+    model = models.build("gpt-tiny", "meta")
+    assert max(p.numel() * 4 for p in model.parameters()) < 64 * 2**10
+    tiny, small = ({z: chosen_row(_search(name, "cpu-gloo:4", 16, Fixed.parse(f"dp=4,precision=fp32,zero={z}"))[0]
+                                  .report)["dp_comm_s"] for z in (0, 1, 2)} for name in ("gpt-tiny", "gpt-small"))
+    assert tiny[1] == pytest.approx(tiny[0]) and tiny[2] == pytest.approx(tiny[0])
+    assert small[1] > small[0]  # gpt-small's larger tables are sharded, and gathered after the step
+
+
 def test_a_configuration_no_split_allows_is_refused():
     with pytest.raises(PolyshardError, match="tp=3"):
         _search("gpt-small", "cpu-gloo:4", 16, Fixed(tp=3))
