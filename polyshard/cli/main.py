@@ -348,8 +348,9 @@ def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
         stages = chosen["pipeline"]["stages"]
         times = simulate(schedule_actions(plan.schedule, pp, plan.micro_batches, plan.virtual_stages),
                          [s["forward_s"] for s in stages], [s["backward_s"] for s in stages])
+        rest = ", the optimizer step and ranks arriving apart" if chosen.get("skew_s") else " and optimizer step"
         source = f"the plan's predicted stage times (step {chosen['step_s'] * 1e3:.4g} ms with the data-parallel " \
-                 "sync, the optimizer step" + " and ranks arriving apart" * bool(chosen.get("skew_s")) + ")"
+                 f"sync{rest})"
     else:
         from polyshard import models
         from polyshard.cluster import Cluster

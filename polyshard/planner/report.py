@@ -59,7 +59,9 @@ def render(plan: Plan, layouts: int = 40) -> str:
         lines.append(f"model {plan.model or '?'}, global batch {plan.global_batch}, "
                      f"memory limit {format_bytes(rep['limit_bytes'])} per device")
         width = max(16, *(len(c["mesh"]) for c in rep["candidates"]))
-        lines.append(f"  {'mesh':<{width}} {'step':>10} {'compute':>10} {'op comm':>10} {'dp comm':>10} {'memory':>11} {'gap':>6}")
+        waits = any(c.get("skew_s") for c in rep["candidates"])  # ranks reaching collectives apart: a column of its own
+        lines.append(f"  {'mesh':<{width}} {'step':>10} {'compute':>10} {'op comm':>10} {'dp comm':>10}"
+                     + f" {'wait':>10}" * waits + f" {'memory':>11} {'gap':>6}")
         for c in rep["candidates"]:
             if c.get("pruned"):
                 bound = f">{c['step_s'] * 1e3:.1f}ms"
@@ -68,7 +70,8 @@ def render(plan: Plan, layouts: int = 40) -> str:
             mark = "*" if c["mesh"] == rep["chosen"] else " " if c["fits"] else "x"
             memory = ">" * c.get("memory_floor", False) + format_bytes(c["memory"]["total"])
             lines.append(f"{mark} {c['mesh']:<{width}} {_ms(c['step_s'])} {_ms(c['compute_s'])} {_ms(c['op_comm_s'])} "
-                         f"{_ms(c['dp_comm_s'])} {memory:>11} {c.get('gap', 0):>6.1%}")
+                         f"{_ms(c['dp_comm_s'])}" + f" {_ms(c.get('skew_s', 0.0))}" * waits
+                         + f" {memory:>11} {c.get('gap', 0):>6.1%}")
         fitting = [c for c in rep["candidates"] if c["fits"]]
         chosen = chosen_row(rep)
         runner = next((c for c in fitting if c is not chosen), None)

@@ -160,3 +160,20 @@ def test_plan_of_an_image_model_weighs_height_and_width_splits(capsys, tmp_path)
     assert code == 0 and "kept dp=1,h=2,w=2" in out and "--image-size 1024" in out
     plan = Plan.from_json(path.read_text())
     assert plan.model == "unet-small" and dict(plan.mesh) == {"dp": 1, "h": 2, "w": 2}
+
+
+def test_a_cluster_whose_ranks_arrive_apart_shows_the_wait_as_a_term(capsys, tmp_path):
+    import dataclasses
+
+    from polyshard.cluster import Cluster
+
+    path = tmp_path / "skewed.yaml"
+    dataclasses.replace(Cluster.preset("cpu-gloo:4"), arrival_skew=0.25).to_yaml(path)
+    args = ("cost", "--model", "gpt-tiny", "--cluster", str(path), "--global-batch", "16", "--config", "dp=4,zero=0")
+    code, out, _ = _run(capsys, *args, "--json")
+    terms = json.loads(out)["breakdown"]
+    assert code == 0 and terms["skew_s"] == pytest.approx(0.25 * terms["compute_s"]) and terms["skew_s"] > 0
+    code, out, _ = _run(capsys, *args)
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("mesh"))
+    assert code == 0 and header.split()[-3:] == ["wait", "memory", "gap"]
+    assert f"the step waits {terms['skew_s'] * 1e3:.1f}ms for ranks" in out
