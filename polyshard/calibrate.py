@@ -34,9 +34,13 @@ MIN_BYTES = 4 * 2**10
 _BATCH_BYTES = 256 * 2**10
 # Large enough to run at full rate, small enough to take well under a second per product.
 _MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
+# Pointwise ops with a transcendental function, timed on this many elements: on CPUs their arithmetic, not the
+# bytes they move, bounds them (bf16 GELU at about a third of a billion elements per second per core).
+POINTWISE_OPS = ("gelu", "silu", "tanh", "sigmoid", "exp", "erf")
+_POINTWISE_ELEMENTS = {"cpu": 2**18, "cuda": 2**26}
 # Arrival skew: products of this side run for each of these seconds before a small all-reduce, each timed
 # this many times at least (ranks time-sliced on shared cores drift apart by a share of the work).
-_SKEW_SIDE, _SKEW_WORK_S, _SKEW_REPEATS, _SKEW_PAYLOAD = 128, (0.01, 0.02, 0.04), 10, 64 * 2**10
+_SKEW_SIDE, _SKEW_WORK_S, _SKEW_REPEATS, _SKEW_PAYLOAD = 128, (0.01, 0.02, 0.04), 20, 64 * 2**10
 # A product timed for a rate is no larger than one that takes about this long: a type the device only emulates
 # (bfloat16 on a CPU without it) runs at a hundredth of float32's rate at every size, so a smaller one times it.
 _MATMUL_BUDGET_S = 0.25
@@ -120,6 +124,17 @@ def measure_attention_share(dtype: torch.dtype, seq: int, head_dim: int, peak: f
 
     seconds = statistics.median(_times(step, repeats, device, dist.barrier))
     return min(1.0, 3 * head_flops * heads / seconds / peak)
+
+
+def measure_pointwise_rate(dtype: torch.dtype, op: str, repeats: int) -> float:
+    """Elements per second of ``op`` (a torch function by name, e.g. "gelu") in training, counted as the cost
+    model counts it: forward and backward take three forward-equivalents, each one element per output element."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    n = _POINTWISE_ELEMENTS[device.type]
+    x = torch.randn(n, device=device).to(dtype).requires_grad_()
+    grad = torch.randn(n, device=device).to(dtype)
+    fn = getattr(torch, op, None) or getattr(torch.nn.functional, op)
+    return 3 * n / statistics.median(_times(lambda: fn(x).backward(grad), repeats, device, dist.barrier))
 
 
 def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 100) -> OpOverheads:
@@ -325,6 +340,9 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     flops, matmul_sizes, notes = _flops(base.device_type, repeats)
     products = _matmul_shares(base.device_type, flops, matmul_sizes, repeats)
     attention = _attention_shares(base.device_type, flops, repeats, notes)
+    pointwise = {name: dict(zip(POINTWISE_OPS, _all_reduce([measure_pointwise_rate(getattr(torch, name), op, repeats)
+                                                            for op in POINTWISE_OPS], dist.ReduceOp.MIN, None)))
+                 for name in flops}
     overheads = measure_op_overheads(repeats, [name for name in flops if name != "float32"])
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
@@ -353,6 +371,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         matmul_depth_shares=depths,
         matmul_shares=products,
         attention_shares=attention,
+        pointwise_rates=pointwise,
         **overheads._asdict(),
         memory_bandwidth_bytes_per_s=memory_bw,
         host_bandwidth_bytes_per_s=host_bw,
@@ -479,6 +498,9 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
     lines += ["", "attention (causal, forward + backward): share of the matmul rate by one head's forward FLOPs"]
     lines += [f"{name:<24} " + ", ".join(f"{_si(f, 'FLOP')}: {sh:.3f}" for f, sh in points)
               for name, points in cluster.attention_shares.items()]
+    lines += ["", "pointwise ops (forward + backward, as three forwards): elements per second"]
+    lines += [f"{name:<24} " + ", ".join(f"{op} {_si(rate, '')}" for op, rate in rates.items())
+              for name, rates in cluster.pointwise_rates.items()]
     lines += ["", "fixed cost per op (forward + backward)",
               f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}"]
     lines += [f"{'plain, ' + name:<24} {_si(s, 's'):>12}" for name, s in cluster.op_overheads_s.items()]

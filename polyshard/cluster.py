@@ -162,6 +162,10 @@ class Cluster:
     # share of flops_per_s forward and backward reach), ...), ascending; where a dtype has them they
     # replace attention_efficiency (small heads run far below peak on CPUs). Left out of the hash.
     attention_shares: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict, hash=False)
+    # Measured elements per second of pointwise ops with a transcendental function, per dtype name, then op name
+    # ({"bfloat16": {"gelu": 3e8, ...}}), counted as three forwards per training step; where one is measured it
+    # bounds the op beside its bytes (on CPUs bf16 GELU is bound by its arithmetic). Left out of the hash.
+    pointwise_rates: dict[str, dict[str, float]] = field(default_factory=dict, hash=False)
     # Whether the network runs all-to-all; without it a split moving between dims is gathered and sliced.
     all_to_all: bool = True
     # Of the compute between two collectives, how much later than the average rank the last one reaches the
@@ -178,6 +182,10 @@ class Cluster:
         on log FLOPs between measured sizes, the nearest outside them; attention_efficiency unmeasured."""
         points = self.attention_shares.get(dtype)
         return _interpolate_log(points, head_flops) if points else self.attention_efficiency
+
+    def pointwise_rate(self, op: str, dtype: str) -> float | None:
+        """Elements per second ``op`` runs at in ``dtype`` (per forward-equivalent), where it was measured."""
+        return self.pointwise_rates.get(dtype, {}).get(op)
 
     def matmul_share(self, m: float, n: float, k: float, dtype: str = "float32") -> float:
         """The share of ``dtype``'s peak a product of (m x k) by (k x n) reaches over a training step: forward
@@ -210,6 +218,8 @@ class Cluster:
         at_least_zero |= {key: getattr(self, key) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS[:1] +
                           (_SKEW_KEY,)}
         at_least_zero |= {f"op_overheads_s.{dtype}": s for dtype, s in self.op_overheads_s.items()}
+        positive |= {f"pointwise_rates.{dtype}.{op}": rate for dtype, rates in self.pointwise_rates.items()
+                     for op, rate in rates.items()}
         for key, value in positive.items():
             if not value > 0:
                 raise PolyshardError(f"cluster {key} must be positive; got {value!r}")
@@ -278,7 +288,7 @@ class Cluster:
             data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload_bandwidths)),
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
                     "matmul_depth_shares": [], "matmul_shares": {}, "attention_shares": {}, "op_overheads_s": {},
-                    "all_to_all": True, _SKEW_KEY: 0.0,
+                    "all_to_all": True, _SKEW_KEY: 0.0, "pointwise_rates": {},
                     **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         if not isinstance(data["all_to_all"], bool):
@@ -304,6 +314,8 @@ class Cluster:
                 **{table: {str(k): tuple((float(f), float(sh)) for f, sh in v)
                            for k, v in dict(data[table] or {}).items()}
                    for table in ("matmul_shares", "attention_shares")},
+                pointwise_rates={str(d): {str(op): float(r) for op, r in dict(rates).items()}
+                                 for d, rates in dict(data["pointwise_rates"] or {}).items()},
                 all_to_all=data["all_to_all"],
             )
         except PolyshardError:

@@ -53,7 +53,8 @@ def bounding_cluster(cluster: Cluster, precisions: tuple[str, ...]) -> Cluster:
     if sizes := sorted({f for d in dtypes for f, _ in attention.get(d, ())}):  # else attention_efficiency for all
         attention[low] = best(sizes, cluster.attention_share)
     return dataclasses.replace(cluster, flops_per_s={**cluster.flops_per_s, low: top}, matmul_shares=products,
-                               attention_shares=attention,
+                               attention_shares=attention, pointwise_rates={**cluster.pointwise_rates,
+                                                                            low: _fastest_pointwise(cluster, dtypes)},
                                op_overheads_s={**cluster.op_overheads_s,
                                                low: min(cluster.op_overhead_for(d) for d in dtypes)})
 
@@ -64,9 +65,19 @@ def _no_slower(cluster: Cluster, p: str, q: str) -> bool:
     ra, rb = cluster.flops_per_s.get(a, 0.0), cluster.flops_per_s.get(b, 0.0)
     sizes = {f for d in (a, b) for f, _ in cluster.attention_shares.get(d, ())} or {1.0}
     product = _product_share(cluster)
+    ops = {op for d in (a, b) for op in cluster.pointwise_rates.get(d, {})}
+    unmeasured = float("inf")  # an op without a rate is bound by its bytes alone
     return ra >= rb and cluster.op_overhead_for(a) <= cluster.op_overhead_for(b) and \
+        all((cluster.pointwise_rate(op, a) or unmeasured) >= (cluster.pointwise_rate(op, b) or unmeasured)
+            for op in ops) and \
         all(ra * cluster.attention_share(a, f) >= rb * cluster.attention_share(b, f) for f in sizes) and \
         all(ra * product(a, depth) >= rb * product(b, depth) for depth in _depths(cluster, (a, b)) or [1.0])
+
+
+def _fastest_pointwise(cluster: Cluster, dtypes) -> dict[str, float]:
+    """Per pointwise op, the best rate of ``dtypes``; an op some dtype has no rate for is left out (unbound)."""
+    ops = set.intersection(*(set(cluster.pointwise_rates.get(d, {})) for d in dtypes))
+    return {op: max(cluster.pointwise_rates[d][op] for d in dtypes) for op in ops}
 
 
 def _depths(cluster: Cluster, dtypes) -> list[float]:

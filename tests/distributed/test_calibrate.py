@@ -24,6 +24,10 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert cluster.inter_node == cluster.intra_node
     # how far apart ranks reach a collective after the same work: a share of that work, timed
     assert "arrival skew" in run.stdout and 0 <= cluster.arrival_skew < 1
+    # transcendental pointwise ops timed in each dtype whose products were
+    assert set(cluster.pointwise_rates) == set(cluster.flops_per_s) and "pointwise ops" in run.stdout
+    assert all(set(rates) == {"gelu", "silu", "tanh", "sigmoid", "exp", "erf"} and min(rates.values()) > 1e6
+               for rates in cluster.pointwise_rates.values())
     # eager dispatch costs microseconds per op; a DTensor op costs more than a plain one; AdamW's step
     # microseconds per tensor
     assert 1e-7 < cluster.op_overhead_s < 1e-2 and 0 < cluster.split_op_overhead_s < 1e-1

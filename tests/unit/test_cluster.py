@@ -63,6 +63,12 @@ def test_yaml_round_trip(tmp_path):
     timed.to_yaml(path)
     assert Cluster.from_yaml(path) == timed and timed.op_overhead_for("bfloat16") == 2e-5
     assert timed.op_overhead_for("float16") == c.op_overhead_s
+    rated = dataclasses.replace(c, pointwise_rates={"bfloat16": {"gelu": 1.2e9, "silu": 1.5e9}})
+    rated.to_yaml(path)
+    assert Cluster.from_yaml(path) == rated and rated.pointwise_rate("gelu", "bfloat16") == 1.2e9
+    assert rated.pointwise_rate("gelu", "float32") is None and rated.pointwise_rate("tanh", "bfloat16") is None
+    with pytest.raises(PolyshardError, match="pointwise_rates.bfloat16.gelu must be positive"):
+        dataclasses.replace(c, pointwise_rates={"bfloat16": {"gelu": 0.0}})
     skewed = dataclasses.replace(c, arrival_skew=0.2)  # ranks that reach collectives apart
     skewed.to_yaml(path)
     assert Cluster.from_yaml(path) == skewed
@@ -132,7 +138,8 @@ def test_yaml_written_before_overheads_takes_its_device_types(tmp_path):
     data = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(c)))
     for key in ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s", "host_bandwidth_bytes_per_s",
                 "disk_bandwidth_bytes_per_s",
-                "memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency", "arrival_skew"):
+                "memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency", "arrival_skew",
+                "pointwise_rates"):
         del data[key]
     path.write_text(yaml.safe_dump(data))
     assert Cluster.from_yaml(path) == c

@@ -13,7 +13,8 @@ from polyshard.errors import PolyshardError
 from polyshard.planner.config import Fixed
 from polyshard.planner.report import chosen_row
 from polyshard.planner.cost.comm import axis_link
-from polyshard.planner.cost.overlap import first_bucket_bytes
+from polyshard.graph.capture import capture, shape_of
+from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.precision import precisions_to_cost
 from polyshard.planner.search import BUCKET_CHOICES, _dp_seconds, default_reserve_bytes, mesh_candidates, search
 from polyshard.transitions import wire_bytes
@@ -318,6 +319,38 @@ def test_a_precision_slower_at_shallow_products_is_costed_beside_the_other():
     gpu = Cluster.preset("8xA100-80G")
     shallow = dataclasses.replace(gpu, matmul_shares={"bfloat16": ((64, 0.01), (1024, 1.0))})
     assert precisions_to_cost(shallow, "none", None) == ("fp32", "bf16")  # bf16 at 3 TFLOP/s 64 deep: fp32 wins
+
+
+def test_a_precision_slower_at_a_pointwise_op_is_costed_beside_the_other():
+    gpu = Cluster.preset("8xA100-80G")
+    slow_gelu = dataclasses.replace(gpu, pointwise_rates={"float32": {"gelu": 1e12}, "bfloat16": {"gelu": 1e9}})
+    assert precisions_to_cost(slow_gelu, "none", None) == ("fp32", "bf16")
+    even = dataclasses.replace(gpu, pointwise_rates={"float32": {"gelu": 1e9}, "bfloat16": {"gelu": 1e12}})
+    assert precisions_to_cost(even, "none", None) == ("bf16",)
+
+
+def test_a_transcendental_pointwise_op_is_no_faster_than_its_measured_rate():
+    """On CPUs bf16 GELU is bound by its arithmetic, not its bytes: priced at the rate calibrate measured, for
+    F.gelu and nn.GELU alike, and unchanged where no rate is measured."""
+    model = models.build("gpt-tiny", "meta")
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU())
+    plain = Cluster.preset("cpu-gloo:1")
+    rated = dataclasses.replace(plain, pointwise_rates={"float32": {"gelu": 1e6}})
+    for m, rows in ((model, 4), (mlp, 32)):
+        example = model.example_inputs(rows) if m is model else (torch.randn(rows, 64),)
+        plan, _ = search(m, example, plain, rows)
+        gm = capture(m, example)
+        costs = dict(zip([n.name for n in gm.graph.nodes if n.name in plan.nodes and n.op.startswith("call_")],
+                         [c.compute_s for c in op_costs(gm, plan, rated)]))
+        modules = dict(gm.named_modules())
+        gelus = [n for n in gm.graph.nodes if n.target is torch.nn.functional.gelu or
+                 (n.op == "call_module" and isinstance(modules[n.target], torch.nn.GELU))]
+        assert gelus
+        for n in gelus:  # three forward-equivalents of one element per output element
+            assert costs[n.name] == pytest.approx(3 * math.prod(shape_of(n)) / 1e6)
+        base = dict(zip(costs, [c.compute_s for c in op_costs(gm, plan, plain)]))
+        assert all(base[n.name] < costs[n.name] / 10 for n in gelus)
+        assert all(base[k] == costs[k] for k in costs if k not in {n.name for n in gelus})
 
 
 def test_tensor_axes_divide_a_node_or_span_whole_nodes():

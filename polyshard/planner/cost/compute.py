@@ -4,7 +4,9 @@ Matrix products count 2 FLOPs per multiply-add (nanoGPT's estimate_mfu conventio
 counts its two products, 4*B*H*T*S*D; elementwise ops count one FLOP per output element.
 Products run at the share of peak their contraction depths reach (``Cluster.matmul_share``); every
 other op at the slower of its FLOPs at peak and the bytes it reads and writes over the memory
-bandwidth (the roofline model: LayerNorm, GELU or a residual add are bound by memory, not FLOPs).
+bandwidth (the roofline model: LayerNorm, GELU or a residual add are bound by memory, not FLOPs), and a
+pointwise op with a transcendental function no faster than its elements at the rate measured for it
+(``Cluster.pointwise_rate``: on CPUs bf16 GELU is bound by its arithmetic).
 Training costs 3x forward (backward does two products per forward one, and reads and writes about
 twice the bytes); an op that recompute runs again in backward costs one forward more. Fused
 attention runs at its own share of peak (``Cluster.attention_share``, by head size), and the optimizer step
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from polyshard.graph.capture import linear_dims, shape_of
-from polyshard.graph.ops import is_shape_op, op_key
+from polyshard.graph.ops import is_shape_op, op_key, op_name
 from polyshard.graph.upcast import moved_bytes
 from polyshard.layout import Layout
 from polyshard.cluster import Cluster
@@ -31,6 +33,7 @@ from polyshard.plan import NodePlan
 TRAIN_FLOPS_PER_FORWARD = 3
 _PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.baddbmm,
              torch.addmm, F.linear, "matmul", "bmm")
+_POINTWISE_MODULES = {nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
 
 
 def forward_flops(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module]) -> float:
@@ -75,7 +78,8 @@ def forward_seconds(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module
         peak *= cluster.matmul_share(*_product_dims(node, entry, modules, flops), dtype)
     bandwidth = cluster.memory_bandwidth_bytes_per_s
     moved = forward_bytes(node, entry, modules, itemsize) if bandwidth else 0.0
-    return max(flops / peak, moved / bandwidth if bandwidth else 0.0)
+    rate = cluster.pointwise_rate(_pointwise_name(node, modules), dtype)
+    return max(flops / peak, moved / bandwidth if bandwidth else 0.0, flops / rate if rate else 0.0)
 
 
 def optimizer_seconds(numel: float, precision: str, cluster: Cluster, tensors: int = 0) -> float:
@@ -133,6 +137,13 @@ def _product_dims(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module],
     batched = node.op != "call_module" and len(shape) > 2
     m = shape[-2] / out.num_shards(len(shape) - 2) if batched else numel / n
     return m, n, flops / 2 / max(numel, 1.0)
+
+
+def _pointwise_name(node: fx.Node, modules: dict[str, nn.Module]) -> str:
+    """The op name a pointwise rate is measured under ("gelu" for F.gelu, nn.GELU or aten.gelu)."""
+    if node.op == "call_module":
+        return _POINTWISE_MODULES.get(type(modules[node.target]), "")
+    return op_name(node)
 
 
 def _is_product(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
