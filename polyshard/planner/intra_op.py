@@ -38,6 +38,9 @@ from polyshard.planner.rules import row_splits
 from polyshard.transitions import transition_bytes
 
 INTEGRAL_TOLERANCE = 1e-6  # a relaxed pick this close to 0 or 1 is one
+# The relaxation's objective is exact to the solver's feasibility tolerances (1e-7 on costs scaled to order one):
+# a bound is taken this much lower, so that where the relaxation is whole it stays under the plan's own costing.
+BOUND_MARGIN = 1e-6
 
 
 @dataclass(frozen=True)
@@ -444,7 +447,7 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
         h.addRow(-highspy.kHighsInf, 1.0, 2, np.array([var_of[a], var_of[b]], dtype=np.int32), np.array([1.0, 1.0]))
     h.addRow(-highspy.kHighsInf, 1.0, num_x, np.arange(num_x, dtype=np.int32), node_mem / memory_limit_bytes)
     h.run()
-    lower = h.getInfo().objective_function_value / scale
+    lower = h.getInfo().objective_function_value / scale * (1 - BOUND_MARGIN)
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         raise PolyshardError(f"no strategy fits {memory_limit_bytes / 2**30:.1f} GiB per device on op axes {dict(op_axes)}")
     if cutoff_s is not None and lower >= cutoff_s:

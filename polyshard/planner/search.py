@@ -4,7 +4,8 @@ offload), and within each the cheapest strategy per op.
 An integer program (polyshard.planner.intra_op) picks every op's strategy once per operator axes and
 recompute mode, shared by every split on those axes: a pipeline stage runs its ops as that plan lays
 them out (polyshard.planner.pipeline chooses the cuts, micro-batches and schedule), and a split that
-holds the whole model is solved again under the memory limit where the shared plan does not fit.
+holds the whole model is solved again under the memory limit where the shared plan does not fit. Where
+neither precision is priced faster in every term (CPUs), each is costed with the program solved in it.
 Each split is costed at every optimizer-parallel level, precision and micro-batch count (gradient accumulation
 when there is no pipeline); the fastest that fits wins. Splits are tried from the most promising, and what a
 lower bound shows cannot win is not costed: every bound is computed in the narrowest precision tried, priced
@@ -286,6 +287,9 @@ class _Costs:
         tried = precisions_to_cost(cluster, "none", fixed.precision)
         self.narrowest = narrowest(tried)
         self.bounds = bounding_cluster(cluster, tried)  # priced no slower than any precision tried
+        # where neither precision is priced faster in every term, each is costed with the strategies solved in it
+        # (None: one solve, on the bounding cluster, for every precision)
+        self.own_plans: tuple[str | None, ...] = tuple(tried) if len(tried) > 1 else (None,)
         self.blocks = list(stage_units) or block_paths(gm)
         self.unit_of = assign_chunks(gm, self.blocks[1:])
         self.numel = sum(p.numel() for p in gm.parameters())
@@ -379,28 +383,53 @@ class _Costs:
         solved = self.solved(op_axes, program, rows / _pp(mesh), best_s - floor)
         if solved.plan is None:
             return pruned(solved.lower_bound_s)
-        if _pp(mesh) > 1:
-            found = self._pipelined(solved, mesh, offload, rows, best_s, modes)
-            sending = self.solved_sending(op_axes, program, rows / _pp(mesh), mesh)
-            if sending.plan.nodes != solved.plan.nodes:
-                found = _faster_per_variant(found + self._pipelined(sending, mesh, offload, rows, best_s, modes))
-            return found
-        out = self._whole(solved.plan, solved.gap, mesh, offload, rows)
+        out = []
+        dp = _data_size(mesh, self.data_axes)
+        for precision in self.own_plans:
+            if precision is not None and not _variants(dp, offload, self.cluster, self.fixed, precision):
+                continue  # e.g. bf16 under offload, which steps fp32 state
+            mine = solved if precision is None else \
+                self.solved(op_axes, program, rows / _pp(mesh), best_s - floor, precision)
+            if mine.plan is None:
+                out += [(dataclasses.replace(c, precision=precision), None) for c, _ in pruned(mine.lower_bound_s)]
+            elif _pp(mesh) > 1:
+                found = self._pipelined(mine, mesh, offload, rows, best_s, modes, precision)
+                sending = self.solved_sending(op_axes, program, rows / _pp(mesh), mesh, precision)
+                if sending.plan.nodes != mine.plan.nodes:
+                    found = _faster_per_variant(found + self._pipelined(sending, mesh, offload, rows, best_s, modes,
+                                                                        precision))
+                out += found
+            else:
+                out += self._whole_fitting(mine, mesh, setting, rows, (best_s, floor), op_axes, precision)
+        return out
+
+    def _whole_fitting(self, solved: IntraOpResult, mesh, setting: tuple[str, str], rows: int,
+                       to_beat: tuple[float, float], op_axes, precision: str | None) -> list[tuple[Candidate, Plan]]:
+        """:meth:`_whole` of the solved strategies under (recompute, offload) ``setting``, and where the fastest
+        variant does not fit, of the leanest strategies that do, if any (``to_beat``: the best step so far and
+        the seconds no plan on ``mesh`` saves)."""
+        (recompute, offload), (best_s, floor) = setting, to_beat
+        out = self._whole(solved.plan, solved.gap, mesh, offload, rows, precision)
         if not out:  # the fixed settings allow no level or precision here (level 1 and more need dp > 1)
             return out
         fastest = min((c for c, _ in out), key=lambda c: c.step_s)
         if fastest.memory.total_bytes > self.limit and fastest.step_s < best_s and \
                 self.numel / _op_size(mesh, self.data_axes) * device_bytes_per_param(offload) <= self.limit:
-            try:  # the shared plan's fastest variant does not fit: the leanest strategies that do, if any
-                lean = solve(self.gm, op_axes, self.bounds, rows, self.limit, cutoff_s=best_s - floor,
-                             recompute=recompute, offload=offload, precision=self.narrowest,
-                             recompute_comm=self.recompute_comm, terms=self.terms(op_axes, recompute, offload))
+            cluster, dtype = self.priced(precision)
+            try:
+                lean = solve(self.gm, op_axes, cluster, rows, self.limit, cutoff_s=best_s - floor, recompute=recompute,
+                             offload=offload, precision=dtype, recompute_comm=self.recompute_comm,
+                             terms=self.terms(op_axes, recompute, offload, precision))
             except PolyshardError:
                 return out
             if lean.plan is not None and lean.plan.nodes != solved.plan.nodes:
-                leaner = self._whole(lean.plan, lean.gap, mesh, offload, rows)
+                leaner = self._whole(lean.plan, lean.gap, mesh, offload, rows, precision)
                 out = [mine if mine[0].memory.total_bytes <= self.limit else other for mine, other in zip(out, leaner)]
         return out
+
+    def priced(self, precision: str | None) -> tuple[Cluster, str]:
+        """The cluster and precision the programs of ``precision`` are solved in (None: the bounding ones)."""
+        return (self.bounds, self.narrowest) if precision is None else (self.cluster, precision)
 
     def stage_modes(self, recompute: str) -> tuple[str, ...]:
         """The modes a pipeline's chunks choose from under setting ``recompute``: those up to it that may buy
@@ -410,31 +439,34 @@ class _Costs:
         upto = RECOMPUTE_MODES[:RECOMPUTE_MODES.index(recompute) + 1]
         return tuple(m for m in upto if m == "none" or self.worth(m))
 
-    def solved(self, op_axes, recompute: str, rows: float, cutoff_s: float) -> IntraOpResult:
-        """The fastest strategies on ``op_axes`` at ``rows`` rows, memory aside (splits differ in
-        what else they hold); pruned where the LP bound reaches ``cutoff_s``."""
-        key = (op_axes, recompute, rows)
+    def solved(self, op_axes, recompute: str, rows: float, cutoff_s: float, precision: str | None = None) -> IntraOpResult:
+        """The fastest strategies on ``op_axes`` at ``rows`` rows in ``precision`` (None: priced as fast as every
+        precision tried), memory aside (splits differ in what else they hold); pruned where the LP bound
+        reaches ``cutoff_s``."""
+        key = (op_axes, recompute, rows, precision)
         found = self._solved.get(key)
         if found is None or (found.plan is None and found.lower_bound_s < cutoff_s):
-            found = self._solved[key] = solve(self.gm, op_axes, self.bounds, rows, float("inf"),
-                                              cutoff_s=cutoff_s, recompute=recompute, precision=self.narrowest,
+            cluster, dtype = self.priced(precision)
+            found = self._solved[key] = solve(self.gm, op_axes, cluster, rows, float("inf"),
+                                              cutoff_s=cutoff_s, recompute=recompute, precision=dtype,
                                               recompute_comm=self.recompute_comm,
-                                              terms=self.terms(op_axes, recompute, "none"))
+                                              terms=self.terms(op_axes, recompute, "none", precision))
         return found
 
-    def solved_sending(self, op_axes, recompute: str, rows: float, mesh) -> IntraOpResult:
+    def solved_sending(self, op_axes, recompute: str, rows: float, mesh, precision: str | None = None) -> IntraOpResult:
         """The fastest strategies on ``op_axes`` with what crosses ``mesh``'s pipeline cuts priced as sent: the plain
         program leaves sends out, so it may keep whole a value every stage sends. A stage sends what crosses its
         two cuts, out in forward and back in backward, for each of its rows (rows x pp of the program's): over
         the model's cuts, 2 pp / (cuts) of what crosses each."""
         pp, link = _pp(mesh), axis_link(mesh, PIPELINE_AXIS, self.cluster)
-        key = (op_axes, recompute, rows, pp, link.bandwidth_bytes_per_s)
+        key = (op_axes, recompute, rows, pp, link.bandwidth_bytes_per_s, precision)
         if key not in self._sending:
-            terms = self.terms(op_axes, recompute, "none")
-            sent = crossing_bytes(self.gm, terms, self.unit_of, DTYPES[self.narrowest][1])
+            cluster, dtype = self.priced(precision)
+            terms = self.terms(op_axes, recompute, "none", precision)
+            sent = crossing_bytes(self.gm, terms, self.unit_of, DTYPES[dtype][1])
             per_row_s = sent * 2 * pp / (len(self.blocks) - 1) / link.bandwidth_bytes_per_s
-            self._sending[key] = solve(self.gm, op_axes, self.bounds, rows, float("inf"), recompute=recompute,
-                                       precision=self.narrowest, recompute_comm=self.recompute_comm, terms=terms,
+            self._sending[key] = solve(self.gm, op_axes, cluster, rows, float("inf"), recompute=recompute,
+                                       precision=dtype, recompute_comm=self.recompute_comm, terms=terms,
                                        extra_per_row_s=per_row_s)
         return self._sending[key]
 
@@ -443,14 +475,15 @@ class _Costs:
         other row counts fall short of ``enough_s``: costs grow with rows, and no faster than in
         proportion (every term is a per-row part plus a fixed part, both non-negative), so the
         bound at r0 rows bounds ``rows`` by min(1, rows / r0) of it."""
-        known = max((found.lower_bound_s * min(1.0, rows / r0) for (axes, mode, r0), found in self._solved.items()
-                     if axes == () and mode == recompute), default=0.0)
+        known = max((found.lower_bound_s * min(1.0, rows / r0)
+                     for (axes, mode, r0, precision), found in self._solved.items()
+                     if axes == () and mode == recompute and precision is None), default=0.0)
         return known if known >= enough_s else self.solved((), recompute, rows, float("inf")).lower_bound_s
 
     def recompute_bound(self, op_axes, recompute: str, rows: float) -> float:
         """A lower bound of ``recompute``'s program on ``op_axes`` at ``rows`` rows without solving it: the plain
         program's bound, where solved already (else 0), plus the forwards the mode runs again at the least."""
-        plain = self._solved.get((op_axes, "none", rows))
+        plain = self._solved.get((op_axes, "none", rows, None))
         if plain is None:
             return 0.0
         key = (op_axes, recompute)
@@ -469,15 +502,17 @@ class _Costs:
                                               self.sequence)
         return self._floors[key]
 
-    def terms(self, op_axes, recompute: str, offload: str) -> Terms:
-        """The integer program on ``op_axes`` with rows left open: enumerated once, solved per row count."""
-        key = (op_axes, recompute, offload)
+    def terms(self, op_axes, recompute: str, offload: str, precision: str | None = None) -> Terms:
+        """The integer program on ``op_axes`` in ``precision`` (None: the bounding one) with rows left open:
+        enumerated once, solved per row count."""
+        key = (op_axes, recompute, offload, precision)
         if key not in self._terms:
             if self.dataset_strategy is not None:  # the inputs as they lie on these axes
                 self.gm.meta[INPUT_LAYOUTS] = input_layouts(self.gm, self.dataset_strategy, op_axes, absent_whole=True)
-            self._terms[key] = program_terms(self.gm, op_axes, self.bounds,
+            cluster, dtype = self.priced(precision)
+            self._terms[key] = program_terms(self.gm, op_axes, cluster,
                                              self.recomputed(recompute, self.recompute_comm), offload,
-                                             self.narrowest, self.sequence)
+                                             dtype, self.sequence)
         return self._terms[key]
 
     def units(self, plan: Plan, mesh, precision: str, recompute: str | None = None) -> Units:
@@ -495,12 +530,13 @@ class _Costs:
             self._units[key] = plan, units  # the plan kept alive, so its id stays its own
         return self._units[key][1]
 
-    def _whole(self, base: Plan, gap: float, mesh, offload: str, rows: int) -> list[tuple[Candidate, Plan]]:
-        """A split that holds the whole model: its plan at every (optimizer-parallel level, precision),
-        each with the fewest gradient-accumulation micro-batches that fit."""
+    def _whole(self, base: Plan, gap: float, mesh, offload: str, rows: int,
+               only: str | None = None) -> list[tuple[Candidate, Plan]]:
+        """A split that holds the whole model: its plan at every (optimizer-parallel level, precision) (of
+        precision ``only``, where given), each with the fewest gradient-accumulation micro-batches that fit."""
         dp = _data_size(mesh, self.data_axes)
         out = []
-        for zero, precision in _variants(dp, offload, self.cluster, self.fixed):
+        for zero, precision in _variants(dp, offload, self.cluster, self.fixed, only):
             units = self.units(base, mesh, precision)
             plan = dataclasses.replace(base, zero=zero, precision=precision, offload=offload, mesh=mesh,
                                        data_axes=self.data_axes)
@@ -553,14 +589,14 @@ class _Costs:
                          skew_s=self.skew(compute, op_comm > 0 or dp > 1)), plan
 
     def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int, best_s: float,
-                   modes: tuple[str, ...]) -> list[tuple[Candidate, Plan | None]]:
-        """A pipelined split: at every (optimizer-parallel level, precision), its best cuts,
+                   modes: tuple[str, ...], only: str | None = None) -> list[tuple[Candidate, Plan | None]]:
+        """A pipelined split: at every (optimizer-parallel level, precision) (of precision ``only``, where given), its best cuts,
         micro-batch count, schedule and recompute mode per chunk (of ``modes``), or a bound where none
         can beat ``best_s``. A pipeline no chunk of which runs the last mode is left to the setting before."""
         dp, pp, base = _data_size(mesh, self.data_axes), _pp(mesh), solved.plan
         link = axis_link(mesh, PIPELINE_AXIS, self.cluster)
         out = []
-        for zero, precision in _variants(dp, offload, self.cluster, self.fixed):
+        for zero, precision in _variants(dp, offload, self.cluster, self.fixed, only):
             units = tuple(self.units(base, mesh, precision, mode) for mode in modes)
             setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
                           send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
@@ -644,15 +680,17 @@ def _update_seconds(numel: float, offload: str, zero: int, dp: int, precision: s
     return optimizer_seconds(numel / (dp if zero else 1), precision, cluster, tensors)
 
 
-def _variants(dp: int, offload: str, cluster: Cluster, fixed: Fixed = Fixed()) -> list[tuple[int, str]]:
+def _variants(dp: int, offload: str, cluster: Cluster, fixed: Fixed = Fixed(),
+              only: str | None = None) -> list[tuple[int, str]]:
     """(optimizer-parallel level, precision) pairs to cost, less the dominated ones unless fixed:
     levels only with data parallel, and not level 1 (level 2 sends less and holds no more); the
-    precisions ``precisions_to_cost`` keeps (mixed precision holds no more bytes per parameter)."""
+    precisions ``precisions_to_cost`` keeps (mixed precision holds no more bytes per parameter), or of them
+    ``only``, where given."""
     levels = ZERO_LEVELS if dp > 1 and offload == "none" else (0,)
     if fixed.zero is None:
         levels = tuple(z for z in levels if z != 1)
     precisions = precisions_to_cost(cluster, offload, fixed.precision)
-    return [(z, p) for z in levels for p in precisions if fixed.allows(zero=z, precision=p)]
+    return [(z, p) for z in levels for p in precisions if fixed.allows(zero=z, precision=p) and only in (None, p)]
 
 
 def _op_size(mesh, data_axes) -> int:

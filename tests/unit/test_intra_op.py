@@ -19,7 +19,7 @@ from polyshard.transitions import transition_bytes
 from polyshard.planner.cost.overlap import op_costs
 from polyshard.planner.cost.comm import comm_seconds
 from polyshard.planner.cost.compute import passes
-from polyshard.planner.intra_op import _edge_seconds, build_program, evaluate, forward_floor, solve
+from polyshard.planner.intra_op import BOUND_MARGIN, _edge_seconds, build_program, evaluate, forward_floor, solve
 
 CLUSTERS = ["cpu-gloo:2", "2xA100-80G"]
 
@@ -115,7 +115,7 @@ def test_the_relaxation_of_a_real_width_layer_stack_is_its_optimum():
     gm = capture(model, model.example_inputs(1))
     for tp in (2, 4, 8):
         result = solve(gm, (("tp", tp),), Cluster.preset("8xA100-80G"), 8, float("inf"), precision="bf16")
-        assert result.lower_bound_s == pytest.approx(result.cost_s, rel=1e-9), tp
+        assert result.lower_bound_s == pytest.approx(result.cost_s * (1 - BOUND_MARGIN), rel=1e-9), tp
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)

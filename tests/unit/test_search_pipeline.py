@@ -313,7 +313,7 @@ def test_a_pipelines_strategies_price_what_its_stages_send(monkeypatch):
 
     priced = chosen()
     with monkeypatch.context() as m:  # sends left out of the strategies, as the plain program leaves them
-        m.setattr(search_module._Costs, "solved_sending", lambda self, axes, mode, rows, mesh: self.solved(
-            axes, mode, rows, float("inf")))
+        m.setattr(search_module._Costs, "solved_sending", lambda self, axes, mode, rows, mesh, precision: self.solved(
+            axes, mode, rows, float("inf"), precision))
         unpriced = chosen()
     assert priced["p2p_s"] < unpriced["p2p_s"] / 4 and priced["step_s"] < unpriced["step_s"]

@@ -22,9 +22,9 @@ from polyshard.transitions import wire_bytes
 
 def _cluster(name: str) -> Cluster:
     """A preset, or "cpu-mixed": 4 CPU ranks whose bf16 products run twice fp32's rate while each bf16 op
-    costs 3x the fixed time, shallow bf16 products a fraction of that rate and small-head attention a fifth
-    of fp32's share (as on a CPU with bf16 instructions), so that neither precision is priced faster in
-    every term."""
+    costs 3x the fixed time, shallow bf16 products a fraction of that rate, small-head attention a fifth
+    of fp32's share and GELU a fifth of fp32's rate (as on a CPU with bf16 instructions), so that neither
+    precision is priced faster in every term."""
     if name == "cpu-skewed":  # ranks on shared cores, reaching collectives apart by a quarter of their compute
         return dataclasses.replace(Cluster.preset("cpu-gloo:4"), arrival_skew=0.25)
     if name != "cpu-mixed":
@@ -36,7 +36,8 @@ def _cluster(name: str) -> Cluster:
                                matmul_shares={"float32": ((32, 0.9), (128, 1.0)),
                                               "bfloat16": ((16, 0.1), (64, 0.4), (512, 1.0))},
                                attention_shares={"float32": points,
-                                                 "bfloat16": tuple((f, sh / 5) for f, sh in points)})
+                                                 "bfloat16": tuple((f, sh / 5) for f, sh in points)},
+                               pointwise_rates={"float32": {"gelu": 1e9}, "bfloat16": {"gelu": 2e8}})
 
 
 def _search(name, cluster, batch, fixed=Fixed(), limit=None):
@@ -313,6 +314,19 @@ def test_both_precisions_are_costed_where_neither_is_priced_faster_in_every_term
     assert precisions_to_cost(_cluster("cpu-mixed"), "host", None) == ("fp32",)
     _, ranked = _search("gpt-tiny", "cpu-mixed", 16)
     assert {c.precision for c in ranked if not c.pruned} == {"fp32", "bf16"}
+
+
+def test_each_precision_is_costed_with_the_strategies_solved_in_it():
+    """Where neither precision is faster in every term, a split's strategies are solved in each: the free search
+    prices every candidate as the search of its settings alone does (one solve for both would price bf16 with
+    strategies chosen for the rates of neither)."""
+    _, ranked = _search("gpt-tiny", "cpu-mixed", 16)
+    costed = [c for c in ranked if not c.pruned and c.pp == 1]
+    assert {c.precision for c in costed} == {"fp32", "bf16"}
+    for c in costed:
+        _, alone = _search("gpt-tiny", "cpu-mixed", 16, _settings(c))
+        same = [a for a in alone if a.key == c.key and not a.pruned]
+        assert same and same[0].step_s == pytest.approx(c.step_s, rel=1e-9), c.describe()
 
 
 def test_a_precision_slower_at_shallow_products_is_costed_beside_the_other():
