@@ -439,7 +439,8 @@ class _Costs:
         upto = RECOMPUTE_MODES[:RECOMPUTE_MODES.index(recompute) + 1]
         return tuple(m for m in upto if m == "none" or self.worth(m))
 
-    def solved(self, op_axes, recompute: str, rows: float, cutoff_s: float, precision: str | None = None) -> IntraOpResult:
+    def solved(self, op_axes, recompute: str, rows: float, cutoff_s: float,
+               precision: str | None = None) -> IntraOpResult:
         """The fastest strategies on ``op_axes`` at ``rows`` rows in ``precision`` (None: priced as fast as every
         precision tried), memory aside (splits differ in what else they hold); pruned where the LP bound
         reaches ``cutoff_s``."""
@@ -590,9 +591,9 @@ class _Costs:
 
     def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int, best_s: float,
                    modes: tuple[str, ...], only: str | None = None) -> list[tuple[Candidate, Plan | None]]:
-        """A pipelined split: at every (optimizer-parallel level, precision) (of precision ``only``, where given), its best cuts,
-        micro-batch count, schedule and recompute mode per chunk (of ``modes``), or a bound where none
-        can beat ``best_s``. A pipeline no chunk of which runs the last mode is left to the setting before."""
+        """A pipelined split: at every (optimizer-parallel level, precision) (of precision ``only``, where given),
+        its best cuts, micro-batch count, schedule and recompute mode per chunk (of ``modes``), or a bound where
+        none can beat ``best_s``. A pipeline no chunk of which runs the last mode is left to the setting before."""
         dp, pp, base = _data_size(mesh, self.data_axes), _pp(mesh), solved.plan
         link = axis_link(mesh, PIPELINE_AXIS, self.cluster)
         out = []
