@@ -298,6 +298,7 @@ class _Costs:
         self.hides = float(fixed.overlap != 0)  # of backward, the share gradient communication may run beside
         self._solved: dict[tuple, IntraOpResult] = {}
         self._sending: dict[tuple, IntraOpResult] = {}
+        self._crossing: dict[tuple, np.ndarray] = {}  # per program, the bytes each column sends across the cuts
         self._terms: dict[tuple, Terms] = {}
         self.recomputed = functools.cache(functools.partial(recomputed, gm))
         self._worth: dict[str, bool] = {}
@@ -400,15 +401,16 @@ class _Costs:
                                                                         precision))
                 out += found
             else:
-                out += self._whole_fitting(mine, mesh, setting, rows, (best_s, floor), op_axes, precision)
+                out += self._whole_fitting(mine, mesh, setting, rows, best_s, floor, precision)
         return out
 
-    def _whole_fitting(self, solved: IntraOpResult, mesh, setting: tuple[str, str], rows: int,
-                       to_beat: tuple[float, float], op_axes, precision: str | None) -> list[tuple[Candidate, Plan]]:
+    def _whole_fitting(self, solved: IntraOpResult, mesh, setting: tuple[str, str], rows: int, best_s: float,
+                       floor: float, precision: str | None) -> list[tuple[Candidate, Plan]]:
         """:meth:`_whole` of the solved strategies under (recompute, offload) ``setting``, and where the fastest
-        variant does not fit, of the leanest strategies that do, if any (``to_beat``: the best step so far and
-        the seconds no plan on ``mesh`` saves)."""
-        (recompute, offload), (best_s, floor) = setting, to_beat
+        variant does not fit, of the leanest strategies that do, if any (``floor``: the seconds no plan on
+        ``mesh`` saves)."""
+        recompute, offload = setting
+        op_axes = solved.plan.op_axes
         out = self._whole(solved.plan, solved.gap, mesh, offload, rows, precision)
         if not out:  # the fixed settings allow no level or precision here (level 1 and more need dp > 1)
             return out
@@ -454,7 +456,8 @@ class _Costs:
                                               terms=self.terms(op_axes, recompute, "none", precision))
         return found
 
-    def solved_sending(self, op_axes, recompute: str, rows: float, mesh, precision: str | None = None) -> IntraOpResult:
+    def solved_sending(self, op_axes, recompute: str, rows: float, mesh,
+                       precision: str | None = None) -> IntraOpResult:
         """The fastest strategies on ``op_axes`` with what crosses ``mesh``'s pipeline cuts priced as sent: the plain
         program leaves sends out, so it may keep whole a value every stage sends. A stage sends what crosses its
         two cuts, out in forward and back in backward, for each of its rows (rows x pp of the program's): over
@@ -464,8 +467,10 @@ class _Costs:
         if key not in self._sending:
             cluster, dtype = self.priced(precision)
             terms = self.terms(op_axes, recompute, "none", precision)
-            sent = crossing_bytes(self.gm, terms, self.unit_of, DTYPES[dtype][1])
-            per_row_s = sent * 2 * pp / (len(self.blocks) - 1) / link.bandwidth_bytes_per_s
+            program = (op_axes, recompute, precision)  # what crosses the cuts: the same at every depth and link
+            if program not in self._crossing:
+                self._crossing[program] = crossing_bytes(self.gm, terms, self.unit_of, DTYPES[dtype][1])
+            per_row_s = self._crossing[program] * 2 * pp / (len(self.blocks) - 1) / link.bandwidth_bytes_per_s
             self._sending[key] = solve(self.gm, op_axes, cluster, rows, float("inf"), recompute=recompute,
                                        precision=dtype, recompute_comm=self.recompute_comm, terms=terms,
                                        extra_per_row_s=per_row_s)
@@ -753,7 +758,8 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     sharded = grad_bytes - whole_bytes if zero else 0.0
     sharded_s = pass_s * sharded / grad_bytes if grad_bytes else 0.0
     sharded_buckets = bucket_count(sharded, bucket_bytes, first) if sharded > 0 else 0
-    whole_s = 2 * (pass_s - sharded_s) + bucket_count(whole_bytes, bucket_bytes, first) * latency if whole_bytes else 0.0
+    whole_buckets = bucket_count(whole_bytes, bucket_bytes, first) if whole_bytes else 0
+    whole_s = 2 * (pass_s - sharded_s) + whole_buckets * latency if whole_bytes else 0.0
     if zero == 3:
         during = ((2 * micro_batches + 1) * sharded_s + modules * (2 * micro_batches * gather + scatter)
                   + whole_s)
