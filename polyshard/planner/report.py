@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from polyshard.cluster import format_bytes
 from polyshard.models.gpt import GPTConfig, flops_per_token
 from polyshard.plan import Plan
@@ -96,6 +98,8 @@ def render(plan: Plan, layouts: int = 40) -> str:
             lines.extend(_tp_plan_lines(rep["tp_plan"]))
         if rep.get("pp_plan"):
             lines.extend(_pp_plan_lines(rep["pp_plan"]))
+        if rep.get("left_whole"):
+            lines.append(_left_whole_line(rep["left_whole"], plan.op_axes))
     lines.append(f"mesh: {' x '.join(f'{n}={s}' for n, s in plan.mesh) or 'one device'}; parameter layouts:")
     summary = plan.summary().splitlines()
     lines.extend(summary[:layouts])
@@ -146,6 +150,15 @@ def _pp_plan_lines(agreement: dict) -> list[str]:
         lines.append(f"  it also allows cuts before {', '.join(unused)}, not considered: the search cut between "
                      "repeated blocks only (pp_plan=True, or --pp-plan, considers them)")
     return lines
+
+
+def _left_whole_line(modules: list, op_axes, shown: int = 4) -> str:
+    """The Linears and tables every operator rank runs whole because their sizes do not divide, and the fix."""
+    ranks = math.prod(size for _, size in op_axes)
+    named = ", ".join(f"{path} ({' x '.join(map(str, shape))})" for path, shape in modules[:shown])
+    more = f" and {len(modules) - shown} more" if len(modules) > shown else ""
+    return (f"{named}{more} run whole on each of the {ranks} operator ranks: a split needs sizes that divide by "
+            f"{ranks} (pad a vocabulary, say, to a multiple of {ranks})")
 
 
 def _memory_line(title: str, m: dict, limit: float) -> str:

@@ -55,6 +55,7 @@ from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
 from polyshard.plan import (DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan, most_recompute,
                             recompute_text)
+from polyshard.planner.rules import left_whole
 from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.graph.stage_cuts import assign_chunks, block_paths
 from polyshard.planner.stages import pp_plan_agreement, pp_plan_units
@@ -269,7 +270,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     ranked = sorted(candidates, key=lambda c: c.step_s)
     report = search_report(ranked, best, limit, reserve, data_axes, cluster)
     hints = {"tp_plan": tp_plan_agreement(model, plans[best.key].params),
-             "pp_plan": pp_plan_agreement(model, costs.gm, plans[best.key].stage_boundaries, costs.blocks)}
+             "pp_plan": pp_plan_agreement(model, costs.gm, plans[best.key].stage_boundaries, costs.blocks),
+             "left_whole": [[path, list(shape)] for path, shape in left_whole(costs.gm, plans[best.key])]}
     plan = dataclasses.replace(plans[best.key], global_batch=global_batch,
                                first_bucket_bytes=first_bucket_bytes(cluster, plans[best.key].bucket_bytes),
                                report=report | {k: v for k, v in hints.items() if v})

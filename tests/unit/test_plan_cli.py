@@ -177,3 +177,19 @@ def test_a_cluster_whose_ranks_arrive_apart_shows_the_wait_as_a_term(capsys, tmp
     header = next(line for line in out.splitlines() if line.lstrip().startswith("mesh"))
     assert code == 0 and header.split()[-3:] == ["wait", "memory", "gap"]
     assert f"the step waits {terms['skew_s'] * 1e3:.1f}ms for ranks" in out
+
+
+def test_the_plan_says_which_layers_run_whole_because_their_sizes_do_not_divide(capsys, tmp_path):
+    """A vocabulary of 1001 rows cannot split over 8 ranks: the tied table and LM head run whole on each, and
+    the plan says so (with 1024 rows they split, and it says nothing)."""
+    args = ("--cluster", "1x8xA100-80G", "--global-batch", "8", "--config", "tp=8")
+    out_file = tmp_path / "odd.json"
+    code, out, _ = _run(capsys, "cost", "--model", SHAPE.replace("vocab=1024", "vocab=1001"), *args,
+                        "--out", str(out_file))
+    assert code == 0
+    plan = Plan.from_json(out_file.read_text())
+    assert plan.report["left_whole"] == [["wte", [1001, 256]], ["lm_head", [1001, 256]]]
+    assert plan.params["wte.weight"].is_replicated  # the blocks' products, whole or not, divide: not listed
+    assert "wte (1001 x 256), lm_head (1001 x 256) run whole on each of the 8 operator ranks" in out
+    code, out, _ = _run(capsys, "cost", "--model", SHAPE, *args)
+    assert code == 0 and "run whole" not in out

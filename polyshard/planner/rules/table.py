@@ -487,6 +487,29 @@ def row_splits(gm: fx.GraphModule, nodes: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def left_whole(gm: fx.GraphModule, plan) -> list[tuple[str, tuple[int, ...]]]:
+    """(module path, weight shape) of each Linear and Embedding that ``plan`` runs whole on every rank of its
+    operator axes while its weight does not divide by their ranks as a split needs (a Linear both dims, a
+    table its rows: a vocabulary of 50257 over 8): the rules could not split it, whatever the search preferred."""
+    ranks = math.prod(size for _, size in plan.op_axes)
+    out: dict[str, tuple[int, ...]] = {}
+    for node in gm.graph.nodes if ranks > 1 else ():
+        entry = plan.nodes.get(node.name)
+        if node.op != "call_module" or entry is None or node.target in out:
+            continue
+        module = gm.get_submodule(node.target)
+        weight = entry.params.get("weight")
+        if weight is None or not weight.is_replicated:
+            continue
+        if isinstance(module, nn.Embedding):
+            indivisible = module.num_embeddings % ranks
+        else:
+            indivisible = linear_dims(module) is not None and any(s % ranks for s in module.weight.shape)
+        if indivisible:
+            out[node.target] = tuple(module.weight.shape)
+    return list(out.items())
+
+
 def _pinned_function(node: fx.Node, fn, pin, ctx: RuleContext) -> NodePlan:
     inputs = [n for n in node.args if isinstance(n, fx.Node)]
     shapes = [shape_of(n) for n in inputs]
