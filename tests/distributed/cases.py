@@ -77,7 +77,7 @@ def _build(model: str, dtype, tied: bool):
     if model == "foreign":
         from tests.foreign import TinyLM
         return TinyLM().to(dtype)
-    cfg = models.CONFIGS[model]
+    cfg = models.config(model)
     import dataclasses
     return models.GPT(dataclasses.replace(cfg, tied=tied)).to(dtype)
 

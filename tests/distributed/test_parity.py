@@ -112,3 +112,12 @@ def test_sequence_parallel_matches_one_device(pools, mesh, world):
     _check(results)
     assert all(r["sequence_parallel"] for r in results)
     assert "dtensor" == results[0]["impls"]["blocks_1_ln1"]  # its input arrives split along the sequence
+
+
+def test_a_vocabulary_that_does_not_divide_splits_the_tied_table_by_features(pools):
+    """4001 token rows do not divide by 2: the searched plan splits the tied table's features instead (each rank
+    looks up its half of every row) and runs the head row-parallel on them, and trains as one device does."""
+    results = pools(2).run(cases.train_parity, "tp=2", "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=4001", 5,
+                           torch.float64, True, 1, "adamw", 8, 1, True)
+    _check(results)
+    assert results[0]["layouts"]["wte.weight"] == "S(1)" and results[0]["impls"]["lm_head"] == "dtensor"

@@ -223,3 +223,16 @@ def test_logits_a_model_returns_are_gathered_in_the_plans_cost_as_in_the_program
         returned, inputs={**returned.inputs, head.name: src})})
     gather = comm_seconds(transition_bytes(src, dst, shape_of(head), 2, cl.backend, cl.all_to_all), (("tp", 4),), cl)
     assert predicted(result.plan) - predicted(kept) == pytest.approx(sum(gather), rel=1e-9)
+
+
+def test_a_vocabulary_that_does_not_divide_splits_the_tied_table_by_features():
+    """GPT-2's 50257 tokens do not divide by 8: the table splits its features instead and the tied head runs
+    row-parallel on them, which costs less than both running whole on every rank (as they had to before)."""
+    model = models.build("gpt:layers=2,hidden=1024,heads=16,seq=512,vocab=50257", "meta")
+    cl, axes = Cluster.preset("8xA100-80G"), (("tp", 8),)
+    free = solve(capture(model, model.example_inputs(1)), axes, cl, 8, 2**40)
+    assert free.plan.params["wte.weight"].dims == ((), ("tp",))
+    assert free.plan.nodes["lm_head"].params["weight"].dims == ((), ("tp",))  # contracting the split features
+    ps.shard(model.wte, in_strategy=((1, 1), (1, 1)))  # the table whole: its tied head too
+    whole = solve(capture(model, model.example_inputs(1)), axes, cl, 8, 2**40)
+    assert whole.plan.params["wte.weight"].is_replicated and whole.cost_s > free.cost_s * 1.05

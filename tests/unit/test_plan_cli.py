@@ -180,16 +180,19 @@ def test_a_cluster_whose_ranks_arrive_apart_shows_the_wait_as_a_term(capsys, tmp
 
 
 def test_the_plan_says_which_layers_run_whole_because_their_sizes_do_not_divide(capsys, tmp_path):
-    """A vocabulary of 1001 rows cannot split over 8 ranks: the tied table and LM head run whole on each, and
-    the plan says so (with 1024 rows they split, and it says nothing)."""
+    """With 252 features and 1001 token rows neither dim of the table, the head or the attention's products divides
+    by 8 ranks: they run whole on each, and the plan names them (with 256 and 1024 they may split: nothing said)."""
     args = ("--cluster", "1x8xA100-80G", "--global-batch", "8", "--config", "tp=8")
     out_file = tmp_path / "odd.json"
-    code, out, _ = _run(capsys, "cost", "--model", SHAPE.replace("vocab=1024", "vocab=1001"), *args,
-                        "--out", str(out_file))
+    odd = "gpt:layers=2,hidden=252,heads=6,seq=128,vocab=1001"
+    code, out, _ = _run(capsys, "cost", "--model", odd, *args, "--out", str(out_file))
     assert code == 0
     plan = Plan.from_json(out_file.read_text())
-    assert plan.report["left_whole"] == [["wte", [1001, 256]], ["lm_head", [1001, 256]]]
-    assert plan.params["wte.weight"].is_replicated  # the blocks' products, whole or not, divide: not listed
-    assert "wte (1001 x 256), lm_head (1001 x 256) run whole on each of the 8 operator ranks" in out
+    whole = {path: tuple(shape) for path, shape in plan.report["left_whole"]}
+    assert whole["wte"] == whole["lm_head"] == (1001, 252)
+    attention = {f"blocks.{b}.attn.{p}" for b in (0, 1) for p in ("q", "k", "v", "proj")}
+    assert set(whole) == {"wte", "lm_head"} | attention  # the MLP's 1008 features divide: not listed
+    assert all(plan.params[f"{path}.weight"].is_replicated for path in set(whole) - {"lm_head"})  # tied: wte.weight
+    assert "wte (1001 x 252), blocks.0.attn.q (252 x 252)" in out and "and 6 more run whole on each of the 8" in out
     code, out, _ = _run(capsys, "cost", "--model", SHAPE, *args)
     assert code == 0 and "run whole" not in out

@@ -62,7 +62,7 @@ def decide_all(node: fx.Node, ctx: RuleContext) -> list[NodePlan]:
             modes = ("column", "row", "replicated") + ("row_scatter",) * (ctx.sequence is None)
             options += [_linear(node, module, ctx, mode) for mode in modes]
         elif isinstance(module, nn.Embedding):
-            options += [_embedding(node, module, ctx, split) for split in (True, False)]
+            options += [_embedding(node, module, ctx, split) for split in ("rows", "columns", "whole")]
     elif op_key(node) in (F.cross_entropy, "cross_entropy_loss"):
         options += [_cross_entropy(node, ctx, vocab) for vocab in (True, False)]
     unique: list[NodePlan] = []
@@ -360,8 +360,8 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None
     if mode is not None:
         rows, cols = {"column": (ctx.all_axes, ()), "row": ((), last or ctx.all_axes),
                       "row_scatter": ((), last or ctx.all_axes)}.get(mode, ((), ()))
-        n = ctx.num_devices
-        if mode != "replicated" and (not ctx.all_axes or in_features % n or out_features % n):
+        split = out_features if mode == "column" else in_features  # the weight's dim the mode cuts
+        if mode != "replicated" and (not ctx.all_axes or split % ctx.num_devices):
             return None
     elif fixed is not None:
         rows, cols = fixed.dims
@@ -391,21 +391,32 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None
     return NodePlan(impl, {x.name: x_need}, out, params=params)
 
 
-def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: bool | None = None) -> NodePlan | None:
+def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: str | None = None) -> NodePlan | None:
     """Vocabulary-parallel lookup (rows split, partial sums reduced) for tables taller than wide.
 
-    ``split`` forces the choice, for the search; None if it cannot apply."""
+    ``split`` forces the choice, for the search: "rows", "columns" (each rank looks up its features of every
+    row, and hands them on split: a vocabulary that does not divide, tied to a row-parallel head, still
+    splits) or "whole"; None if it cannot apply."""
     idx = node.args[0]
     src = ctx.layout(idx)
     fixed = ctx.param_layouts.get(id(module.weight))
-    divides = bool(ctx.all_axes) and module.num_embeddings % ctx.num_devices == 0
+    sizes = {"rows": module.num_embeddings, "columns": module.embedding_dim}
     if split is None:
-        split = divides and module.num_embeddings >= module.embedding_dim
-    elif split and not divides:
+        split = "rows" if ctx.all_axes and sizes["rows"] % ctx.num_devices == 0 and \
+            sizes["rows"] >= sizes["columns"] else "whole"
+    elif split != "whole" and (not ctx.all_axes or sizes[split] % ctx.num_devices):
         return None
-    w = fixed if fixed is not None else Layout(ctx.op_axes, (ctx.all_axes, ())) if split else ctx.replicated(2)
+    out = ctx.replicated(src.ndim + 1)
+    if fixed is not None:
+        w = fixed
+    elif split == "whole":
+        w = ctx.replicated(2)
+    else:
+        w = Layout(ctx.op_axes, (ctx.all_axes, ()) if split == "rows" else ((), ctx.all_axes))
+    if w.dims[1]:  # features split: handed on so, no partial sums
+        out = out.with_dims([()] * src.ndim + [w.dims[1]])
     impl = "local" if w.is_replicated else "dtensor"
-    return NodePlan(impl, {idx.name: ctx.replicated(src.ndim)}, ctx.replicated(src.ndim + 1), params={"weight": w})
+    return NodePlan(impl, {idx.name: ctx.replicated(src.ndim)}, out, params={"weight": w})
 
 
 def _matmul(node: fx.Node, ctx: RuleContext) -> NodePlan:
@@ -489,8 +500,8 @@ def row_splits(gm: fx.GraphModule, nodes: dict) -> dict[str, tuple[int, ...]]:
 
 def left_whole(gm: fx.GraphModule, plan) -> list[tuple[str, tuple[int, ...]]]:
     """(module path, weight shape) of each Linear and Embedding that ``plan`` runs whole on every rank of its
-    operator axes while its weight does not divide by their ranks as a split needs (a Linear both dims, a
-    table its rows: a vocabulary of 50257 over 8): the rules could not split it, whatever the search preferred."""
+    operator axes while neither dim of its weight divides by their ranks (a split cuts one): the rules could not
+    split it, whatever the search preferred."""
     ranks = math.prod(size for _, size in plan.op_axes)
     out: dict[str, tuple[int, ...]] = {}
     for node in gm.graph.nodes if ranks > 1 else ():
@@ -501,11 +512,7 @@ def left_whole(gm: fx.GraphModule, plan) -> list[tuple[str, tuple[int, ...]]]:
         weight = entry.params.get("weight")
         if weight is None or not weight.is_replicated:
             continue
-        if isinstance(module, nn.Embedding):
-            indivisible = module.num_embeddings % ranks
-        else:
-            indivisible = linear_dims(module) is not None and any(s % ranks for s in module.weight.shape)
-        if indivisible:
+        if (isinstance(module, nn.Embedding) or linear_dims(module)) and all(s % ranks for s in module.weight.shape):
             out[node.target] = tuple(module.weight.shape)
     return list(out.items())
 
