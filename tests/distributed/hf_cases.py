@@ -24,12 +24,13 @@ LR = 1e-3
 
 def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int = 8, zero: int | None = None,
               layers: int | None = None, precision: str = "fp32", optimizer: str | None = None,
-              table_rows: tuple[int, ...] | None = None, **options) -> dict:
+              table_rows: tuple[int, ...] | None = None, table_columns: int | None = None, **options) -> dict:
     """Worst loss and parameter errors after ``steps`` optimizer steps; ``zero``: optimizer parallel level (by
     :func:`setup_zero`); ``layers``: decoder layers instead of the tiny config's; ``precision``: "bf16" or
     "fp16" computes in half precision over fp32 masters, against an fp32 reference (the others: float64);
     ``optimizer``: "adamw" or "sgd" (default: AdamW in float64, SGD with momentum in half precision);
-    ``table_rows``: the input embedding's rows split so over the operator axis (manual_split);
+    ``table_rows``: the input embedding's rows split so over the operator axis (manual_split); ``table_columns``:
+    its features split in that many pieces (a tied head follows);
     ``options`` go to parallelize."""
     ps.init(mesh)
     torch.manual_seed(0)
@@ -42,6 +43,8 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     ref.to(ps.current_mesh().device)  # parallelize moves ``par`` there
     if table_rows is not None:
         ps.shard(par.get_input_embeddings(), in_strategy=((1, 1), (len(table_rows), 1)), manual_split=table_rows)
+    if table_columns is not None:
+        ps.shard(par.get_input_embeddings(), in_strategy=((1, 1), (1, table_columns)))
     batches = [{k: v.to(ps.current_mesh().device) for k, v in hf.batch(ref, batch, seq, seed=s).items()}
                for s in range(steps)]
     rows = batch // ps.current_mesh().num_data_shards

@@ -45,6 +45,16 @@ def test_gpt2_and_llama_in_every_mode(pools, family, mode):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_token_table_split_by_features(pools, family):
+    """The input embedding's features split over tp (GPT-2's tied head then runs row-parallel on them), its
+    lookups handed on split into the sequence-parallel layers: as one device trains."""
+    results = pools(4).run(partial(hf_cases.hf_parity, table_columns=2, sequence_parallel=True), "dp=2,tp=2", family)
+    _check(results)
+    table = next(v for k, v in results[0]["layouts"].items() if k.endswith(("wte.weight", "embed_tokens.weight")))
+    assert table == "S(1)" and results[0]["sequence_parallel"]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("mesh,zero", [("dp=2,tp=2", None), ("dp=4", 3)])
 def test_bf16_close_to_fp32(pools, family, mesh, zero):
     """bf16 compute over fp32 masters, SGD with momentum, against fp32 on one device: the GPT's bounds
