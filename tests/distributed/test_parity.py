@@ -114,10 +114,11 @@ def test_sequence_parallel_matches_one_device(pools, mesh, world):
     assert "dtensor" == results[0]["impls"]["blocks_1_ln1"]  # its input arrives split along the sequence
 
 
-def test_a_vocabulary_that_does_not_divide_splits_the_tied_table_by_features(pools):
-    """4001 token rows do not divide by 2: the searched plan splits the tied table's features instead (each rank
-    looks up its half of every row) and runs the head row-parallel on them, and trains as one device does."""
+@pytest.mark.parametrize("search", [False, True], ids=["rules", "search"])
+def test_a_vocabulary_that_does_not_divide_splits_the_tied_table_by_features(pools, search):
+    """4001 token rows do not divide by 2: the rules, and the search, split the tied table's features instead (each
+    rank looks up its half of every row) and run the head row-parallel on them, and train as one device does."""
     results = pools(2).run(cases.train_parity, "tp=2", "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=4001", 5,
-                           torch.float64, True, 1, "adamw", 8, 1, True)
+                           torch.float64, True, 1, "adamw", 8, 1, search)
     _check(results)
     assert results[0]["layouts"]["wte.weight"] == "S(1)" and results[0]["impls"]["lm_head"] == "dtensor"

@@ -143,8 +143,8 @@ LLAMA_SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_pr
                    "embed_tokens": 0, "lm_head": 0}
 
 
-# At the real size all but the embedding follow it: split by features, the table hands its lookups on without partial
-# sums (an all-to-all into the sequence split, where vocabulary rows would reduce-scatter n times the bytes).
+# At the real size all but the embedding follow it: split by features, the table hands its lookups on with no partial
+# sums to reduce (gathered for the first norm, an all-to-all into the sequence split for the residual).
 @pytest.mark.parametrize("size,cluster,followed", [("real", "8xA100-80G", 15), ("tiny", "cpu-gloo:4", 0)])
 def test_the_report_says_where_the_plan_follows_the_models_tp_plan(size, cluster, followed):
     from polyshard.cluster import Cluster

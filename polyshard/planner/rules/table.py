@@ -392,7 +392,8 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None
 
 
 def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: str | None = None) -> NodePlan | None:
-    """Vocabulary-parallel lookup (rows split, partial sums reduced) for tables taller than wide.
+    """Vocabulary-parallel lookup (rows split, partial sums reduced) for tables taller than wide; split by
+    features where their rows do not divide.
 
     ``split`` forces the choice, for the search: "rows", "columns" (each rank looks up its features of every
     row, and hands them on split: a vocabulary that does not divide, tied to a row-parallel head, still
@@ -402,8 +403,8 @@ def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: str
     fixed = ctx.param_layouts.get(id(module.weight))
     sizes = {"rows": module.num_embeddings, "columns": module.embedding_dim}
     if split is None:
-        split = "rows" if ctx.all_axes and sizes["rows"] % ctx.num_devices == 0 and \
-            sizes["rows"] >= sizes["columns"] else "whole"
+        tall = ctx.all_axes and sizes["rows"] >= sizes["columns"]
+        split = next((s for s in ("rows", "columns") if tall and sizes[s] % ctx.num_devices == 0), "whole")
     elif split != "whole" and (not ctx.all_axes or sizes[split] % ctx.num_devices):
         return None
     out = ctx.replicated(src.ndim + 1)
