@@ -153,12 +153,12 @@ def _pp_plan_lines(agreement: dict) -> list[str]:
 
 
 def _left_whole_line(modules: list, op_axes, shown: int = 4) -> str:
-    """The Linears and tables every operator rank runs whole because their sizes do not divide, and the fix."""
+    """The Linears and tables every operator rank runs whole because no dim of theirs divides, and the fix."""
     ranks = math.prod(size for _, size in op_axes)
     named = ", ".join(f"{path} ({' x '.join(map(str, shape))})" for path, shape in modules[:shown])
     more = f" and {len(modules) - shown} more" if len(modules) > shown else ""
-    return (f"{named}{more} run whole on each of the {ranks} operator ranks: a split needs sizes that divide by "
-            f"{ranks} (pad a vocabulary, say, to a multiple of {ranks})")
+    return (f"{named}{more} run whole on each of the {ranks} operator ranks: a split needs a dim that divides by "
+            f"{ranks} (one padded to a multiple of {ranks} would do)")
 
 
 def _memory_line(title: str, m: dict, limit: float) -> str:

@@ -403,7 +403,7 @@ def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: str
     fixed = ctx.param_layouts.get(id(module.weight))
     sizes = {"rows": module.num_embeddings, "columns": module.embedding_dim}
     if split is None:
-        tall = ctx.all_axes and sizes["rows"] >= sizes["columns"]
+        tall = bool(ctx.all_axes) and sizes["rows"] >= sizes["columns"]
         split = next((s for s in ("rows", "columns") if tall and sizes[s] % ctx.num_devices == 0), "whole")
     elif split != "whole" and (not ctx.all_axes or sizes[split] % ctx.num_devices):
         return None
