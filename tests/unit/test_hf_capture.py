@@ -10,6 +10,7 @@ from polyshard.cluster import Cluster  # noqa: E402
 from polyshard.errors import PolyshardError  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.graph.export import SIGNATURE_KEY  # noqa: E402
+from polyshard import models  # noqa: E402
 from polyshard.models import hf  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
 from polyshard.planner.cost.comm import node_comm_bytes  # noqa: E402
@@ -71,6 +72,12 @@ def test_real_size_config_captures_on_meta_without_weights():
     gm = capture(model, {"input_ids": ids, "labels": ids})
     assert all(p.device.type == "meta" for p in model.parameters())
     assert _unruled(gm) == []
+
+
+@pytest.mark.parametrize("name,billions", [("llama-3-70b", 70), ("llama-3.1-405b", 405)])
+def test_shipped_real_sizes_count_the_parameters_their_makers_give(name, billions):
+    """The Llama 3 paper's 70B and 405B parameters, within 1B (the FLOPs bench_published.py counts its rows by)."""
+    assert models.config(f"hf:{name}", 8192).num_params() / 1e9 == pytest.approx(billions, abs=1.0)
 
 
 class _BranchesOnValues(nn.Module):
