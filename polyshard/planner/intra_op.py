@@ -28,7 +28,7 @@ from polyshard.graph.params import parameters_of
 from polyshard.graph.twins import twins
 from polyshard.layout import Axes, Layout
 from polyshard.planner.candidates import Enumeration, Repeat, enumerated, shares_params
-from polyshard.planner.cost.comm import comm_seconds, own_bytes
+from polyshard.planner.cost.comm import comm_seconds, own_bytes, weight_sum_seconds
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes
 from polyshard.planner.cost.memory import kept_copies, local_numel
@@ -486,7 +486,8 @@ def _op_seconds(node, d: NodePlan, forward: float, modules, axes, cluster, dtype
     compute_passes, comm_passes = passes(node.name, rc)
     transfer, latency = comm_seconds(own_bytes(node, d, modules, itemsize, cluster.backend), axes, cluster)
     overhead = op_overhead(d, cluster, compute_passes, dtype) if node.op.startswith("call_") else 0.0
-    return compute_passes * forward + comm_passes * transfer, comm_passes * latency + overhead
+    summed = weight_sum_seconds(node, d, modules, itemsize, axes, cluster)
+    return compute_passes * forward + comm_passes * transfer, comm_passes * latency + overhead + summed
 
 
 def _op_memory(node, d: NodePlan, modules, seen_params: set[int], rc: Recomputed, offload: str) -> tuple[float, float]:

@@ -17,12 +17,17 @@ from polyshard.planner.rules import RuleContext, decide, row_splits
 
 
 def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None], sequence: bool = False,
-              inputs: dict[str, Layout] | None = None) -> Plan:
+              inputs: dict[str, Layout] | None = None, rows: frozenset[str] = frozenset(),
+              params: dict[str, Layout] | None = None) -> Plan:
     """A Plan for every node and parameter of ``gm`` on the given op axes (``sequence``: row-parallel
     products reduce-scatter along the sequence, Megatron's sequence parallel; ``inputs``: layouts of graph
-    inputs, by placeholder name, that a dataset strategy splits)."""
+    inputs, by placeholder name, that a dataset strategy splits; ``rows``: the axes split the batch rows
+    instead of operators, held at dim 0 by these values, every weight whole but those ``params`` lays out, by
+    name)."""
     modules = dict(gm.named_modules())
-    ctx = RuleContext(op_axes, modules, {}, {}, warn, sequence, inputs or {})
+    named = dict(gm.named_parameters())
+    fixed = {id(named[name]): layout for name, layout in (params or {}).items()}
+    ctx = RuleContext(op_axes, modules, {}, fixed, warn, sequence, inputs or {}, rows)
     plan = Plan(op_axes=op_axes)
     param_names = {id(p): name for name, p in reversed(list(gm.named_parameters()))}
     owner: dict[int, str] = {}

@@ -97,22 +97,30 @@ def halo_bytes(node, entry, modules, itemsize: int, backend: str) -> dict[str, f
 
 def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, float]:
     """A split contraction (row-parallel Linear, vocabulary-parallel Embedding) reduces its partial
-    sums into its output's layout: an all-reduce, or a reduce-scatter along the sequence. Whole
-    weights of a module run on a split input (a norm under sequence parallel) sum their gradients
-    over the split axes (few bytes; counted like the others)."""
+    sums into its output's layout: an all-reduce, or a reduce-scatter along the sequence."""
     if entry.impl not in ("dtensor", "rows") or node.op != "call_module":
         return {}
     module, weight, out = modules[node.target], entry.params.get("weight"), entry.output
-    if weight is None or not isinstance(out, Layout):
-        return {}
     order = linear_dims(module)
-    if order is not None or isinstance(module, nn.Embedding):
-        axes = weight.dims[order[1]] if order is not None else weight.dims[0]
-        pending = out.with_dims([tuple(a for a in d if a not in axes) for d in out.dims], axes)
-        return transition_bytes(pending, out, shape_of(node), itemsize, backend) if axes else {}
-    split = {a for layout in entry.inputs.values() for d in layout.dims for a in d}
-    numel = sum(p.numel() for p in module.parameters(recurse=False))
-    return {a: wire_bytes("all_reduce", numel * itemsize, weight.axis_sizes[a], backend) for a in split}
+    if weight is None or not isinstance(out, Layout) or (order is None and not isinstance(module, nn.Embedding)):
+        return {}
+    axes = weight.dims[order[1]] if order is not None else weight.dims[0]
+    pending = out.with_dims([tuple(a for a in d if a not in axes) for d in out.dims], axes)
+    return transition_bytes(pending, out, shape_of(node), itemsize, backend) if axes else {}
+
+
+def weight_sum_seconds(node, entry, modules, itemsize: int, mesh_axes: Axes, cluster: Cluster) -> float:
+    """Seconds a module whose weights are all whole, run on a split input (a norm under sequence parallel, a
+    layer of a stage whose ranks split the batch), takes to sum its weights' gradients over the split axes:
+    one all-reduce per axis in each backward, whatever the rows."""
+    if entry.impl != "dtensor" or node.op != "call_module" or not entry.params or \
+            not all(l.is_replicated for l in entry.params.values()):
+        return 0.0
+    numel = sum(p.numel() for name, p in modules[node.target].named_parameters(recurse=False) if name in entry.params)
+    layout = next(iter(entry.params.values()))
+    split = {a for l in entry.inputs.values() for d in l.dims for a in d}
+    return sum(sum(comm_seconds({a: wire_bytes("all_reduce", numel * itemsize, layout.axis_sizes[a],
+                                               cluster.backend)}, mesh_axes, cluster)) for a in split)
 
 
 # A ring all-reduce is a reduce-scatter then an all-gather, 2(n-1) steps; each of those alone runs n-1.

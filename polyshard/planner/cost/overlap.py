@@ -19,7 +19,7 @@ from torch import fx
 
 from polyshard.buckets import FIRST_BUCKET_BYTES
 from polyshard.cluster import Cluster
-from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes
+from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes, weight_sum_seconds
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes
 from polyshard.planner.cost.repeat import costed_as
@@ -28,8 +28,9 @@ from polyshard.plan import Plan
 @dataclass(frozen=True)
 class OpCost:
     """One op for the whole batch: compute_s (at the rates of polyshard.planner.cost.compute), comm_s (bytes over
-    bandwidth); latency_s (the links' latency for its collectives) and overhead_s (dispatch and
-    launch) are fixed costs that every copy pays again."""
+    bandwidth); latency_s (the links' latency for its collectives, and the sum of whole weights' gradients over
+    the axes splitting their input) and overhead_s (dispatch and launch) are fixed costs that every copy pays
+    again."""
 
     compute_s: float
     comm_s: float
@@ -58,8 +59,9 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
             continue
         seconds = compute_passes * forward_seconds(node, plan.nodes[node.name], modules, cluster, dtype, itemsize)
         transfer, latency = _collectives_seconds(node, plan, modules, itemsize, cluster)
+        summed = weight_sum_seconds(node, plan.nodes[node.name], modules, itemsize, plan.mesh or plan.op_axes, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
-        by_name[node.name] = OpCost(seconds, comm_passes * transfer, comm_passes * latency,
+        by_name[node.name] = OpCost(seconds, comm_passes * transfer, comm_passes * latency + summed,
                                     op_overhead(plan.nodes[node.name], cluster, compute_passes, dtype))
         out.append(by_name[node.name])
     output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)

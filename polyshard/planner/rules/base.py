@@ -18,7 +18,10 @@ INPUT_LAYOUTS = "polyshard_input_layouts"  # a captured graph's meta: its inputs
 class RuleContext:
     """What rules read: the op axes, the graph's modules, layouts already fixed, pins; and for the
     search, whether row-parallel products reduce-scatter along the sequence (sequence parallel: True
-    wherever it applies, False never, None both offered); the graph inputs' layouts (replicated if absent)."""
+    wherever it applies, False never, None both offered); the graph inputs' layouts (replicated if absent);
+    rows: where the op axes split the batch rows instead of operators (a pipeline stage whose operator ranks
+    act as data parallel: weights whole, their gradients summed over the axes), the values whose dim 0 holds
+    those rows."""
 
     op_axes: Axes
     modules: dict[str, nn.Module]
@@ -27,6 +30,7 @@ class RuleContext:
     warn: Callable[[str], None]
     sequence: bool | None = None
     inputs: dict[str, Layout] = field(default_factory=dict)  # graph inputs laid out by a dataset strategy
+    rows: frozenset[str] = frozenset()
 
     @property
     def all_axes(self) -> tuple[str, ...]:

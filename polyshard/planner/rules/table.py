@@ -59,10 +59,10 @@ def decide_all(node: fx.Node, ctx: RuleContext) -> list[NodePlan]:
     if node.op == "call_module" and not pinned:
         module = ctx.modules[node.target]
         if isinstance(module, nn.Linear) or is_conv1d(module):
-            modes = ("column", "row", "replicated") + ("row_scatter",) * (ctx.sequence is None)
+            modes = ("column", "row", "replicated", "batch") + ("row_scatter",) * (ctx.sequence is None)
             options += [_linear(node, module, ctx, mode) for mode in modes]
         elif isinstance(module, nn.Embedding):
-            options += [_embedding(node, module, ctx, split) for split in ("rows", "columns", "whole")]
+            options += [_embedding(node, module, ctx, split) for split in ("rows", "columns", "whole", "batch")]
     elif op_key(node) in (F.cross_entropy, "cross_entropy_loss"):
         options += [_cross_entropy(node, ctx, vocab) for vocab in (True, False)]
     unique: list[NodePlan] = []
@@ -91,6 +91,10 @@ def decide(node: fx.Node, ctx: RuleContext) -> NodePlan:
         rule = next((MODULE_RULES[k] for k in type(module).__mro__ if k in MODULE_RULES), None)
         if rule is None and (is_conv1d(module) or is_rms_norm(module)):  # known by their shape, not their type
             rule = _linear if is_conv1d(module) else _layer_norm
+        if ctx.rows and rule in (_linear, _embedding):  # the op ranks split rows here: weights whole
+            tied = any(id(p) in ctx.param_layouts for p in module.parameters(recurse=False))
+            whole = None if tied else "whole" if rule is _embedding else "replicated"
+            return rule(node, module, ctx, "batch") or rule(node, module, ctx, whole) or _replicated(node, ctx)
         if rule is None:
             return _replicated(node, ctx, warn=True)
         return rule(node, module, ctx) or _replicated(node, ctx)
@@ -155,8 +159,9 @@ def _elementwise(node: fx.Node, ctx: RuleContext) -> NodePlan:
     lead = max(layouts, key=lambda l: sum(map(len, l.dims)))
     shift = out_nd - lead.ndim
     out_dims = [()] * shift + [tuple(d) for d in lead.dims]
-    if any(n.op == "get_attr" and getattr(n.meta.get("tensor_meta"), "requires_grad", False) for n in inputs):
-        out_dims = [()] * out_nd  # a whole trainable weight (RMSNorm's) on a split input would get partial grads
+    if any(_broadcast_over(shape_of(n), out_shape, out_dims) and getattr(n.meta.get("tensor_meta"), "requires_grad",
+                                                                            False) for n in inputs):
+        out_dims = [()] * out_nd  # a trainable value (RMSNorm's weight) broadcast over a split dim: partial grads
     out = lead.with_dims(out_dims)
     required = {}
     for n, l in zip(inputs, layouts):
@@ -165,6 +170,12 @@ def _elementwise(node: fx.Node, ctx: RuleContext) -> NodePlan:
         dims = [out_dims[off + i] if shape[i] == out_shape[off + i] else () for i in range(len(shape))]
         required[n.name] = l.with_dims(dims) if l.axes == out.axes else out.with_dims(dims)
     return NodePlan("local", required, out)
+
+
+def _broadcast_over(shape, out_shape, out_dims) -> bool:
+    """Whether a value of ``shape`` is broadcast (absent, or of size 1) along a split dim of the output."""
+    off = len(out_shape) - len(shape)
+    return any(dims and (d < off or shape[d - off] != out_shape[d]) for d, dims in enumerate(out_dims))
 
 
 def _view(node: fx.Node, ctx: RuleContext) -> NodePlan:
@@ -345,10 +356,11 @@ def _cross_entropy(node: fx.Node, ctx: RuleContext, vocab: bool | None = None) -
 def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None = None) -> NodePlan | None:
     """Megatron's pairing: column-parallel after replicated input, row-parallel after a split last dim.
 
-    ``mode`` ("column", "row", "row_scatter", "replicated") forces a choice, for the search; None if
-    it cannot apply. "row_scatter" is row-parallel whose partial sums are reduce-scattered along the
-    sequence (the dim before the features) instead of all-reduced: Megatron's sequence parallel, where
-    the norms, dropout and residual adds that follow run on a slice of the sequence each. Under
+    ``mode`` ("column", "row", "row_scatter", "replicated", "batch") forces a choice, for the search; None if
+    it cannot apply. "batch": the weight whole on the rows as they arrive, split or not. "row_scatter" is
+    row-parallel whose partial sums are reduce-scattered along the sequence (the dim before the features)
+    instead of all-reduced: Megatron's sequence parallel, where the norms, dropout and residual adds that
+    follow run on a slice of the sequence each. Under
     ``ctx.sequence`` every row-parallel product scatters where it can."""
     x = node.args[0]
     src = ctx.layout(x)
@@ -357,6 +369,8 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None
     fixed = ctx.param_layouts.get(id(module.weight))
     fixed = fixed.with_dims([fixed.dims[d] for d in order]) if fixed is not None else None
     last = src.dims[-1]
+    if mode == "batch":
+        return _whole_on_rows(node, x, module, ctx, 1)
     if mode is not None:
         rows, cols = {"column": (ctx.all_axes, ()), "row": ((), last or ctx.all_axes),
                       "row_scatter": ((), last or ctx.all_axes)}.get(mode, ((), ()))
@@ -397,8 +411,11 @@ def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: str
 
     ``split`` forces the choice, for the search: "rows", "columns" (each rank looks up its features of every
     row, and hands them on split: a vocabulary that does not divide, tied to a row-parallel head, still
-    splits) or "whole"; None if it cannot apply."""
+    splits), "whole" or "batch" (whole, on the lookups' rows as they arrive, split or not); None if it cannot
+    apply."""
     idx = node.args[0]
+    if split == "batch":
+        return _whole_on_rows(node, idx, module, ctx, 0)
     src = ctx.layout(idx)
     fixed = ctx.param_layouts.get(id(module.weight))
     sizes = {"rows": module.num_embeddings, "columns": module.embedding_dim}
@@ -418,6 +435,26 @@ def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: str
         out = out.with_dims([()] * src.ndim + [w.dims[1]])
     impl = "local" if w.is_replicated else "dtensor"
     return NodePlan(impl, {idx.name: ctx.replicated(src.ndim)}, out, params={"weight": w})
+
+
+def _whole_on_rows(node: fx.Node, x: fx.Node, module: nn.Module, ctx: RuleContext,
+                   features: int) -> NodePlan | None:
+    """A module's weights whole, run on its input's rows (dim 0) split over op axes as they arrive, or split here
+    over every op axis where ``ctx.rows`` says dim 0 holds them (a stage whose operator ranks split the batch);
+    DTensor sums the weights' gradients over the axes. None where the rows are not split or a weight is laid out
+    otherwise already (a table tied to a split head)."""
+    own = dict(module.named_parameters(recurse=False))
+    params = {name: ctx.replicated(p.ndim) for name, p in own.items()}
+    if any(ctx.param_layouts.get(id(p), params[name]) != params[name] for name, p in own.items()):
+        return None
+    src = ctx.layout(x)
+    need = _without(src, list(range(src.ndim - features, src.ndim)))
+    if x.name in ctx.rows and ctx.all_axes and need.is_replicated and shape_of(x)[0] % ctx.num_devices == 0:
+        need = need.with_dims([ctx.all_axes] + [()] * (src.ndim - 1))
+    if src.ndim == features or not need.dims[0]:
+        return None
+    out = need.with_dims(list(need.dims[:src.ndim - features]) + [()] * (len(shape_of(node)) - src.ndim + features))
+    return NodePlan("local" if need.is_replicated else "dtensor", {x.name: need}, out, params=params)
 
 
 def _matmul(node: fx.Node, ctx: RuleContext) -> NodePlan:
