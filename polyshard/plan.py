@@ -65,6 +65,7 @@ OPTIMIZERS = tuple(Optimizer)
 PRECISIONS = tuple(Precision)
 DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}  # precision -> (dtype, bytes)
 OFFLOADS = tuple(Offload)
+TP_SPLITS = ("ops", "rows")  # what a pipeline chunk's operator ranks split: its operators, or its batch rows
 
 
 def most_recompute(modes) -> str:
@@ -115,6 +116,9 @@ class Plan:
       (communicating again in backward, for less memory);
     stage_recompute: a pipeline's own mode per chunk, in chunk order, instead of ``recompute``'s (early
       stages hold more micro-batches in flight, so they may recompute where later ones need not);
+    stage_tp_split: what each pipeline chunk's operator ranks split, in chunk order: "ops" (its operators, as
+      ``nodes`` lay them out), or "rows" (each rank a share of the micro-batch's rows, every weight of the chunk
+      whole: a sub-mesh of data parallel for that stage); empty when every chunk splits its operators;
     stage_boundaries: module paths where pipeline stages 2, 3, ... begin (the mesh's "pp" axis has
       the stages); schedule: "gpipe", "1f1b" or "interleaved"; micro_batches per step;
       virtual_stages: stages per rank under the interleaved schedule;
@@ -137,6 +141,7 @@ class Plan:
     recompute: Recompute = Recompute.NONE
     recompute_comm: RecomputeComm = RecomputeComm.KEEP
     stage_recompute: tuple[Recompute, ...] = ()
+    stage_tp_split: tuple[str, ...] = ()
     stage_boundaries: tuple[str, ...] = ()
     schedule: Schedule = Schedule.ONE_F_ONE_B
     micro_batches: int = 1
@@ -180,6 +185,9 @@ class Plan:
         for mode in self.stage_recompute:
             check_choice("stage_recompute", mode, RECOMPUTE_MODES)
         object.__setattr__(self, "stage_recompute", tuple(map(Recompute, self.stage_recompute)))
+        for split in self.stage_tp_split:
+            check_choice("stage_tp_split", split, TP_SPLITS)
+        object.__setattr__(self, "stage_tp_split", tuple(self.stage_tp_split))
 
     def recompute_of(self, chunk: int) -> Recompute:
         """The recompute mode pipeline chunk ``chunk`` runs."""
@@ -189,7 +197,7 @@ class Plan:
         return json.dumps({
             "mesh": [list(a) for a in self.mesh], "data_axes": list(self.data_axes),
             **{name: getattr(self, name) for name in _SETTINGS}, "stage_boundaries": list(self.stage_boundaries),
-            "stage_recompute": list(self.stage_recompute),
+            "stage_recompute": list(self.stage_recompute), "stage_tp_split": list(self.stage_tp_split),
             "model": self.model, "global_batch": self.global_batch, "report": self.report,
             "row_splits": {k: list(v) for k, v in self.row_splits.items()},
             "op_axes": [list(a) for a in self.op_axes],
@@ -223,7 +231,8 @@ class Plan:
                 mesh=_axes_in(raw.get("mesh", [])), data_axes=tuple(raw.get("data_axes", [])),
                 **{name: raw[name] for name in _SETTINGS if name in raw},
                 stage_boundaries=tuple(raw.get("stage_boundaries", ())),
-                stage_recompute=tuple(raw.get("stage_recompute", ())), model=raw.get("model", ""),
+                stage_recompute=tuple(raw.get("stage_recompute", ())),
+                stage_tp_split=tuple(raw.get("stage_tp_split", ())), model=raw.get("model", ""),
                 global_batch=int(raw.get("global_batch", 0)), report=raw.get("report", {}),
                 row_splits={k: tuple(int(r) for r in v) for k, v in raw.get("row_splits", {}).items()},
             )

@@ -70,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     _planning_flags(co)
     co.add_argument("--config", required=True, help="e.g. 'dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,"
                     "recompute=full,precision=bf16'; recompute=full/none gives each pipeline chunk its own mode; "
-                    "cuts=even places equal block counts on the stages, as Megatron-LM does")
+                    "cuts=even places equal block counts on the stages, as Megatron-LM does; tp_split=rows/ops "
+                    "says what each pipeline chunk's tp ranks split (rows: the chunk's weights whole, each rank a "
+                    "share of every micro-batch)")
     co.add_argument("--out", default="", help="write the priced plan here as JSON")
     co.add_argument("--compare", action="store_true", help="also search with nothing fixed and show the pick beside "
                     "this configuration, term by term")

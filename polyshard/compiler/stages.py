@@ -187,10 +187,11 @@ def pipeline_split(model: nn.Module, example_inputs: Sequence[torch.Tensor], pla
         raise PolyshardError(f"the plan has no stage boundaries to cut pp={pp} stages at; make the plan with "
                              "polyshard.plan (it cuts balanced stages) or give its stage_boundaries")
     check_boundary_count(plan.stage_boundaries, pp, plan.virtual_stages)
-    if plan.stage_recompute and len(plan.stage_recompute) != pp * plan.virtual_stages:
-        raise PolyshardError(f"stage_recompute gives {len(plan.stage_recompute)} modes "
-                             f"{[str(m) for m in plan.stage_recompute]}; pp={pp} x virtual_stages="
-                             f"{plan.virtual_stages} makes {pp * plan.virtual_stages} chunks, one mode each")
+    for name, per_chunk in (("stage_recompute", plan.stage_recompute), ("stage_tp_split", plan.stage_tp_split)):
+        if per_chunk and len(per_chunk) != pp * plan.virtual_stages:
+            raise PolyshardError(f"{name} gives {len(per_chunk)} modes {[str(m) for m in per_chunk]}; pp={pp} x "
+                                 f"virtual_stages={plan.virtual_stages} makes {pp * plan.virtual_stages} chunks, "
+                                 "one mode each")
     micro = tree_map(lambda t: micro_batches(t, plan.micro_batches)[0] if isinstance(t, torch.Tensor) else t,
                      example_inputs)
     gm = capture(model, micro)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, fields
 
 from polyshard.buckets import BUCKET_BYTES
 from polyshard.errors import PolyshardError
-from polyshard.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES, ZERO_LEVELS,
-                                   check_choice, most_recompute)
+from polyshard.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES, TP_SPLITS,
+                            ZERO_LEVELS, check_choice, most_recompute)
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,9 @@ class Fixed:
     default, as polyshard's runtime runs it) prices the data-parallel gradient reduction beside
     backward, 0 after it (as Megatron-LM did before its 2023 overlap option, and DeepSpeed's pipeline
     engine does): a pricing choice only, for comparing with runs of other systems; bucket: MiB of
-    gradients per data-parallel collective."""
+    gradients per data-parallel collective; tp_split: what a pipeline chunk's tp ranks split, "ops" (its
+    operators) or "rows" (its micro-batch's rows, every weight of the chunk whole), for every chunk or one per
+    chunk joined by "/"."""
 
     dp: int | None = None
     tp: int | None = None
@@ -50,6 +52,7 @@ class Fixed:
     cuts: str | None = None
     overlap: int | None = None
     bucket: int | None = None
+    tp_split: str | None = None
 
     @staticmethod
     def parse(text: str) -> Fixed:
@@ -73,13 +76,18 @@ class Fixed:
     def check(self) -> None:
         """Raise a PolyshardError for a value no plan can hold."""
         for key, allowed in _CHOICES.items():
-            for value in (self.recompute_modes or ()) if key == "recompute" else (getattr(self, key),):
+            per_chunk = {"recompute": self.recompute_modes or (), "tp_split": self.stage_tp_split}
+            for value in per_chunk.get(key, (getattr(self, key),)):
                 if value is not None:
                     check_choice(f"--config {key}", value, allowed)
         chunks = len(self.stage_recompute)
         if chunks and (self.pp is None or chunks % self.pp or (self.v or chunks // self.pp) * self.pp != chunks):
             raise PolyshardError(f"--config recompute={self.recompute} gives a mode to each of {chunks} pipeline "
                                  f"chunks; give pp (and v) whose pp x v is {chunks}")
+        splits = self.stage_tp_split
+        if len(splits) > 1 and (self.pp is None or len(splits) % self.pp):
+            raise PolyshardError(f"--config tp_split={self.tp_split} gives a split to each of {len(splits)} pipeline "
+                                 f"chunks; give pp (and v) whose pp x v is {len(splits)}")
         for key in ("sp", "overlap"):
             if getattr(self, key) not in (None, 0, 1):
                 raise PolyshardError(f"--config {key} must be 0 or 1; got {getattr(self, key)}")
@@ -111,6 +119,11 @@ class Fixed:
         return None if self.recompute is None else tuple(self.recompute.split("/"))
 
     @property
+    def stage_tp_split(self) -> tuple[str, ...]:
+        """What each pipeline chunk's tp ranks split (one entry: every chunk's); empty if not fixed."""
+        return () if self.tp_split is None else tuple(self.tp_split.split("/"))
+
+    @property
     def stage_recompute(self) -> tuple[str, ...]:
         """Each pipeline chunk's fixed recompute mode, where they are given one by one; else empty."""
         modes = self.recompute_modes or ()
@@ -131,7 +144,7 @@ class Fixed:
 
 CUTS = ("balanced", "even")
 _CHOICES = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "recompute_comm": RECOMPUTE_COMMS,
-            "precision": PRECISIONS, "offload": OFFLOADS, "cuts": CUTS}
+            "precision": PRECISIONS, "offload": OFFLOADS, "cuts": CUTS, "tp_split": TP_SPLITS}
 
 
 def _positive(key: str, value: str) -> int:

@@ -53,7 +53,8 @@ class Units:
     transient_bytes: the most gradients alive while one of its ops' backward runs;
     send_bytes[u]: values crossing the cut before unit u (0 for u = 0); groups: each unit's
     parameters' local sizes, by module (a parameter two units use is in both); model_groups: the
-    model's, each parameter once; recompute: the mode these figures are for."""
+    model's, each parameter once; recompute: the mode these figures are for; split_rows: the operator ranks
+    that split each micro-batch's rows instead of its operators in this plan (0: they split operators)."""
 
     span: tuple[tuple[str, str], ...]
     starts: tuple[str, ...]
@@ -69,15 +70,23 @@ class Units:
     groups: tuple[tuple[tuple[int, ...], ...], ...]
     model_groups: tuple[tuple[int, ...], ...]
     recompute: str = "none"
+    split_rows: int = 0
 
     def __len__(self) -> int:
         return len(self.starts)
+
+    @property
+    def tp_split(self) -> str:
+        """What the operator ranks split: "rows" of the batch, or "ops" (operators)."""
+        return "rows" if self.split_rows else "ops"
 
     def seconds(self, rows: float) -> np.ndarray:
         return rows * (self.compute_s + self.comm_s) + self.overhead_s + self.latency_s
 
 
-Modes = tuple[Units, ...]  # one model's units under each recompute mode a chunk may run, the fastest first
+# One model's units under each recompute mode a chunk may run, the fastest first; then, where a stage's operator
+# ranks may split its rows instead, the units of that plan under each mode.
+Modes = tuple[Units, ...]
 
 
 def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomputed, unit_of: dict[str, int],
@@ -238,8 +247,8 @@ def ideal_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
 @dataclass(frozen=True)
 class Stage:
     """One chunk of the pipeline (a stage, or a virtual stage under interleaving) on rank ``rank``:
-    its units' first and last module, seconds per micro-batch (p2p sends included), memory and
-    recompute mode."""
+    its units' first and last module, seconds per micro-batch (p2p sends included), memory,
+    recompute mode, and what its operator ranks split (:attr:`Units.tp_split`)."""
 
     rank: int
     first: str
@@ -248,6 +257,7 @@ class Stage:
     backward_s: float
     memory: MemoryEstimate
     recompute: str = "none"
+    tp_split: str = "ops"
 
 
 @dataclass(frozen=True)
@@ -281,6 +291,11 @@ class PipelineCost:
     def recompute(self) -> tuple[str, ...]:
         """Each chunk's recompute mode, in chunk order."""
         return tuple(s.recompute for s in self.stages)
+
+    @property
+    def tp_split(self) -> tuple[str, ...]:
+        """What each chunk's operator ranks split, in chunk order."""
+        return tuple(s.tp_split for s in self.stages)
 
 
 @dataclass(frozen=True)
@@ -316,11 +331,10 @@ def best_pipeline(modes: Modes, setup: Setup, best_s: float = float("inf")) -> t
     ``best_s``; and the lowest bound of those not tried or not simulated (their cuts fit, but the busiest
     rank's work alone lost). inf when all were costed, and also when one that could still win did not
     fit (then None means: nothing fits here, try what saves memory)."""
-    units = modes[0]  # the fastest mode bounds them all
-    state = _unit_state(units, setup)
+    units = modes[0]
     numel = sum(sum(g) for unit in units.groups for g in unit)
     allowed = list(_options(len(units), setup))
-    options = sorted((bound, *option) for bound, option in zip(_bounds(units, setup, allowed, numel), allowed))
+    options = sorted((bound, *option) for bound, option in zip(_bounds(modes, setup, allowed, numel), allowed))
     best, tried, overflow_at = None, set(), {}
     overflow_bound = float("inf")  # the lowest bound of the options that did not fit
     lost_bound = float("inf")  # the lowest bound of the options that fit but were not simulated (they lose)
@@ -332,8 +346,7 @@ def best_pipeline(modes: Modes, setup: Setup, best_s: float = float("inf")) -> t
         if m <= overflow_at.get((schedule, v), 0):  # fewer, larger micro-batches hold no less per stage
             overflow_bound = min(overflow_bound, bound)
             continue
-        found = cost_pipeline(modes, setup, state, m, schedule, v,
-                              beat_s=min(best_s, best.step_s if best else float("inf")))
+        found = cost_pipeline(modes, setup, m, schedule, v, beat_s=min(best_s, best.step_s if best else float("inf")))
         if schedule == "1f1b":
             tried.add(m)
         if isinstance(found, Loses):
@@ -362,27 +375,30 @@ def leanest_pipeline(modes: Modes, setup: Setup) -> PipelineCost | None:
     if not options:
         return None
     m, schedule, v = max(options, key=lambda o: (o[0], o[1] == "1f1b"))
-    return cost_pipeline(modes[-1:], dataclasses.replace(setup, limit=float("inf")), _unit_state(modes[0], setup),
-                         m, schedule, v, simulated=False)
+    leanest = [u for u in modes if not u.split_rows][-1:]
+    return cost_pipeline(leanest, dataclasses.replace(setup, limit=float("inf")), m, schedule, v, simulated=False)
 
 
 def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
     """Each unit's parameter memory; the gradient bucket is counted once per stage instead. A stage
     accumulates its gradients over the micro-batches, whole until the last (counted so for every m)."""
-    out = []
-    for groups in units.groups:
-        key = (groups, s.zero, s.dp, s.precision, s.offload)  # repeated blocks hold alike
-        if key not in s.memo:
-            s.memo[key] = dataclasses.replace(state_memory(groups, *key[1:], accumulating=True), buffers_bytes=0.0)
-        out.append(s.memo[key])
-    return out
+    whole = ("state", id(units), s.zero, s.dp, s.precision, s.offload)
+    if whole not in s.memo:
+        out = []
+        for groups in units.groups:
+            key = (groups, *whole[2:])  # repeated blocks hold alike
+            if key not in s.memo:
+                s.memo[key] = dataclasses.replace(state_memory(groups, *key[1:], accumulating=True), buffers_bytes=0.0)
+            out.append(s.memo[key])
+        s.memo[whole] = out
+    return s.memo[whole]
 
 
 def _options(n: int, s: Setup):
     """(micro-batches, schedule, virtual stages) to try, bounded: m divides the rows, with micro-batches
     of at most MAX_MICRO_ROWS rows or at most MAX_MICRO_PER_STAGE per stage; interleaving with
-    2, 3, 4, 6 or 8 chunks per rank (at most n/pp), m a multiple of pp. What the user fixes is tried
-    whatever these bounds say."""
+    2, 3, 4, 6 or 8 chunks per rank (at most n/pp), m a multiple of pp; pp x v chunks where the user gives a
+    recompute mode or a tp split per chunk. What the user fixes is tried whatever these bounds say."""
     f = s.fixed
     for m in (m for m in range(1, s.rows + 1) if s.rows % m == 0):
         if f.m is None and f.mbs is None and s.rows // m > MAX_MICRO_ROWS and m > MAX_MICRO_PER_STAGE * s.pp:
@@ -393,17 +409,19 @@ def _options(n: int, s: Setup):
             candidates += [(m, "interleaved", v) for v in chunks if 1 < v <= n // s.pp]
         for m_, schedule, v in candidates:
             if f.allows(m=m_, mbs=s.rows // m_, schedule=schedule, v=v) and \
-                    len(f.stage_recompute) in (0, s.pp * v):
+                    len(f.stage_recompute) in (0, s.pp * v) and len(f.stage_tp_split) in (0, 1, s.pp * v):
                 yield m_, schedule, v
 
 
-def _bounds(units: Units, s: Setup, options: list[tuple[int, str, int]], numel: float) -> list[float]:
+def _bounds(modes: Modes, s: Setup, options: list[tuple[int, str, int]], numel: float) -> list[float]:
     """Per (m, schedule, v): equal stages' step, (m + (p-1)/v) x the mean stage's micro-batch, or if more,
-    m x the slowest unit's (whichever rank holds it runs it m times); plus the optimizer step and the least
+    m x the slowest unit's (whichever rank holds it runs it m times), each unit in its fastest mode (the first
+    mode's parameters and sends, which the others hold and send no fewer of); plus the optimizer step and the least
     exposed gradient communication (at any bucket size) of the rank holding the most parameters (at least the
     mean share of the ``numel``): hidden beside no more than the mean chunk's backward (:func:`cost_pipeline`
     hides it beside the least one's), at level 3 with every small parameter of the model left whole and one
     module gathered."""
+    units = modes[0]
     grads = numel / s.pp * _itemsize(s.precision)
     every = (tuple(n for group in units.model_groups for n in group),)  # one module holding every parameter
     update = s.update_seconds(numel / s.pp)
@@ -411,7 +429,7 @@ def _bounds(units: Units, s: Setup, options: list[tuple[int, str, int]], numel: 
     out = []
     for m, _, v in options:
         if m not in per_m:
-            seconds = units.seconds(s.rows / m)
+            seconds = np.min([u.seconds(s.rows / m) for u in modes], axis=0)
             per_m[m] = seconds.sum(), seconds.max(), float(np.max(s.send(units.send_bytes * s.rows / m)))
         total, slowest, sent = per_m[m]
         backward = (1 - units.forward_share) * total / (s.pp * v) + sent
@@ -429,24 +447,23 @@ class Loses:
     bound_s: float
 
 
-def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, schedule: str,
-                  v: int, simulated: bool = True, beat_s: float = float("inf")) -> PipelineCost | Loses | None:
+def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulated: bool = True,
+                  beat_s: float = float("inf")) -> PipelineCost | Loses | None:
     """This (m, schedule)'s fastest cuts whose every stage fits, each chunk in the fastest of ``modes``
-    that fits it (``state``: each unit's parameter memory), simulated; None when no cuts fit,
-    :class:`Loses` when they cannot take less than ``beat_s``. ``simulated=False`` times the schedule by
-    the equal-stage formula instead, (m + (p-1)/v) x the busiest rank's micro-batch (for a split that
-    does not fit, whose memory is what matters)."""
-    units = modes[0]  # what the modes share (parameters, sends) is read from the first
+    that fits it, simulated; None when no cuts fit, :class:`Loses` when they cannot take less than
+    ``beat_s``. ``simulated=False`` times the schedule by the equal-stage formula instead, (m + (p-1)/v) x
+    the busiest rank's micro-batch (for a split that does not fit, whose memory is what matters)."""
+    units = modes[0]  # what crosses the cuts is read from the first mode, and priced so in every mode
     n, chunks, rows = len(units), s.pp * v, s.rows / m
-    fixed_of = np.concatenate([[0.0], np.cumsum([st.total_bytes for st in state])])
+    state = [_unit_state(u, s) for u in modes]  # each unit's parameter memory, per mode
+    fixed_of = [np.concatenate([[0.0], np.cumsum([st.total_bytes for st in per_unit])]) for per_unit in state]
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
     bucket = min(s.bucket_sizes) if s.dp > 1 and s.zero == 0 else 0.0  # level 0: a buffer per chunk, cuts fit the least
     # in one micro-batch's backward: its recomputed block alive again, and the gradients of the op running
     working = [(u.rerun_bytes.max() + u.transient_bytes.max()) * rows for u in modes]
-    pinned = s.fixed.stage_recompute  # a mode per chunk, if the user gave them
-    allowed = np.array([[not pinned or u.recompute == pinned[c] for u in modes] for c in range(chunks)])
+    allowed = np.array([[_allows(s.fixed, u, c, s.rows // m) for u in modes] for c in range(chunks)])
     least_acts = np.min([u.activation_bytes for u in modes], axis=0).sum() * rows
-    if fixed_of[-1] + least_acts * min(held) + chunks * (min(working) + bucket) > s.pp * s.limit:
+    if min(f[-1] for f in fixed_of) + least_acts * min(held) + chunks * (min(working) + bucket) > s.pp * s.limit:
         return None  # more than all chunks hold together (limit / v each): no cuts fit, and no program is needed
     seconds = [u.seconds(rows) for u in modes]
     send = np.concatenate([[0.0], s.send(units.send_bytes[1:] * rows), [0.0]])  # per cut 0..n: the ends send nothing
@@ -455,7 +472,7 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     for sec in seconds:
         time_of = np.concatenate([[0.0], np.cumsum(sec)])
         time.append(time_of[end] - time_of[start] + send[end] + send[start])
-    base = [fixed_of[end] - fixed_of[start] + w + bucket for w in working]
+    base = [f[end] - f[start] + w + bucket for f, w in zip(fixed_of, working)]
     acts = []
     for u in modes:
         acts_of = np.concatenate([[0.0], np.cumsum(u.activation_bytes * rows)])
@@ -471,8 +488,9 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
         edges = [0, *cuts, n]
         if len(edges) != chunks + 1:
             return None
-        picks = [next((k for k in range(len(modes))
-                       if allowed[c, k] and base[k][i, j] + acts[k][i, j] * held[c] <= s.limit / v), None)
+        picks = [min((k for k in range(len(modes))
+                      if allowed[c, k] and base[k][i, j] + acts[k][i, j] * held[c] <= s.limit / v),
+                     key=lambda k: time[k][i, j], default=None)
                  for c, (i, j) in enumerate(zip(edges, edges[1:]))]
         return None if None in picks else picks
 
@@ -503,7 +521,7 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     forward = [u.forward_share * t + send[j] for u, t, (i, j) in zip(run, own, parts)]  # p2p: activations out
     backward = [(1 - u.forward_share) * t + send[i] for u, t, (i, j) in zip(run, own, parts)]  # and gradients in
     # the parameter groups each rank holds: its one stage's, or under interleaving its v chunks'
-    held_groups = [tuple(g for c in range(r, chunks, s.pp) for unit in units.groups[edges[c]:edges[c + 1]]
+    held_groups = [tuple(g for c in range(r, chunks, s.pp) for unit in run[c].groups[edges[c]:edges[c + 1]]
                          for g in unit) for r in range(s.pp)]
     groups = max(held_groups, key=lambda gs: sum(map(sum, gs)))
     numel = sum(map(sum, groups))
@@ -520,8 +538,8 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
         return Loses(least)
     # each chunk holds its units' state and its micro-batches in flight, and at level 0 a bucket-sized buffer:
     # the fastest size whose buffer fits beside every chunk (the cuts fit the least)
-    held_bytes = [_sum_memory(state[i:j] + [MemoryEstimate(0.0, 0.0, 0.0, run[c].activation_bytes[i:j].sum() * rows
-                                                           * held[c] + working[mode[c]], 0.0)])
+    held_bytes = [_sum_memory(state[mode[c]][i:j] + [MemoryEstimate(0.0, 0.0, 0.0, run[c].activation_bytes[i:j].sum()
+                                                                     * rows * held[c] + working[mode[c]], 0.0)])
                   for c, (i, j) in enumerate(parts)]
 
     def buffer(size: int, chunk: MemoryEstimate) -> float:  # as estimate_memory counts one: no more than the gradients
@@ -531,7 +549,7 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
                 all(h.total_bytes + buffer(b, h) <= s.limit / v for h in held_bytes)), key=lambda b: sum(synced[b]))
     dp_comm, update = synced[size]
     stages = [Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[c], backward[c],
-                    dataclasses.replace(h, buffers_bytes=buffer(size, h)), run[c].recompute)
+                    dataclasses.replace(h, buffers_bytes=buffer(size, h)), run[c].recompute, run[c].tp_split)
               for c, ((i, j), h) in enumerate(zip(parts, held_bytes))]
     if simulated:
         key = (schedule, s.pp, m, v, tuple(forward), tuple(backward))  # cuts that differ only in memory time alike
@@ -552,6 +570,15 @@ def cost_pipeline(modes: Modes, s: Setup, state: list[MemoryEstimate], m: int, s
     return PipelineCost(schedule, m, v, tuple(units.starts[i] for i in cuts), compute, op_comm, p2p,
                         span - busy[rank], dp_comm, 1 - sum(busy) / (s.pp * span), tuple(stages), memory, span,
                         bucket_bytes=size)
+
+
+def _allows(fixed: Fixed, units: Units, chunk: int, micro_rows: int) -> bool:
+    """Whether chunk ``chunk`` may run ``units``' plan: the recompute mode and operator split the user gave it, if
+    any, and rows of a micro-batch that divide over the ranks splitting them."""
+    recompute, split = fixed.stage_recompute, fixed.stage_tp_split
+    return (not recompute or units.recompute == recompute[chunk]) and \
+        (not split or units.tp_split == split[chunk if len(split) > 1 else 0]) and \
+        (not units.split_rows or micro_rows % units.split_rows == 0)
 
 
 def _coverable(base: list[np.ndarray], acts: list[np.ndarray], held: list[float], cap: float) -> bool:

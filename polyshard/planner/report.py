@@ -120,12 +120,17 @@ def _stage_table(chosen: dict, limit: float) -> list[str]:
     spans = [f"{s['first']}..{s['last']}" for s in p["stages"]]
     width = max(32, *map(len, spans))
     recomputes = any(s.get("recompute", "none") != "none" for s in p["stages"])
+    splits = any(s.get("tp_split", "ops") != "ops" for s in p["stages"])
     lines.append(f"  {'stage':>5} {'rank':>4}  {'layers':<{width}} {'forward':>10} {'backward':>10} {'memory':>11}"
-                 + "  recompute" * recomputes)
+                 + "  recompute" * recomputes + "  tp splits" * splits)
     for k, (s, layers) in enumerate(zip(p["stages"], spans)):
         mark = " " if s["memory"]["total"] <= limit else "x"
         lines.append(f"{mark} {k:>5} {s['rank']:>4}  {layers:<{width}} {_ms(s['forward_s'])} {_ms(s['backward_s'])} "
-                     f"{format_bytes(s['memory']['total']):>11}" + f"  {s.get('recompute')}" * recomputes)
+                     f"{format_bytes(s['memory']['total']):>11}" + f"  {s.get('recompute'):<9}" * recomputes
+                     + f"  {s.get('tp_split')}" * splits)
+    if splits:
+        lines.append("  (tp splits rows: the stage's tp ranks each run a share of every micro-batch's rows with the "
+                     "stage's weights whole, summing their gradients)")
     return lines
 
 

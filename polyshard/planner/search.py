@@ -29,10 +29,11 @@ import gc
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_map
 
 from polyshard.buckets import BUCKET_BYTES, bucket_count
 from polyshard.cluster import Cluster, format_bytes
@@ -53,10 +54,11 @@ from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipelin
 from polyshard.planner.config import Fixed
 from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
-from polyshard.plan import (DTYPES, OFFLOADS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, Plan, most_recompute,
+from polyshard.plan import (DTYPES, OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, Plan, most_recompute,
                             recompute_text)
 from polyshard.planner.rules import left_whole
 from polyshard.planner.rules.base import INPUT_LAYOUTS
+from polyshard.planner.stage_rows import batch_values, rows_layouts, shared_parameters, with_rows_chunks
 from polyshard.graph.stage_cuts import assign_chunks, block_paths
 from polyshard.planner.stages import pp_plan_agreement, pp_plan_units
 from polyshard.transitions import wire_bytes
@@ -96,6 +98,7 @@ class Candidate:
     gap: float = 0.0  # the intra-op program's distance from its LP lower bound
     recompute: str = "none"  # activations recomputed in backward (see Plan): the most any chunk recomputes
     stage_recompute: tuple[str, ...] = ()  # a pipeline's mode per chunk, where they differ
+    stage_tp_split: tuple[str, ...] = ()  # what each pipeline chunk's operator ranks split, where one splits rows
     offload: str = "none"  # where the optimizer state lives, if not on the device (see Plan)
     zero: int = 0  # optimizer parallel level over the data axes (see Plan)
     precision: str = "fp32"
@@ -130,7 +133,8 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        return self.mesh, self.recompute, self.stage_recompute, self.offload, self.zero, self.precision
+        return (self.mesh, self.recompute, self.stage_recompute, self.stage_tp_split, self.offload, self.zero,
+                self.precision)
 
     @property
     def recompute_text(self) -> str:
@@ -141,6 +145,7 @@ class Candidate:
         extras = ([f"{p.schedule} m={p.micro_batches}" + f" v={p.virtual_stages}" * (p.virtual_stages > 1)] if p
                   else [f"accumulate m={self.accumulation}"] * (self.accumulation > 1)) + \
             [f"recompute {self.recompute_text}"] * (self.recompute != "none") + \
+            [f"tp splits {'/'.join(self.stage_tp_split)}"] * bool(self.stage_tp_split) + \
             [f"offload {self.offload}"] * (self.offload != "none") + [f"zero {self.zero}"] * (self.zero > 0) + \
             [self.precision] * (self.precision != "fp32") + ["sequence parallel"] * self.sequence + \
             [f"buckets {self.bucket_bytes / 2**20:g} MiB"] * (self.bucket_bytes != BUCKET_BYTES)
@@ -156,7 +161,8 @@ class Candidate:
                      mbs=self.rows // self.micro_batches, m=self.micro_batches, schedule=p.schedule if p else None,
                      v=p.virtual_stages if p else None, zero=self.zero, recompute=self.recompute_text,
                      precision=self.precision, offload=self.offload,
-                     bucket=self.bucket_bytes // 2**20 if dp > 1 or self.bucket_bytes != BUCKET_BYTES else None)
+                     bucket=self.bucket_bytes // 2**20 if dp > 1 or self.bucket_bytes != BUCKET_BYTES else None,
+                     tp_split="/".join(self.stage_tp_split) or None)
 
 
 def mesh_candidates(num_devices: int, blocks: int = 1, devices_per_node: int | None = None) -> list[tuple[tuple[str, int], ...]]:
@@ -214,7 +220,9 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                              f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the reserve")
     gm = capture(model, example_row) if graph is None else graph
     costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else (),
-                   dataset_strategy)
+                   dataset_strategy, lambda rows: capture(model, tree_map(
+                       lambda t: t.repeat(rows, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) else t,
+                       example_row)))
     candidates, plans, skipped = [], {}, []
     best_s = float("inf")
     allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks),
@@ -280,10 +288,12 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
 
 class _Costs:
     """One search's model, cluster and limits, with what splits share: the integer program's plan
-    per (operator axes, recompute), and that plan's costs per unit per precision."""
+    per (operator axes, recompute), and that plan's costs per unit per precision; ``capture_rows(rows)``: the model
+    captured at that many rows (for stages whose operator ranks split rows), where it may be."""
 
     def __init__(self, gm, cluster: Cluster, data_axes: tuple[str, ...], global_batch: int, limit: float,
-                 fixed: Fixed = Fixed(), stage_units: Sequence[str] = (), dataset_strategy: Sequence | None = None):
+                 fixed: Fixed = Fixed(), stage_units: Sequence[str] = (), dataset_strategy: Sequence | None = None,
+                 capture_rows: Callable[[int], fx.GraphModule] | None = None):
         self.gm, self.cluster, self.data_axes, self.batch, self.limit = gm, cluster, data_axes, global_batch, limit
         self.fixed = fixed
         tried = precisions_to_cost(cluster, "none", fixed.precision)
@@ -308,6 +318,10 @@ class _Costs:
         self._units: dict[tuple, tuple[Plan, Units]] = {}
         self._memo: dict = {}  # what pipelined splits share (see Setup)
         self.dataset_strategy = dataset_strategy
+        self.capture_rows = capture_rows
+        # rows -> the model captured at those rows, its batch values (None: another graph), its shared parameters
+        self._wider: dict[int, tuple[fx.GraphModule, frozenset[str] | None, tuple[str, ...]]] = {}
+        self._rows: dict[tuple, Plan] = {}  # (operator axes, shared layouts) -> the rows layout
 
     def order(self, meshes) -> list:
         """Splits whose operator axes fill one node first (they are likely best, and bound the rest),
@@ -523,20 +537,51 @@ class _Costs:
                                              dtype, self.sequence)
         return self._terms[key]
 
-    def units(self, plan: Plan, mesh, precision: str, recompute: str | None = None) -> Units:
+    def units(self, plan: Plan, mesh, precision: str, recompute: str | None = None, split_rows: int = 0) -> Units:
         """``plan``'s costs and memory per unit in ``precision``, its collectives on ``mesh``'s links, under
-        ``recompute`` (default: the plan's mode)."""
+        ``recompute`` (default: the plan's mode); ``split_rows``: the op ranks ``plan`` splits rows over."""
         links = tuple(axis_link(mesh, n, self.cluster) for n, _ in plan.op_axes)
         recompute = recompute or plan.recompute
-        key = (id(plan), links, precision, recompute)
+        key = (id(plan), links, precision, recompute, split_rows)
         if key not in self._units:
             dtype, itemsize = DTYPES[precision]
             laid = dataclasses.replace(plan, mesh=mesh, precision=precision, recompute=recompute)
             rc = self.recomputed(recompute, plan.recompute_comm)
             units = unit_costs(self.gm, laid, op_costs(self.gm, laid, self.cluster, dtype, itemsize, rc), rc,
                                self.unit_of, tuple(self.blocks) or ("",), itemsize)
-            self._units[key] = plan, units  # the plan kept alive, so its id stays its own
+            # the plan kept alive, so its id stays its own
+            self._units[key] = plan, dataclasses.replace(units, split_rows=split_rows)
         return self._units[key][1]
+
+    def rows_plan(self, base: Plan) -> Plan | None:
+        """``base``'s model laid out with its operator ranks splitting the batch rows (shared weights as ``base``
+        has them), captured at rows that divide over the ranks; None where that capture is another graph."""
+        ways = math.prod(n for _, n in base.op_axes)
+        rows = next((r for r in self._wider if r % ways == 0), None)  # one capture serves every divisor of its rows
+        if rows is None:
+            wider = self.capture_rows(ways)
+            rows, self._wider[ways] = ways, (wider, batch_values(self.gm, wider), shared_parameters(wider))
+        wider, batch, names = self._wider[rows]
+        if batch is None:
+            return None
+        shared = {name: base.params[name] for name in names}
+        key = (base.op_axes, tuple(shared.items()))
+        if key not in self._rows:
+            self._rows[key] = rows_layouts(wider, batch, base.op_axes, shared)
+        return self._rows[key]
+
+    def rows_units(self, base: Plan, mesh, rows: int, precision: str, modes: tuple[str, ...]) -> tuple[Units, ...]:
+        """The units of chunks whose operator ranks split the rows instead of ``base``'s operators, under each of
+        ``modes``: none where no micro-batch of the ``rows`` per replica divides over the ranks, the user fixed
+        every chunk to split operators, or the ranks split images."""
+        ways = math.prod(n for _, n in base.op_axes)
+        fixed = self.fixed.stage_tp_split
+        if ways == 1 or self.capture_rows is None or rows % ways or (fixed and "rows" not in fixed) or _spatial(mesh):
+            return ()
+        plan = self.rows_plan(base)
+        if plan is None:
+            return ()
+        return tuple(self.units(plan, mesh, precision, mode, split_rows=ways) for mode in modes)
 
     def _whole(self, base: Plan, gap: float, mesh, offload: str, rows: int,
                only: str | None = None) -> list[tuple[Candidate, Plan]]:
@@ -605,7 +650,8 @@ class _Costs:
         link = axis_link(mesh, PIPELINE_AXIS, self.cluster)
         out = []
         for zero, precision in _variants(dp, offload, self.cluster, self.fixed, only):
-            units = tuple(self.units(base, mesh, precision, mode) for mode in modes)
+            units = tuple(self.units(base, mesh, precision, mode) for mode in modes) + \
+                self.rows_units(base, mesh, rows, precision, modes)
             setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
                           send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
                           dp_seconds=lambda b, groups, overlap, m, size, zero=zero, precision=precision: _dp_seconds(
@@ -634,9 +680,13 @@ class _Costs:
                                        stage_boundaries=p.boundaries, schedule=p.schedule,
                                        micro_batches=p.micro_batches, virtual_stages=p.virtual_stages,
                                        bucket_bytes=p.bucket_bytes)
+            split = p.tp_split if "rows" in p.tp_split else ()
+            if split:
+                plan = with_rows_chunks(plan, self.rows_plan(base), self.gm, split)
             out.append((Candidate(mesh, rows, p.compute_s, p.op_comm_s, p.dp_comm_s, p.memory, solved.gap,
-                                  recompute=most, stage_recompute=per_chunk, offload=offload, zero=zero,
-                                  precision=precision, pipeline=p, sequence=base.sequence_parallel,
+                                  recompute=most, stage_recompute=per_chunk, stage_tp_split=split, offload=offload,
+                                  zero=zero,
+                                  precision=precision, pipeline=p, sequence=plan.sequence_parallel,
                                   refused_s=p.refused_s, bucket_bytes=p.bucket_bytes,
                                   skew_s=self.skew(p.compute_s, True)), plan))
             if found is not None:
@@ -710,8 +760,11 @@ def _data_size(mesh, data_axes) -> int:
 
 
 def _keeps(fixed: Fixed, mesh, data_axes) -> bool:
-    """Whether the mesh's sizes agree with the dp / tp / pp / h / w that ``fixed`` keeps."""
+    """Whether the mesh's sizes agree with the dp / tp / pp / h / w that ``fixed`` keeps (and, where a chunk's
+    tp ranks must split rows, has a pipeline and tp ranks)."""
     spatial = _spatial(mesh)
+    if "rows" in fixed.stage_tp_split and (_pp(mesh) == 1 or _op_size(mesh, data_axes) == 1):
+        return False
     return fixed.allows(dp=_data_size(mesh, data_axes), tp=_op_size(mesh, data_axes) // math.prod(spatial.values()),
                         pp=_pp(mesh), h=spatial.get("h", 1), w=spatial.get("w", 1))
 
@@ -813,4 +866,4 @@ def _pipeline_row(p: PipelineCost) -> dict:
             "ideal_bubble": ideal_bubble(pp, p.micro_batches, p.virtual_stages),
             "stages": [{"rank": s.rank, "first": s.first, "last": s.last, "forward_s": float(s.forward_s),
                         "backward_s": float(s.backward_s), "memory": _memory_row(s.memory),
-                        "recompute": s.recompute} for s in p.stages]}
+                        "recompute": s.recompute, "tp_split": s.tp_split} for s in p.stages]}

@@ -14,8 +14,10 @@ from torch import nn
 import polyshard as ps
 from polyshard import models
 from polyshard.cluster import Cluster
+from polyshard.graph.capture import capture
 from polyshard.planner.config import Fixed
 from polyshard.planner.search import search
+from polyshard.planner.stage_rows import batch_values, rows_layouts, shared_parameters, with_rows_chunks
 from polyshard.planner.stages import predict_timings
 from tests.distributed.cases import _batch, _optimizer, rel_err
 
@@ -132,6 +134,36 @@ def searched_recompute_parity(limit_bytes: float, batch: int = 16, steps: int = 
                      meshes=[mesh.axes], data_axes=mesh.data_axes, fixed=Fixed(offload="none", m=4))
     batches = [_batch(ref, batch, seed=s) for s in range(steps)]
     return _train(ref, par, batches, dict(plan=plan), "adamw", 1) | {"stage_recompute": plan.stage_recompute}
+
+
+def tp_split_parity(tp_split: tuple[str, ...], steps: int = 4) -> dict:
+    """pp=2 x tp=2: the rules' plan (Megatron-style splits, the tied table and head split by vocabulary), with the
+    chunks ``tp_split`` names "rows" laid out by :mod:`polyshard.planner.stage_rows`, trained against one device."""
+    ps.init("pp=2,tp=2")
+    ref, par = _gpt(2, torch.float64, True), _gpt(2, torch.float64, True)
+    batches = [_batch(ref, 8, seed=s) for s in range(steps)]
+    plan = ps.plan(par, example_inputs=tuple(t[:4] for t in batches[0]), schedule="1f1b", micro_batches=2)
+    gm, wider = (capture(par, tuple(t[:rows] for t in batches[0])) for rows in (1, 2))
+    shared = {name: plan.params[name] for name in shared_parameters(wider)}
+    rows = rows_layouts(wider, batch_values(gm, wider), plan.op_axes, shared)
+    plan = with_rows_chunks(plan, rows, wider, tp_split)
+    fc = {name: entry.output.describe() for name, entry in plan.nodes.items() if name.endswith("mlp_fc")}
+    return _train(ref, par, batches, dict(plan=plan), "adamw", 1) | {"fc": fc}
+
+
+def searched_tp_split_parity(tp_split: str, tied: bool, batch: int = 8, steps: int = 4) -> dict:
+    """A GPT of 4 blocks searched on pp=2 x tp=2 with what each chunk's tp ranks split fixed (rows: the chunk's
+    weights whole, each rank half of every micro-batch's rows), then trained on that plan (in float64 on CPU
+    ranks) against one device."""
+    ps.init("pp=2,tp=2")
+    mesh = ps.current_mesh()
+    ref, par = _gpt(4, torch.float64, tied), _gpt(4, torch.float64, tied)
+    # planned for GPUs, where the chunks that split operators split them Megatron-style
+    plan, _ = search(par, par.example_inputs(1), Cluster.preset("4xA100-80G"), batch, meshes=[mesh.axes],
+                     data_axes=mesh.data_axes, fixed=Fixed(tp_split=tp_split, m=2, precision="fp32"))
+    batches = [_batch(ref, batch, seed=s) for s in range(steps)]
+    fc = {name: entry.output.describe() for name, entry in plan.nodes.items() if name.endswith("mlp_fc")}
+    return _train(ref, par, batches, dict(plan=plan), "adamw", 1) | {"tp_split": plan.stage_tp_split, "fc": fc}
 
 
 def skip_parity(mesh: str, schedule: str = "1f1b", skip_from: int = 0, virtual_stages: int = 1,

@@ -69,6 +69,28 @@ def test_stages_lay_their_operators_out_differently(pools):
     assert layouts["blocks.1.mlp.fc.weight"] == "tp=2:S(0)" and layouts["blocks.1.mlp.proj.weight"] == "tp=2:S(1)"
 
 
+@pytest.mark.parametrize("tp_split", [("rows", "ops"), ("ops", "rows"), ("rows", "rows")])
+def test_stages_whose_tp_ranks_split_rows_train_as_one_device(pools, tp_split):
+    """A sub-mesh per stage: a chunk whose tp ranks split rows runs its tp axis as a second data axis, every weight
+    whole but the tied table, which keeps the vocabulary split the head's chunk gives it."""
+    results = pools(4).run(cases.tp_split_parity, tp_split)
+    _check(results)
+    r = results[0]
+    for block, split in enumerate(tp_split):
+        assert r["fc"][f"blocks_{block}_mlp_fc"] == ("tp=2:S(0)" if split == "rows" else "tp=2:S(2)")
+        assert r["layouts"][f"blocks.{block}.mlp.fc.weight"] == ("tp=2:R" if split == "rows" else "tp=2:S(0)")
+    assert r["layouts"]["wte.weight"] == "tp=2:S(0)"
+
+
+def test_a_searched_chunk_whose_tp_ranks_split_rows_trains_as_one_device(pools):
+    """The search, with the last chunk fixed to split rows, lays out and cuts a plan that trains as one device."""
+    results = pools(4).run(cases.searched_tp_split_parity, "ops/rows", False)
+    _check(results)
+    assert results[0]["tp_split"] == ("ops", "rows")
+    assert results[0]["fc"]["blocks_3_mlp_fc"] == "tp=2:S(0)" and results[0]["fc"]["blocks_0_mlp_fc"] != "tp=2:S(0)"
+    assert results[0]["layouts"]["blocks.3.mlp.fc.weight"] == "tp=2:R"
+
+
 def test_interleaved_two_virtual_stages(pools):
     results = pools(2).run(cases.gpt_parity, "pp=2", "interleaved", torch.float64, "adamw", True, 1, 4, 2)
     _check(results)

@@ -9,7 +9,7 @@ import pytest
 from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
-from polyshard.planner.pipeline import Setup, Units, best_pipeline, cost_pipeline, state_memory
+from polyshard.planner.pipeline import Setup, Units, best_pipeline, cost_pipeline
 from polyshard.plan import Plan
 from polyshard.planner.report import chosen_row, render
 from polyshard.planner.config import Fixed
@@ -84,9 +84,8 @@ def test_a_pipeline_is_refused_exactly_when_no_cuts_fit(seed):
     n, pp = int(rng.integers(3, 8)), int(rng.integers(2, 4))
     acts, numels = rng.uniform(1, 8, n), rng.integers(1, 8, n)  # MiB per row; x 2**16 parameters: MiB of state
     units = _units([1.0] * n, list(acts), [int(k) * 2**16 for k in numels])
-    state = [state_memory([(int(k) * 2**16,)], 0, 1, "fp32", "none") for k in numels]
     for limit_mib in np.linspace(5, 60, 12):
-        found = cost_pipeline((units,), _setup(pp, 4, limit_mib * MiB), state, 4, "1f1b", 1)
+        found = cost_pipeline((units,), _setup(pp, 4, limit_mib * MiB), 4, "1f1b", 1)
         fits = any(all(numels[i:j].sum() + acts[i:j].sum() * (pp - k) <= limit_mib
                        for k, (i, j) in enumerate(zip((0, *cuts), (*cuts, n))))
                    for cuts in itertools.combinations(range(1, n), pp - 1))
@@ -103,8 +102,7 @@ def test_stage_cuts_match_brute_force_under_the_memory_limit(pp, limit_mib):
     numels = [1, 2, 3, 4, 5, 6, 7, 8]  # x 2**16 parameters of 16 bytes (fp32 weight, grad, two moments): MiB
     units = _units(seconds, acts, [k * 2**16 for k in numels])
     rows = m = 8  # one row per micro-batch
-    state = [state_memory([(k * 2**16,)], 0, 1, "fp32", "none") for k in numels]
-    found = cost_pipeline((units,), _setup(pp, rows, limit_mib * MiB), state, m, "1f1b", 1)
+    found = cost_pipeline((units,), _setup(pp, rows, limit_mib * MiB), m, "1f1b", 1)
 
     def parts(cuts):
         return list(zip((0, *cuts), (*cuts, 8)))
@@ -143,7 +141,6 @@ def test_each_stage_recomputes_only_where_it_must(seed):
     seconds, acts, numels = rng.uniform(1, 3, n), rng.uniform(2, 8, n), rng.integers(1, 6, n)
     kept = _units(list(seconds), list(acts), [int(k) * 2**16 for k in numels])
     modes = (kept, _recomputed(kept, seconds, acts))
-    state = [state_memory([(int(k) * 2**16,)], 0, 1, "fp32", "none") for k in numels]
 
     def stage(s, i, j, limit):  # (seconds, mode) of stage s holding units i..j-1 in its fastest mode that fits
         held = min(m, pp - s)
@@ -153,7 +150,7 @@ def test_each_stage_recomputes_only_where_it_must(seed):
 
     mixed = 0
     for limit in np.linspace(4, 40, 19):
-        found = cost_pipeline(modes, _setup(pp, m, limit * MiB), state, m, "1f1b", 1)
+        found = cost_pipeline(modes, _setup(pp, m, limit * MiB), m, "1f1b", 1)
         best = min((max(stage(s, i, j, limit)[0] for s, (i, j) in enumerate(zip((0, *cuts), (*cuts, n)))), cuts)
                    for cuts in itertools.combinations(range(1, n), pp - 1))
         if not np.isfinite(best[0]):
@@ -168,7 +165,7 @@ def test_each_stage_recomputes_only_where_it_must(seed):
         pinned = ("full",) * (pp - 1) + ("none",)  # the user's modes, kept whatever fits faster
         fixed = cost_pipeline(modes, dataclasses.replace(_setup(pp, m, limit * MiB),
                                                          fixed=Fixed(pp=pp, recompute="/".join(pinned))),
-                              state, m, "1f1b", 1)
+                              m, "1f1b", 1)
         assert fixed is None or fixed.recompute == pinned
     assert mixed, "no limit mixed the modes: the test checks nothing new"
 
@@ -189,12 +186,11 @@ def test_two_stage_step_and_bubble_by_hand():
     assert [(s.forward_s, s.backward_s) for s in found.stages] == [pytest.approx((0.11, 0.2)),
                                                                    pytest.approx((0.1, 0.21))]
     # GPipe holds all 4 micro-batches on each stage (4 MiB of activations), 1F1B 2 on stage 0
-    state = [state_memory([(10,)], 0, 1, "fp32", "none")] * 2
-    gpipe = cost_pipeline((units,), _setup(2, 4), state, 4, "gpipe", 1)
+    gpipe = cost_pipeline((units,), _setup(2, 4), 4, "gpipe", 1)
     assert gpipe.stages[1].memory.activations_bytes == 4 * MiB and found.stages[0].memory.activations_bytes == 2 * MiB
     # each stage also holds the gradients one backward op has alive (the largest any unit makes)
     working = dataclasses.replace(units, transient_bytes=np.array([0.0, 0.5]) * MiB)
-    busy = cost_pipeline((working,), _setup(2, 4), state, 4, "1f1b", 1)
+    busy = cost_pipeline((working,), _setup(2, 4), 4, "1f1b", 1)
     assert [s.memory.activations_bytes for s in busy.stages] == [2.5 * MiB, 1.5 * MiB]
 
 
@@ -206,8 +202,7 @@ def test_an_interleaved_rank_syncs_and_steps_the_parameters_of_every_chunk_it_ho
     setup = dataclasses.replace(_setup(pp=2, rows=2), dp=2,
                                 dp_seconds=lambda b, modules, overlap, m, size: synced.append(b) or 0.0,
                                 update_seconds=lambda numel, tensors=0: stepped.append((numel, tensors)) or 0.0)
-    state = [state_memory([(k,)], 0, 2, "fp32", "none") for k in (10, 20, 30, 40)]
-    found = cost_pipeline((units,), setup, state, 2, "interleaved", 2)
+    found = cost_pipeline((units,), setup, 2, "interleaved", 2)
     assert [s.rank for s in found.stages] == [0, 1, 0, 1]
     assert synced == [60 * 4] and stepped == [(60, 2)]
 
@@ -289,9 +284,8 @@ def test_even_cuts_cost_what_the_schedule_of_those_stages_costs():
     # last stage starts at 2/3 + 2/3, runs 4 forwards (5/3 each) and 4 backwards (10/3 each), and the
     # last backward then crosses the two stages before it (4/3 each): 4/3 + 20/3 + 40/3 + 8/3 = 24 s
     units = _units([1, 1, 1, 1, 1, 4], [0] * 6, [1] * 6)
-    state = [state_memory([(10,)], 0, 1, "fp32", "none")] * 6
-    even = cost_pipeline((units,), dataclasses.replace(_setup(3, 4), fixed=Fixed(cuts="even")), state, 4, "gpipe", 1)
-    free = cost_pipeline((units,), _setup(3, 4), state, 4, "gpipe", 1)
+    even = cost_pipeline((units,), dataclasses.replace(_setup(3, 4), fixed=Fixed(cuts="even")), 4, "gpipe", 1)
+    free = cost_pipeline((units,), _setup(3, 4), 4, "gpipe", 1)
     assert [s.first for s in even.stages] == ["u0", "u2", "u4"] and even.span_s == pytest.approx(24.0)
     assert free.stages[-1].first == "u5" and free.span_s < even.span_s  # the head on a stage of its own
 

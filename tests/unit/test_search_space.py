@@ -90,11 +90,14 @@ def test_config_spelling_round_trips_and_refuses_nonsense():
     assert Fixed.parse("pp=2,v=2,recompute=full/full/selective/none").stage_recompute == \
         ("full", "full", "selective", "none")
     assert Fixed.parse("dp=8,bucket=100").bucket_bytes == 100 * 2**20 and Fixed().bucket_bytes == BUCKET_BYTES
+    assert Fixed.parse("pp=2,tp_split=rows/ops").stage_tp_split == ("rows", "ops")
+    assert Fixed.parse("tp_split=rows").stage_tp_split == ("rows",) and Fixed().stage_tp_split == ()
     for bad, needle in (("tp=0", "positive"), ("tq=2", "unknown"), ("tp", "KEY=VALUE"), ("tp=2,tp=4", "twice"),
                         ("schedule=zigzag", "schedule"), ("zero=5", "zero"), ("v=2,schedule=1f1b", "interleaved"),
                         ("overlap=2", "0 or 1"), ("bucket=0", "positive"),
                         ("pp=2,recompute=full/sometimes", "recompute must be one of"),
-                        ("recompute=full/none", "give pp"), ("pp=2,v=2,recompute=full/none", "pp x v is 2")):
+                        ("recompute=full/none", "give pp"), ("pp=2,v=2,recompute=full/none", "pp x v is 2"),
+                        ("pp=2,tp_split=rows/cols", "tp_split must be one of"), ("tp_split=rows/ops", "give pp")):
         with pytest.raises(PolyshardError, match=needle):
             Fixed.parse(bad)
 
