@@ -136,4 +136,4 @@ def test_the_search_splits_rows_in_the_stages_where_it_pays():
         assert Plan.from_json(plan.to_json()).stage_tp_split == plan.stage_tp_split
     assert frozenset({"rows"}) in splits and frozenset({"ops", "rows"}) in splits and frozenset({"ops"}) in splits
     loose, loose_s = pick(80)
-    assert loose_s < 0.97 * pick(80, "ops")[1]
+    assert "rows" in loose.stage_tp_split and loose_s < pick(80, "ops")[1]

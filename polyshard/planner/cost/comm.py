@@ -112,15 +112,17 @@ def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, floa
 def weight_sum_seconds(node, entry, modules, itemsize: int, mesh_axes: Axes, cluster: Cluster) -> float:
     """Seconds a module whose weights are all whole, run on a split input (a norm under sequence parallel, a
     layer of a stage whose ranks split the batch), takes to sum its weights' gradients over the split axes:
-    one all-reduce per axis in each backward, whatever the rows."""
+    in each backward, one all-reduce per weight and axis (DTensor reduces each gradient on its own), whatever
+    the rows."""
     if entry.impl != "dtensor" or node.op != "call_module" or not entry.params or \
             not all(l.is_replicated for l in entry.params.values()):
         return 0.0
-    numel = sum(p.numel() for name, p in modules[node.target].named_parameters(recurse=False) if name in entry.params)
-    layout = next(iter(entry.params.values()))
+    sizes = next(iter(entry.params.values())).axis_sizes
     split = {a for l in entry.inputs.values() for d in l.dims for a in d}
-    return sum(sum(comm_seconds({a: wire_bytes("all_reduce", numel * itemsize, layout.axis_sizes[a],
-                                               cluster.backend)}, mesh_axes, cluster)) for a in split)
+    return sum(sum(comm_seconds({a: wire_bytes("all_reduce", p.numel() * itemsize, sizes[a], cluster.backend)},
+                                mesh_axes, cluster))
+               for name, p in modules[node.target].named_parameters(recurse=False) if name in entry.params
+               for a in split)
 
 
 # A ring all-reduce is a reduce-scatter then an all-gather, 2(n-1) steps; each of those alone runs n-1.
