@@ -18,10 +18,11 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from polyshard.errors import PolyshardError
-from polyshard.graph.export import export_graph
+from polyshard.graph.export import SIGNATURE_KEY, export_graph
+from polyshard.graph.export import at_rows as exported_at_rows
 
 LEAF_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm)
 PIN_ATTR = "_polyshard_pin"
@@ -174,6 +175,15 @@ def capture(model: nn.Module, example_inputs: Sequence | Mapping) -> fx.GraphMod
         _RepeatShapeProp(gm, fake_mode=mode).propagate(
             *[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
     return gm
+
+
+def at_rows(model: nn.Module, gm: fx.GraphModule, example_row: Sequence | Mapping, rows: int) -> fx.GraphModule:
+    """``gm`` (``model`` captured on the one-row ``example_row``) with its shapes at ``rows`` rows: an exported
+    graph recorded again (export kept the batch symbolic: no second export), a traced one traced again."""
+    if SIGNATURE_KEY in gm.meta and (again := exported_at_rows(gm, rows)) is not None:
+        return again
+    return capture(model, tree_map(lambda t: t.repeat(rows, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor)
+                                   else t, example_row))
 
 
 def shapes_of(node: fx.Node) -> tuple[tuple[int, ...], ...] | None:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 from torch import fx, nn
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -111,6 +111,23 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     gm.meta[SIGNATURE_KEY] = signature
     return gm
+
+
+def at_rows(gm: fx.GraphModule, rows: int) -> fx.GraphModule | None:
+    """An exported ``gm`` whose shapes are recorded at ``rows`` rows: the same graph, which export kept symbolic in
+    the batch; None where the code fixed the batch."""
+    batch = dict.fromkeys(_symbolic_batch(gm.graph), rows)
+    if not batch:
+        return None
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for old, new in zip(gm.graph.nodes, graph.nodes):
+        meta = old.meta.get("tensor_meta")
+        grad = any(m.requires_grad for m in ((meta,) if isinstance(meta, TensorMetadata) else meta or ()))
+        _set_tensor_meta(new, batch, grad)
+    wider = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    wider.meta.update(gm.meta)
+    return wider
 
 
 def _drop_asserts(graph: fx.Graph) -> None:

@@ -33,12 +33,11 @@ from typing import Callable, Sequence
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_map
 
 from polyshard.buckets import BUCKET_BYTES, bucket_count
 from polyshard.cluster import Cluster, format_bytes
 from polyshard.errors import PolyshardError
-from polyshard.graph.capture import capture
+from polyshard.graph.capture import at_rows, capture
 from polyshard.graph.regions import recomputed
 from polyshard.mesh import PIPELINE_AXIS, SPATIAL_AXES
 from polyshard.planner.cost.comm import axis_link, collective_latency
@@ -220,9 +219,7 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                              f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the reserve")
     gm = capture(model, example_row) if graph is None else graph
     costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else (),
-                   dataset_strategy, lambda rows: capture(model, tree_map(
-                       lambda t: t.repeat(rows, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) else t,
-                       example_row)))
+                   dataset_strategy, lambda rows: at_rows(model, gm, example_row, rows))
     candidates, plans, skipped = [], {}, []
     best_s = float("inf")
     allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks),

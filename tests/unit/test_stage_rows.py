@@ -10,7 +10,7 @@ import pytest
 from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
-from polyshard.graph.capture import capture
+from polyshard.graph.capture import at_rows, capture
 from polyshard.layout import Layout
 from polyshard.plan import Plan
 from polyshard.planner.config import Fixed
@@ -137,3 +137,22 @@ def test_the_search_splits_rows_in_the_stages_where_it_pays():
     assert frozenset({"rows"}) in splits and frozenset({"ops", "rows"}) in splits and frozenset({"ops"}) in splits
     loose, loose_s = pick(80)
     assert "rows" in loose.stage_tp_split and loose_s < pick(80, "ops")[1]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_an_exported_graph_at_more_rows_is_what_exporting_them_records(family):
+    """Export keeps the batch symbolic, so a search needing the model at more rows records the shapes again
+    instead of exporting twice; the batch values and the rows layout follow."""
+    hf = pytest.importorskip("polyshard.models.hf", reason="the [hf] extra (part of [dev]) is not installed")
+    model = hf.build(family)
+    row = hf.batch(model, 1, 8)
+    gm = capture(model, row)
+    again, exported = at_rows(model, gm, row, 4), capture(model, hf.batch(model, 4, 8))
+    assert [(n.name, n.target) for n in again.graph.nodes] == [(n.name, n.target) for n in exported.graph.nodes]
+    assert [n.meta.get("tensor_meta") for n in again.graph.nodes] == \
+        [n.meta.get("tensor_meta") for n in exported.graph.nodes]
+    batch = batch_values(gm, again)
+    assert batch and batch == batch_values(gm, exported)
+    plan = rows_layouts(again, batch, (("tp", 4),), {})
+    projections = [n for n in again.graph.nodes if n.op == "call_module" and n.target.endswith(("q_proj", "c_attn"))]
+    assert projections and all(plan.nodes[n.name].output.dims[0] == ("tp",) for n in projections)
