@@ -122,9 +122,11 @@ def at_rows(gm: fx.GraphModule, rows: int) -> fx.GraphModule | None:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     for old, new in zip(gm.graph.nodes, graph.nodes):
-        meta = old.meta.get("tensor_meta")
-        grad = any(m.requires_grad for m in ((meta,) if isinstance(meta, TensorMetadata) else meta or ()))
-        _set_tensor_meta(new, batch, grad)
+        meta, val = old.meta.get("tensor_meta"), old.meta.get("val")
+        if isinstance(meta, TensorMetadata):
+            new.meta["tensor_meta"] = _meta_at(meta, val, batch)
+        elif isinstance(meta, tuple):
+            new.meta["tensor_meta"] = tuple(_meta_at(m, v, batch) for m, v in zip(meta, val))
     wider = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     wider.meta.update(gm.meta)
     return wider
@@ -321,8 +323,23 @@ def _needs_grad(graph: fx.Graph, attrs: dict) -> set[fx.Node]:
 
 def _concrete(val: torch.Tensor, batch: dict, grad: bool) -> torch.Tensor:
     """A meta tensor of ``val``'s shape with the batch symbol at the example's rows."""
-    shape = [int(d) if not isinstance(d, torch.SymInt) else int(d.node.expr.xreplace(batch)) for d in val.shape]
-    return torch.empty(shape, dtype=val.dtype, device="meta", requires_grad=grad and val.dtype.is_floating_point)
+    return torch.empty(_shape_at(val, batch), dtype=val.dtype, device="meta",
+                       requires_grad=grad and val.dtype.is_floating_point)
+
+
+def _shape_at(val: torch.Tensor, batch: dict) -> torch.Size:
+    """``val``'s shape with the batch symbol at the given rows."""
+    return torch.Size(int(d) if not isinstance(d, torch.SymInt) else int(d.node.expr.xreplace(batch))
+                      for d in val.shape)
+
+
+def _meta_at(meta: TensorMetadata, val: torch.Tensor, batch: dict) -> TensorMetadata:
+    """``meta`` (recorded at other rows) with the shape, and contiguous strides, at the given rows."""
+    shape = _shape_at(val, batch)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return meta._replace(shape=shape, stride=tuple(strides))
 
 
 def _set_tensor_meta(node: fx.Node, batch: dict, grad: bool) -> None:
