@@ -14,7 +14,10 @@ import torch
 import torch.distributed as dist
 
 import polyshard as ps
+from polyshard.cluster import Cluster
 from polyshard.models import hf
+from polyshard.planner.config import Fixed
+from polyshard.planner.search import search
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.zero import setup_zero
 from tests.distributed.cases import rel_err
@@ -24,13 +27,15 @@ LR = 1e-3
 
 def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int = 8, zero: int | None = None,
               layers: int | None = None, precision: str = "fp32", optimizer: str | None = None,
-              table_rows: tuple[int, ...] | None = None, table_columns: int | None = None, **options) -> dict:
+              table_rows: tuple[int, ...] | None = None, table_columns: int | None = None, tp_split: str | None = None,
+              **options) -> dict:
     """Worst loss and parameter errors after ``steps`` optimizer steps; ``zero``: optimizer parallel level (by
     :func:`setup_zero`); ``layers``: decoder layers instead of the tiny config's; ``precision``: "bf16" or
     "fp16" computes in half precision over fp32 masters, against an fp32 reference (the others: float64);
     ``optimizer``: "adamw" or "sgd" (default: AdamW in float64, SGD with momentum in half precision);
     ``table_rows``: the input embedding's rows split so over the operator axis (manual_split); ``table_columns``:
-    its features split in that many pieces (a tied head follows);
+    its features split in that many pieces (a tied head follows); ``tp_split``: the plan searched (for A100s) with
+    what each pipeline chunk's tp ranks split fixed so;
     ``options`` go to parallelize."""
     ps.init(mesh)
     torch.manual_seed(0)
@@ -48,6 +53,12 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     batches = [{k: v.to(ps.current_mesh().device) for k, v in hf.batch(ref, batch, seq, seed=s).items()}
                for s in range(steps)]
     rows = batch // ps.current_mesh().num_data_shards
+    if tp_split is not None:
+        mesh = ps.current_mesh()
+        options["plan"], _ = search(par, {k: v[:1] for k, v in batches[0].items()}, Cluster.preset("4xA100-80G"),
+                                    batch, meshes=[mesh.axes], data_axes=mesh.data_axes,
+                                    fixed=Fixed(tp_split=tp_split, precision="fp32", **options))
+        options = {"plan": options["plan"]}
     pm = ps.parallelize(par, example_inputs={k: v[:rows] for k, v in batches[0].items()}, **options)
     # half precision: SGD with momentum, which passes rounding through unamplified (AdamW would turn noise
     # on the key bias's gradient, zero in exact arithmetic, into full-size updates)
@@ -84,7 +95,8 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     result = {"loss_err": loss_err, "param_err": max(errors)[0], "worst": max(errors),
               "missing": sorted(set(dict(ref.named_parameters())) - set(full)),
               "layouts": {k: str(v) for k, v in pm.plan.params.items()},
-              "sequence_parallel": pm.plan.sequence_parallel, "boundaries": list(pm.plan.stage_boundaries)}
+              "sequence_parallel": pm.plan.sequence_parallel, "boundaries": list(pm.plan.stage_boundaries),
+              "tp_split": pm.plan.stage_tp_split}
     if zero is not None:
         opt.remove()
     return result

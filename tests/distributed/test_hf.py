@@ -45,6 +45,15 @@ def test_gpt2_and_llama_in_every_mode(pools, family, mode):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_stage_whose_tp_ranks_split_rows(pools, family):
+    """A searched plan on pp=2 x tp=2 whose first chunk's tp ranks split rows (the model's weights whole there), the
+    second's operators: rotary tables, masks and norms as transformers writes them on half of the rows each."""
+    results = pools(4).run(partial(hf_cases.hf_parity, tp_split="rows/ops", m=2), "pp=2,tp=2", family)
+    _check(results)
+    assert results[0]["tp_split"] == ("rows", "ops")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_token_table_split_by_features(pools, family):
     """The input embedding's features split over tp (GPT-2's tied head then runs row-parallel on them), its
     lookups handed on split into the sequence-parallel layers: as one device trains."""
