@@ -415,8 +415,8 @@ def _options(n: int, s: Setup):
 
 def _bounds(modes: Modes, s: Setup, options: list[tuple[int, str, int]], numel: float) -> list[float]:
     """Per (m, schedule, v): equal stages' step, (m + (p-1)/v) x the mean stage's micro-batch, or if more,
-    m x the slowest unit's (whichever rank holds it runs it m times), each unit in its fastest mode (the first
-    mode's parameters and sends, which the others hold and send no fewer of); plus the optimizer step and the least
+    m x the slowest unit's (whichever rank holds it runs it m times), each unit and cut in its fastest mode (the
+    first mode's parameters, which the others hold no fewer of); plus the optimizer step and the least
     exposed gradient communication (at any bucket size) of the rank holding the most parameters (at least the
     mean share of the ``numel``): hidden beside no more than the mean chunk's backward (:func:`cost_pipeline`
     hides it beside the least one's), at level 3 with every small parameter of the model left whole and one
@@ -430,7 +430,8 @@ def _bounds(modes: Modes, s: Setup, options: list[tuple[int, str, int]], numel: 
     for m, _, v in options:
         if m not in per_m:
             seconds = np.min([u.seconds(s.rows / m) for u in modes], axis=0)
-            per_m[m] = seconds.sum(), seconds.max(), float(np.max(s.send(units.send_bytes * s.rows / m)))
+            sends = np.min([s.send(u.send_bytes * s.rows / m) for u in modes], axis=0)
+            per_m[m] = seconds.sum(), seconds.max(), float(np.max(sends))
         total, slowest, sent = per_m[m]
         backward = (1 - units.forward_share) * total / (s.pp * v) + sent
         out.append(max((m + (s.pp - 1) / v) * total / s.pp, m * slowest)
@@ -449,11 +450,12 @@ class Loses:
 
 def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulated: bool = True,
                   beat_s: float = float("inf")) -> PipelineCost | Loses | None:
-    """This (m, schedule)'s fastest cuts whose every stage fits, each chunk in the fastest of ``modes``
-    that fits it, simulated; None when no cuts fit, :class:`Loses` when they cannot take less than
-    ``beat_s``. ``simulated=False`` times the schedule by the equal-stage formula instead, (m + (p-1)/v) x
-    the busiest rank's micro-batch (for a split that does not fit, whose memory is what matters)."""
-    units = modes[0]  # what crosses the cuts is read from the first mode, and priced so in every mode
+    """This (m, schedule)'s fastest cuts whose every stage fits, each chunk in the fastest of ``modes`` that fits
+    it (sending across its cuts what that mode's plan lays out there), simulated; None when no cuts fit,
+    :class:`Loses` when they cannot take less than ``beat_s``. ``simulated=False`` times the schedule by the
+    equal-stage formula instead, (m + (p-1)/v) x the busiest rank's micro-batch (for a split that does not fit,
+    whose memory is what matters)."""
+    units = modes[0]
     n, chunks, rows = len(units), s.pp * v, s.rows / m
     state = [_unit_state(u, s) for u in modes]  # each unit's parameter memory, per mode
     fixed_of = [np.concatenate([[0.0], np.cumsum([st.total_bytes for st in per_unit])]) for per_unit in state]
@@ -466,12 +468,13 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
     if min(f[-1] for f in fixed_of) + least_acts * min(held) + chunks * (min(working) + bucket) > s.pp * s.limit:
         return None  # more than all chunks hold together (limit / v each): no cuts fit, and no program is needed
     seconds = [u.seconds(rows) for u in modes]
-    send = np.concatenate([[0.0], s.send(units.send_bytes[1:] * rows), [0.0]])  # per cut 0..n: the ends send nothing
+    # per mode, per cut 0..n, what a chunk in that mode sends across it (the ends send nothing)
+    send = [np.concatenate([[0.0], s.send(u.send_bytes[1:] * rows), [0.0]]) for u in modes]
     start, end = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")  # every unit range [i, j)
     time = []  # per mode, per unit range: seconds, with sends of activations out and gradients back in
-    for sec in seconds:
+    for sec, sent in zip(seconds, send):
         time_of = np.concatenate([[0.0], np.cumsum(sec)])
-        time.append(time_of[end] - time_of[start] + send[end] + send[start])
+        time.append(time_of[end] - time_of[start] + sent[end] + sent[start])
     base = [f[end] - f[start] + w + bucket for f, w in zip(fixed_of, working)]
     acts = []
     for u in modes:
@@ -502,7 +505,7 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
     else:
         # The time-balanced cuts ignore memory and the optimizer level: where they fit in the fastest mode they
         # are the answer, and the levels and schedules that share them need no program of their own.
-        free = ("cuts", id(units), chunks, rows, send.tobytes())
+        free = ("cuts", id(units), chunks, rows, send[0].tobytes())
         if free not in s.memo:
             s.memo[free] = min_max_partition(lambda banded: banded(time[0]), n, chunks)[1]
         cuts = list(s.memo[free])
@@ -518,8 +521,8 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
     parts = list(zip(edges, edges[1:]))
     run = [modes[k] for k in mode]  # each chunk's units, in its mode
     own = [seconds[k][i:j].sum() for k, (i, j) in zip(mode, parts)]  # each chunk's seconds, sends aside
-    forward = [u.forward_share * t + send[j] for u, t, (i, j) in zip(run, own, parts)]  # p2p: activations out
-    backward = [(1 - u.forward_share) * t + send[i] for u, t, (i, j) in zip(run, own, parts)]  # and gradients in
+    forward = [u.forward_share * t + send[k][j] for k, u, t, (i, j) in zip(mode, run, own, parts)]  # activations out
+    backward = [(1 - u.forward_share) * t + send[k][i] for k, u, t, (i, j) in zip(mode, run, own, parts)]  # grads in
     # the parameter groups each rank holds: its one stage's, or under interleaving its v chunks'
     held_groups = [tuple(g for c in range(r, chunks, s.pp) for unit in run[c].groups[edges[c]:edges[c + 1]]
                          for g in unit) for r in range(s.pp)]

@@ -196,3 +196,23 @@ def test_the_plan_says_which_layers_run_whole_because_their_sizes_do_not_divide(
     assert "wte (1001 x 252), blocks.0.attn.q (252 x 252)" in out and "and 6 more run whole on each of the 8" in out
     code, out, _ = _run(capsys, "cost", "--model", SHAPE, *args)
     assert code == 0 and "run whole" not in out
+
+
+def test_a_stage_split_of_tp_ranks_is_priced_spelled_and_explained(capsys, tmp_path):
+    """`tp_split` fixes what each pipeline chunk's tp ranks split; the output spells it back, pricing that spelling
+    gives the same step, and `explain` shows each stage's split."""
+    args = ("--model", SHAPE, "--cluster", "8xA100-80G", "--global-batch", "64")
+    out_file = tmp_path / "rows.json"
+    code, out, _ = _run(capsys, "cost", *args, "--config", "tp=4,pp=2,tp_split=rows", "--json", "--out", str(out_file))
+    assert code == 0
+    given = json.loads(out)
+    split = dict(kv.split("=") for kv in given["config"].split(","))["tp_split"]
+    assert set(split.split("/")) == {"rows"} and len(split.split("/")) % 2 == 0
+    again = json.loads(_run(capsys, "cost", *args, "--config", given["config"], "--json")[1])
+    assert again["step_s"] == pytest.approx(given["step_s"])
+    plan = Plan.from_json(out_file.read_text())
+    assert plan.stage_tp_split == tuple(split.split("/")) and plan.params["blocks.1.mlp.fc.weight"].is_replicated
+    code, out, _ = _run(capsys, "explain", str(out_file), "--layouts", "0")
+    assert code == 0 and "tp splits" in out and out.count("  rows\n") == len(split.split("/"))
+    code, _, err = _run(capsys, "cost", *args, "--config", "tp=4,pp=2,tp_split=cols")
+    assert code == 2 and "tp_split must be one of" in err
