@@ -257,3 +257,12 @@ def collapse(layout: Layout, coarse: Axes, spans: dict[str, tuple[str, ...]]) ->
         if hit:
             partial.append(name)
     return Layout(coarse, tuple(dims), tuple(partial))
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from polyshard.layout import Axes, Layout
+from polyshard.layout import Axes, Layout, contiguous_strides
 from polyshard.mesh import Mesh
 from polyshard.transitions import common_axes, plan_transition
 
@@ -26,7 +26,7 @@ def to_dtensor(local: torch.Tensor, layout: Layout, global_shape, mesh: Mesh) ->
     """Wrap this rank's piece as a DTensor of ``layout`` (no communication)."""
     shape = torch.Size(global_shape)
     return DTensor.from_local(local, mesh.device_mesh(layout.axes), layout.placements(),
-                              shape=shape, stride=_contiguous_stride(shape))
+                              shape=shape, stride=contiguous_strides(shape))
 
 
 def redistribute(x: DTensor, dst: Layout, mesh: Mesh, async_op: bool = False) -> DTensor:
@@ -55,11 +55,3 @@ def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout, global_sha
 def _rewrap(x: DTensor, layout: Layout, mesh: Mesh) -> DTensor:
     """The same pieces viewed over another device matrix of the same ranks (no communication)."""
     return to_dtensor(x.to_local(), layout, x.shape, mesh)
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))

@@ -25,6 +25,7 @@ from polyshard.graph.causal import run_causal_attention_unmasked
 from polyshard.graph.saved import KEPT_INSIDE, kept_inside
 from polyshard.graph.stamp import find_stack, first_layers, stamp
 from polyshard.graph.upcast import PROBED, may_upcast, probe
+from polyshard.layout import contiguous_strides
 
 SIGNATURE_KEY = "polyshard_call_signature"
 # Ops that only assert what export saw; they would pin the capture's device into the program.
@@ -336,10 +337,7 @@ def _shape_at(val: torch.Tensor, batch: dict) -> torch.Size:
 def _meta_at(meta: TensorMetadata, val: torch.Tensor, batch: dict) -> TensorMetadata:
     """``meta`` (recorded at other rows) with the shape, and contiguous strides, at the given rows."""
     shape = _shape_at(val, batch)
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return meta._replace(shape=shape, stride=tuple(strides))
+    return meta._replace(shape=shape, stride=contiguous_strides(shape))
 
 
 def _set_tensor_meta(node: fx.Node, batch: dict, grad: bool) -> None:

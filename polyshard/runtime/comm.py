@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from polyshard.errors import PolyshardError
+from polyshard.layout import contiguous_strides
 from polyshard.mesh import current_mesh
 
 
@@ -62,16 +63,8 @@ def _change(x: torch.Tensor, axis: str, src, dst) -> torch.Tensor:
         shape[src.dim] *= size
     if isinstance(dst, Shard) and shape[dst.dim] % size:
         raise PolyshardError(f"dim {dst.dim} of size {shape[dst.dim]} does not split over axis {axis} of {size}")
-    d = DTensor.from_local(x, sub, [src], shape=torch.Size(shape), stride=_stride(shape))
+    d = DTensor.from_local(x, sub, [src], shape=torch.Size(shape), stride=contiguous_strides(shape))
     return d.redistribute(sub, [dst]).to_local()
-
-
-def _stride(shape: list[int]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= s
-    return tuple(reversed(out))
 
 
 class _Send(torch.autograd.Function):

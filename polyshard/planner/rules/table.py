@@ -159,8 +159,8 @@ def _elementwise(node: fx.Node, ctx: RuleContext) -> NodePlan:
     lead = max(layouts, key=lambda l: sum(map(len, l.dims)))
     shift = out_nd - lead.ndim
     out_dims = [()] * shift + [tuple(d) for d in lead.dims]
-    if any(_broadcast_over(shape_of(n), out_shape, out_dims) and getattr(n.meta.get("tensor_meta"), "requires_grad",
-                                                                            False) for n in inputs):
+    trainable = [n for n in inputs if getattr(n.meta.get("tensor_meta"), "requires_grad", False)]
+    if any(_broadcast_over(shape_of(n), out_shape, out_dims) for n in trainable):
         out_dims = [()] * out_nd  # a trainable value (RMSNorm's weight) broadcast over a split dim: partial grads
     out = lead.with_dims(out_dims)
     required = {}
@@ -357,11 +357,11 @@ def _linear(node: fx.Node, module: nn.Linear, ctx: RuleContext, mode: str | None
     """Megatron's pairing: column-parallel after replicated input, row-parallel after a split last dim.
 
     ``mode`` ("column", "row", "row_scatter", "replicated", "batch") forces a choice, for the search; None if
-    it cannot apply. "batch": the weight whole on the rows as they arrive, split or not. "row_scatter" is
-    row-parallel whose partial sums are reduce-scattered along the sequence (the dim before the features)
-    instead of all-reduced: Megatron's sequence parallel, where the norms, dropout and residual adds that
-    follow run on a slice of the sequence each. Under
-    ``ctx.sequence`` every row-parallel product scatters where it can."""
+    it cannot apply. "batch": the weight whole on rows split over op axes (see :func:`_whole_on_rows`).
+    "row_scatter" is row-parallel whose partial sums are reduce-scattered along the sequence (the dim before the
+    features) instead of all-reduced: Megatron's sequence parallel, where the norms, dropout and residual adds
+    that follow run on a slice of the sequence each. Under ``ctx.sequence`` every row-parallel product scatters
+    where it can."""
     x = node.args[0]
     src = ctx.layout(x)
     order = linear_dims(module)  # GPT-2's Conv1D stores its weight transposed: layouts are flipped to match
@@ -411,8 +411,8 @@ def _embedding(node: fx.Node, module: nn.Embedding, ctx: RuleContext, split: str
 
     ``split`` forces the choice, for the search: "rows", "columns" (each rank looks up its features of every
     row, and hands them on split: a vocabulary that does not divide, tied to a row-parallel head, still
-    splits), "whole" or "batch" (whole, on the lookups' rows as they arrive, split or not); None if it cannot
-    apply."""
+    splits), "whole" or "batch" (whole, on lookups whose rows are split over op axes: :func:`_whole_on_rows`);
+    None if it cannot apply."""
     idx = node.args[0]
     if split == "batch":
         return _whole_on_rows(node, idx, module, ctx, 0)
