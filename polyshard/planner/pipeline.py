@@ -280,8 +280,9 @@ class PipelineCost:
     stages: tuple[Stage, ...]
     memory: MemoryEstimate
     span_s: float = 0.0  # the simulated schedule, first start to last end (the step less data-parallel sync and update)
-    refused_s: float = float("inf")  # the least bound of the options that did not fit: what frees memory may reach
+    refused_s: float = float("inf")  # the least bound of the options memory refused: what frees memory may reach
     bucket_bytes: int = BUCKET_BYTES  # gradients per data-parallel collective
+    squeezed: bool = False  # memory refused it faster cuts, chunk modes or bucket size: freeing it may gain
 
     @property
     def step_s(self) -> float:
@@ -325,12 +326,13 @@ class Setup:
     bucket_sizes: tuple[int, ...] = (BUCKET_BYTES,)
 
 
-def best_pipeline(modes: Modes, setup: Setup, best_s: float = float("inf")) -> tuple[PipelineCost | None, float]:
+def best_pipeline(modes: Modes, setup: Setup,
+                  best_s: float = float("inf")) -> tuple[PipelineCost | None, float, float]:
     """The fastest (micro-batch count, schedule, virtual stages) whose cuts let every stage fit,
     tried in the order of their lower bounds until the bound loses to the best found or
-    ``best_s``; and the lowest bound of those not tried or not simulated (their cuts fit, but the busiest
-    rank's work alone lost). inf when all were costed, and also when one that could still win did not
-    fit (then None means: nothing fits here, try what saves memory)."""
+    ``best_s``; the lowest bound of those not tried or not simulated (their cuts fit, but the busiest
+    rank's work alone lost; inf when all were costed); and the lowest bound of those memory refused
+    (what saving memory may reach; inf when none)."""
     units = modes[0]
     numel = sum(sum(g) for unit in units.groups for g in unit)
     allowed = list(_options(len(units), setup))
@@ -354,13 +356,13 @@ def best_pipeline(modes: Modes, setup: Setup, best_s: float = float("inf")) -> t
             continue
         if found is None:
             overflow_at[(schedule, v)] = max(m, overflow_at.get((schedule, v), 0))
+        if found is None or found.squeezed:
             overflow_bound = min(overflow_bound, bound)
         if found is not None and (best is None or found.step_s < best.step_s):
             best = found
     else:
         bound = float("inf")  # every option was tried
-    overflowed = overflow_bound < float("inf")
-    return _refused(best, overflow_bound), float("inf") if overflowed and best is None else min(bound, lost_bound)
+    return _refused(best, overflow_bound), min(bound, lost_bound), overflow_bound
 
 
 def _refused(best: PipelineCost | None, overflow_bound: float) -> PipelineCost | None:
@@ -481,18 +483,19 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
         acts_of = np.concatenate([[0.0], np.cumsum(u.activation_bytes * rows)])
         acts.append(acts_of[end] - acts_of[start])
 
-    def load(banded):  # time where a range fits with its chunk's activations in flight, in its fastest mode that does
-        in_flight_of = np.array(held)[:, None, None]
+    def load(banded, cap: float = s.limit / v):  # time where a range fits with its chunk's activations in flight,
+        in_flight_of = np.array(held)[:, None, None]  # in its fastest mode that does
         return functools.reduce(np.minimum, (
-            np.where(allowed[:, k, None, None] & (banded(b) + banded(a) * in_flight_of <= s.limit / v), banded(t), np.inf)
+            np.where(allowed[:, k, None, None] & (banded(b) + banded(a) * in_flight_of <= cap), banded(t), np.inf)
             for k, (b, a, t) in enumerate(zip(base, acts, time))))
 
-    def modes_of(cuts: list[int]) -> list[int] | None:  # each chunk's fastest mode that fits; None if one has none
+    def modes_of(cuts: list[int], cap: float = s.limit / v) -> list[int] | None:
+        """Each chunk's fastest mode that fits under ``cap``; None if one has none."""
         edges = [0, *cuts, n]
         if len(edges) != chunks + 1:
             return None
         picks = [min((k for k in range(len(modes))
-                      if allowed[c, k] and base[k][i, j] + acts[k][i, j] * held[c] <= s.limit / v),
+                      if allowed[c, k] and base[k][i, j] + acts[k][i, j] * held[c] <= cap),
                      key=lambda k: time[k][i, j], default=None)
                  for c, (i, j) in enumerate(zip(edges, edges[1:]))]
         return None if None in picks else picks
@@ -502,6 +505,7 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
         mode = modes_of(cuts)
         if mode is None:
             return None
+        squeezed = mode != modes_of(cuts, float("inf"))
     else:
         # The time-balanced cuts ignore memory and the optimizer level: where they fit in the fastest mode they
         # are the answer, and the levels and schedules that share them need no program of their own.
@@ -510,6 +514,7 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
             s.memo[free] = min_max_partition(lambda banded: banded(time[0]), n, chunks)[1]
         cuts = list(s.memo[free])
         mode = modes_of(cuts)
+        squeezed = mode != modes_of(cuts, float("inf"))
         if mode is None or any(mode):
             if not _coverable(base, acts, held, s.limit / v):
                 return None
@@ -517,6 +522,11 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
             if not np.isfinite(slowest):
                 return None
             mode = modes_of(cuts)
+            if not squeezed:  # the balanced cuts fit, in a slower mode: did memory keep other cuts from less?
+                unlimited = ("cuts in any mode", tuple(map(id, modes)), chunks, rows)
+                if unlimited not in s.memo:
+                    s.memo[unlimited] = min_max_partition(functools.partial(load, cap=float("inf")), n, chunks)[0]
+                squeezed = slowest > s.memo[unlimited] * (1 + 1e-12)
     edges = [0, *cuts, n]
     parts = list(zip(edges, edges[1:]))
     run = [modes[k] for k in mode]  # each chunk's units, in its mode
@@ -550,6 +560,7 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
 
     size = min((b for b in s.bucket_sizes if not bucket or b == bucket or
                 all(h.total_bytes + buffer(b, h) <= s.limit / v for h in held_bytes)), key=lambda b: sum(synced[b]))
+    squeezed |= sum(synced[size]) > min(map(sum, synced.values()))
     dp_comm, update = synced[size]
     stages = [Stage(c % s.pp, units.span[i][0], units.span[j - 1][1], forward[c], backward[c],
                     dataclasses.replace(h, buffers_bytes=buffer(size, h)), run[c].recompute, run[c].tp_split)
@@ -572,7 +583,7 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
     memory = _sum_memory([stages[c].memory for c in range(fullest, chunks, s.pp)])
     return PipelineCost(schedule, m, v, tuple(units.starts[i] for i in cuts), compute, op_comm, p2p,
                         span - busy[rank], dp_comm, 1 - sum(busy) / (s.pp * span), tuple(stages), memory, span,
-                        bucket_bytes=size)
+                        bucket_bytes=size, squeezed=squeezed)
 
 
 def _allows(fixed: Fixed, units: Units, chunk: int, micro_rows: int) -> bool:

@@ -657,17 +657,18 @@ class _Costs:
                           update_seconds=lambda numel, tensors=0, zero=zero, precision=precision: _update_seconds(
                               numel, offload, zero, dp, precision, self.cluster, tensors),
                           fixed=self.fixed, memo=self._memo, bucket_sizes=self.bucket_sizes)
-            found, bound = best_pipeline(units, setup, best_s)
-            if found is None and bound < float("inf"):
-                out.append((Candidate(mesh, rows, bound, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0),
-                                      recompute=modes[-1], offload=offload, zero=zero, precision=precision,
-                                      pruned=True), None))
+            found, bound, refused = best_pipeline(units, setup, best_s)
+            if found is None and refused == float("inf"):
+                if bound < float("inf"):
+                    out.append((Candidate(mesh, rows, bound, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0),
+                                          recompute=modes[-1], offload=offload, zero=zero, precision=precision,
+                                          pruned=True), None))
                 continue
-            if found is None and best_s < float("inf"):
-                continue  # nothing fits here, and a plan that fits is known: how far this misses is not news
+            # nothing fits: by how much the leanest misses, and what memory refused (so what saves it is tried)
             p = found or leanest_pipeline(units, setup)
             if p is None:  # the fixed settings allow no schedule on this split
                 continue
+            p = dataclasses.replace(p, refused_s=min(p.refused_s, refused))
             if modes[-1] not in p.recompute:  # the setting before ran these modes, no slower
                 continue
             most = most_recompute(p.recompute)

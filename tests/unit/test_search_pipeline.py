@@ -9,7 +9,7 @@ import pytest
 from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
-from polyshard.planner.pipeline import Setup, Units, best_pipeline, cost_pipeline
+from polyshard.planner.pipeline import Setup, Units, _options, best_pipeline, cost_pipeline
 from polyshard.plan import Plan
 from polyshard.planner.report import chosen_row, render
 from polyshard.planner.config import Fixed
@@ -90,6 +90,32 @@ def test_a_pipeline_is_refused_exactly_when_no_cuts_fit(seed):
                        for k, (i, j) in enumerate(zip((0, *cuts), (*cuts, n))))
                    for cuts in itertools.combinations(range(1, n), pp - 1))
         assert (found is not None) == fits, (limit_mib, found)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_what_memory_refused_is_bounded_from_below(seed):
+    """Every option memory refused or squeezed into slower cuts, that could have beaten the pipeline found (any,
+    when none fits), steps no faster than the third figure best_pipeline returns: the search tries what frees
+    memory while that is below the best, even where the other optimizer levels of a split lost on their bounds."""
+    rng = np.random.default_rng(seed)
+    n, pp, rows = int(rng.integers(4, 9)), int(rng.integers(2, 4)), 8
+    units = _units(list(rng.uniform(0.5, 2.0, n)), list(rng.uniform(1, 8, n)), [int(k) * 2**16 for k in
+                                                                              rng.integers(1, 8, n)])
+    refusals = 0
+    for limit_mib in np.linspace(10, 120, 12):
+        setup = _setup(pp, rows, limit_mib * MiB)
+        found, _, refused = best_pipeline((units,), setup)
+        unlimited = dataclasses.replace(setup, limit=float("inf"))
+        beat_s = found.step_s if found else float("inf")
+        could_win = []  # options memory refused, or squeezed into slower cuts, that could beat what was found
+        for option in _options(n, setup):
+            fitting, free = cost_pipeline((units,), setup, *option), cost_pipeline((units,), unlimited, *option)
+            if (fitting is None or fitting.step_s > free.step_s * (1 + 1e-9)) and free.step_s < beat_s:
+                could_win.append(free.step_s)
+        assert refused <= min(could_win, default=float("inf")) * (1 + 1e-9), limit_mib
+        assert (found is None) <= (refused < float("inf")), limit_mib  # nothing fits: what memory refused is told
+        refusals += refused < float("inf")
+    assert refusals, "memory refused nothing: the test checks nothing"
 
 
 @pytest.mark.parametrize("pp, limit_mib", [(2, 48), (3, 40), (4, 40), (2, 40)])
@@ -177,7 +203,7 @@ def test_two_stage_step_and_bubble_by_hand():
     0B3 and 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3, the last action (0B3) ends at 1.55 s = (m + p - 1) x
     0.31; each stage is busy 4 x 0.31 = 1.24 s, so the bubble is 1 - 2.48 / (2 x 1.55) = 0.2."""
     units = _units([0.3, 0.3], [1.0, 1.0], [10, 10], send_mib=1.0)
-    found, bound = best_pipeline((units,), _setup(pp=2, rows=4, send_s_per_mib=0.01))
+    found, _, _ = best_pipeline((units,), _setup(pp=2, rows=4, send_s_per_mib=0.01))
     assert (found.schedule, found.micro_batches) == ("1f1b", 4) and found.boundaries == ("u1",)
     assert found.step_s == pytest.approx(1.55)
     assert found.bubble == pytest.approx(0.2) == pytest.approx((2 - 1) / (4 + 2 - 1))
