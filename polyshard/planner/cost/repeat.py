@@ -16,10 +16,16 @@ from polyshard.plan import Plan
 def costed_as(gm: fx.GraphModule, plan: Plan) -> dict[str, str]:
     """Node name -> its twin's (:func:`polyshard.graph.twins.twins`), where the node's compute and
     communication under ``plan`` are its twin's (recompute aside, which the caller compares)."""
-    return {node.name: twin.name for node, twin, inputs in _pairs(gm) if _costs_alike(node, twin, inputs, plan)}
+    known = _ALIKE.setdefault(gm, {})
+    found = known.get(id(plan.nodes))
+    if found is None or found[0] is not plan.nodes:  # a plan's precision, mesh or recompute leave this as it is
+        same = {node.name: twin.name for node, twin, inputs in _pairs(gm) if _costs_alike(node, twin, inputs, plan)}
+        found = known[id(plan.nodes)] = plan.nodes, same
+    return found[1]
 
 
 _PAIRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: every plan asks again
+_ALIKE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph, per layouts: their nodes and twins
 
 
 def _pairs(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, tuple[tuple[fx.Node, fx.Node, bool], ...]]]:
