@@ -280,7 +280,7 @@ class PipelineCost:
     stages: tuple[Stage, ...]
     memory: MemoryEstimate
     span_s: float = 0.0  # the simulated schedule, first start to last end (the step less data-parallel sync and update)
-    refused_s: float = float("inf")  # the least bound of the options memory refused: what frees memory may reach
+    refused_s: float = float("inf")  # what freeing memory may reach (the least span of an option memory refused)
     bucket_bytes: int = BUCKET_BYTES  # gradients per data-parallel collective
     squeezed: bool = False  # memory refused it faster cuts, chunk modes or bucket size: freeing it may gain
 
@@ -331,24 +331,24 @@ def best_pipeline(modes: Modes, setup: Setup,
     """The fastest (micro-batch count, schedule, virtual stages) whose cuts let every stage fit,
     tried in the order of their lower bounds until the bound loses to the best found or
     ``best_s``; the lowest bound of those not tried or not simulated (their cuts fit, but the busiest
-    rank's work alone lost; inf when all were costed); and the lowest bound of those memory refused
-    (what saving memory may reach; inf when none)."""
+    rank's work alone lost; inf when all were costed); and what saving memory may reach (:func:`_freed`)."""
     units = modes[0]
     numel = sum(sum(g) for unit in units.groups for g in unit)
     allowed = list(_options(len(units), setup))
     options = sorted((bound, *option) for bound, option in zip(_bounds(modes, setup, allowed, numel), allowed))
     best, tried, overflow_at = None, set(), {}
-    overflow_bound = float("inf")  # the lowest bound of the options that did not fit
+    refused = []  # (bound, option) of the options memory refused, or squeezed into slower cuts
     lost_bound = float("inf")  # the lowest bound of the options that fit but were not simulated (they lose)
     for bound, m, schedule, v in options:
-        if bound >= min(best_s, best.step_s if best else float("inf")):
+        beat = min(best_s, best.step_s if best else float("inf"))
+        if bound >= beat:
             break
         if schedule == "gpipe" and m in tried:  # 1F1B ran the same work in no more memory: GPipe cannot gain
             continue
         if m <= overflow_at.get((schedule, v), 0):  # fewer, larger micro-batches hold no less per stage
-            overflow_bound = min(overflow_bound, bound)
+            refused.append((bound, m, schedule, v))
             continue
-        found = cost_pipeline(modes, setup, m, schedule, v, beat_s=min(best_s, best.step_s if best else float("inf")))
+        found = cost_pipeline(modes, setup, m, schedule, v, beat_s=beat)
         if schedule == "1f1b":
             tried.add(m)
         if isinstance(found, Loses):
@@ -357,16 +357,28 @@ def best_pipeline(modes: Modes, setup: Setup,
         if found is None:
             overflow_at[(schedule, v)] = max(m, overflow_at.get((schedule, v), 0))
         if found is None or found.squeezed:
-            overflow_bound = min(overflow_bound, bound)
+            refused.append((bound, m, schedule, v))
         if found is not None and (best is None or found.step_s < best.step_s):
             best = found
     else:
         bound = float("inf")  # every option was tried
-    return _refused(best, overflow_bound), min(bound, lost_bound), overflow_bound
+    freed = _freed(modes, setup, refused)
+    return best and dataclasses.replace(best, refused_s=freed), min(bound, lost_bound), freed
 
 
-def _refused(best: PipelineCost | None, overflow_bound: float) -> PipelineCost | None:
-    return dataclasses.replace(best, refused_s=overflow_bound) if best is not None else best
+def _freed(modes: Modes, s: Setup, refused: list[tuple]) -> float:
+    """What saving memory may reach: of the ``refused`` options ((bound, m, schedule, v)), the least span any
+    takes on its cuts with memory to spare (the busiest rank's work, fill and drain, which recompute only
+    lengthens; not simulated). inf when none."""
+    spare = dataclasses.replace(s, limit=float("inf"))
+    least = float("inf")
+    for bound, m, schedule, v in sorted(refused):
+        if bound >= least:
+            break
+        found = cost_pipeline(modes, spare, m, schedule, v, beat_s=0.0)  # its least span, before simulating
+        if found is not None:  # None: the modes allowed leave some chunk nothing to run, at any memory
+            least = min(least, found.bound_s)
+    return least
 
 
 def leanest_pipeline(modes: Modes, setup: Setup) -> PipelineCost | None:

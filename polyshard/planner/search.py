@@ -229,11 +229,12 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         if global_batch % _data_size(mesh, data_axes):
             continue
         hopeless: set[str] = set()  # offloads whose time bound already lost on this split
+        floors: dict[tuple, float] = {}  # (offload, level, precision) -> what recompute cannot beat there
         for setting in SETTINGS:
             if not fixed.allows(recompute=setting[0], offload=setting[1]) or setting[1] in hopeless:
                 continue
             try:
-                found = costs.split(mesh, setting, best_s)
+                found = costs.split(mesh, setting, best_s, floors)
             except PolyshardError as exc:  # a pin that this split cannot hold
                 skipped.append(f"{_mesh_text(mesh)}: {exc}")
                 break
@@ -243,6 +244,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                     plans[candidate.key] = plan
                     if candidate.memory.total_bytes <= limit:
                         best_s = min(best_s, candidate.step_s)
+                if setting[0] == "none":
+                    floors[(setting[1], candidate.zero, candidate.precision)] = _floor(candidate, limit)
             if found and all(c.pruned for c, _ in found):
                 # recompute only adds time, and so does offload: what lost without them loses with them
                 if setting[1] == "none":
@@ -358,10 +361,12 @@ class _Costs:
             return (self.fixed.bucket_bytes,)
         return (BUCKET_BYTES, *(b for b in BUCKET_CHOICES if b != BUCKET_BYTES))
 
-    def split(self, mesh, setting: tuple[str, str], best_s: float) -> list[tuple[Candidate, Plan | None]]:
+    def split(self, mesh, setting: tuple[str, str], best_s: float,
+              floors: dict[tuple, float] | None = None) -> list[tuple[Candidate, Plan | None]]:
         """One split under one (recompute, offload) setting, costed at every optimizer-parallel level
         and precision that applies (no plan when a bound shows it cannot beat ``best_s``; nothing
-        when the recompute mode can buy nothing here)."""
+        when the recompute mode can buy nothing here); ``floors``: per (offload, level, precision), what the
+        split did without recompute (:func:`_floor`), which a pipeline that recomputes cannot beat."""
         recompute, offload = setting
         if recompute != "none" and not self.worth(recompute):
             return []
@@ -407,11 +412,13 @@ class _Costs:
             if mine.plan is None:
                 out += [(dataclasses.replace(c, precision=precision), None) for c, _ in pruned(mine.lower_bound_s)]
             elif _pp(mesh) > 1:
-                found = self._pipelined(mine, mesh, offload, rows, best_s, modes, precision)
+                known = {k[1:]: f for k, f in (floors or {}).items() if k[0] == offload} if program != modes[-1] \
+                    else {}
+                found = self._pipelined(mine, mesh, offload, rows, best_s, modes, precision, known)
                 sending = self.solved_sending(op_axes, program, rows / _pp(mesh), mesh, precision)
                 if sending.plan.nodes != mine.plan.nodes:
                     found = _faster_per_variant(found + self._pipelined(sending, mesh, offload, rows, best_s, modes,
-                                                                        precision))
+                                                                        precision, known))
                 out += found
             else:
                 out += self._whole_fitting(mine, mesh, setting, rows, best_s, floor, precision)
@@ -639,14 +646,21 @@ class _Costs:
                          skew_s=self.skew(compute, op_comm > 0 or dp > 1)), plan
 
     def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int, best_s: float,
-                   modes: tuple[str, ...], only: str | None = None) -> list[tuple[Candidate, Plan | None]]:
+                   modes: tuple[str, ...], only: str | None = None,
+                   floor: dict[tuple, float] | None = None) -> list[tuple[Candidate, Plan | None]]:
         """A pipelined split: at every (optimizer-parallel level, precision) (of precision ``only``, where given),
         its best cuts, micro-batch count, schedule and recompute mode per chunk (of ``modes``), or a bound where
-        none can beat ``best_s``. A pipeline no chunk of which runs the last mode is left to the setting before."""
+        none can beat ``best_s`` (``floor``, per (level, precision): one known before any is costed). A pipeline
+        no chunk of which runs the last mode is left to the setting before."""
         dp, pp, base = _data_size(mesh, self.data_axes), _pp(mesh), solved.plan
         link = axis_link(mesh, PIPELINE_AXIS, self.cluster)
         out = []
         for zero, precision in _variants(dp, offload, self.cluster, self.fixed, only):
+            known = (floor or {}).get((zero, precision), 0.0)
+            if known >= best_s:
+                out.append((Candidate(mesh, rows, known, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0), recompute=modes[-1],
+                                      offload=offload, zero=zero, precision=precision, pruned=True), None))
+                continue
             units = tuple(self.units(base, mesh, precision, mode) for mode in modes) + \
                 self.rows_units(base, mesh, rows, precision, modes)
             setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
@@ -694,13 +708,28 @@ class _Costs:
 
 def _faster_per_variant(found: list[tuple[Candidate, Plan | None]]) -> list[tuple[Candidate, Plan | None]]:
     """Of candidates for one split, the fastest per (optimizer-parallel level, precision): one costed before one
-    only bounded, and of two bounds the lesser."""
+    only bounded, and of two bounds the lesser; with the least step either was refused by memory."""
     best: dict[tuple, tuple[Candidate, Plan | None]] = {}
     for c, plan in found:
         key, known = (c.zero, c.precision), best.get((c.zero, c.precision))
+        if known is not None:  # what memory refused either may still be reached
+            refused = min(c.refused_s, known[0].refused_s)
+            c, known = dataclasses.replace(c, refused_s=refused), (dataclasses.replace(known[0], refused_s=refused),
+                                                                   known[1])
         if known is None or (c.pruned, c.step_s) < (known[0].pruned, known[0].step_s):
             best[key] = c, plan
+        else:
+            best[key] = known
     return list(best.values())
+
+
+def _floor(c: Candidate, limit: float) -> float:
+    """What a split's setting without recompute tells of the same split recomputing, at ``c``'s level and
+    precision: no faster than its bound where pruned, else than its step where it fits or what memory refused
+    (recompute only adds time to the same cuts and micro-batches)."""
+    if c.pruned:
+        return c.step_s
+    return min(c.refused_s, c.step_s if c.memory.total_bytes <= limit else float("inf"))
 
 
 def _nothing_to_free(found: list[tuple[Candidate, Plan | None]], variants: int, best_s: float, limit: float) -> bool:

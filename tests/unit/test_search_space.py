@@ -56,7 +56,7 @@ def _settings(c) -> Fixed:
     ("gpt-small", "cpu-gloo:4", 16, None), ("gpt-tiny", "8xA100-80G", 16, None),
     ("gpt-small", "2x4xH100-80G", 32, None),
     # tight: offloaded (fp32) settings and recompute are bounded too
-    ("gpt-small", "8xA100-80G", 64, 4096 + 6), ("gpt-small", "cpu-gloo:4", 64, 10),
+    ("gpt-small", "8xA100-80G", 64, 4096 + 6), ("gpt-small", "cpu-gloo:4", 16, 8),
     # neither precision dominates: both are costed, and the bounds hold for both
     ("gpt-small", "cpu-mixed", 16, None), ("gpt-tiny", "cpu-mixed", 16, None),
     # a step whose ranks communicate also waits for them: bounds leave that out, and stay below
