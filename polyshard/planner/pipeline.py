@@ -514,10 +514,6 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
 
     if s.fixed.cuts == "even":
         cuts = even_partition(n, chunks)
-        mode = modes_of(cuts)
-        if mode is None:
-            return None
-        squeezed = mode != modes_of(cuts, float("inf"))
     else:
         # The time-balanced cuts ignore memory and the optimizer level: where they fit in the fastest mode they
         # are the answer, and the levels and schedules that share them need no program of their own.
@@ -525,20 +521,23 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
         if free not in s.memo:
             s.memo[free] = min_max_partition(lambda banded: banded(time[0]), n, chunks)[1]
         cuts = list(s.memo[free])
+    mode = modes_of(cuts)
+    squeezed = mode != modes_of(cuts, float("inf"))  # memory kept a chunk from its fastest mode
+    if s.fixed.cuts == "even":
+        if mode is None:
+            return None
+    elif mode is None or any(mode):
+        if not _coverable(base, acts, held, s.limit / v):
+            return None
+        slowest, cuts = min_max_partition(load, n, chunks)
+        if not np.isfinite(slowest):
+            return None
         mode = modes_of(cuts)
-        squeezed = mode != modes_of(cuts, float("inf"))
-        if mode is None or any(mode):
-            if not _coverable(base, acts, held, s.limit / v):
-                return None
-            slowest, cuts = min_max_partition(load, n, chunks)
-            if not np.isfinite(slowest):
-                return None
-            mode = modes_of(cuts)
-            if not squeezed:  # the balanced cuts fit, in a slower mode: did memory keep other cuts from less?
-                unlimited = ("cuts in any mode", tuple(map(id, modes)), chunks, rows)
-                if unlimited not in s.memo:
-                    s.memo[unlimited] = min_max_partition(functools.partial(load, cap=float("inf")), n, chunks)[0]
-                squeezed = slowest > s.memo[unlimited] * (1 + 1e-12)
+        if not squeezed:  # the balanced cuts fit, in a slower mode: did memory keep other cuts from less?
+            unlimited = ("cuts in any mode", tuple(map(id, modes)), chunks, rows)
+            if unlimited not in s.memo:
+                s.memo[unlimited] = min_max_partition(functools.partial(load, cap=float("inf")), n, chunks)[0]
+            squeezed = slowest > s.memo[unlimited] * (1 + 1e-12)
     edges = [0, *cuts, n]
     parts = list(zip(edges, edges[1:]))
     run = [modes[k] for k in mode]  # each chunk's units, in its mode

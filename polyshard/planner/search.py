@@ -230,7 +230,7 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         if global_batch % _data_size(mesh, data_axes):
             continue
         hopeless: set[str] = set()  # offloads whose time bound already lost on this split
-        floors: dict[tuple, float] = {}  # (offload, level, precision) -> what recompute cannot beat there
+        floors: dict[str, dict[tuple, float]] = {}  # offload -> (level, precision) -> what recompute cannot beat
         for setting in SETTINGS:
             if not fixed.allows(recompute=setting[0], offload=setting[1]) or setting[1] in hopeless:
                 continue
@@ -246,7 +246,7 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                     if candidate.memory.total_bytes <= limit:
                         best_s = min(best_s, candidate.step_s)
                 if setting[0] == "none":
-                    floors[(setting[1], candidate.zero, candidate.precision)] = _floor(candidate, limit)
+                    floors.setdefault(setting[1], {})[(candidate.zero, candidate.precision)] = _floor(candidate, limit)
             if found and all(c.pruned for c, _ in found):
                 # recompute only adds time, and so does offload: what lost without them loses with them
                 if setting[1] == "none":
@@ -363,10 +363,10 @@ class _Costs:
         return (BUCKET_BYTES, *(b for b in BUCKET_CHOICES if b != BUCKET_BYTES))
 
     def split(self, mesh, setting: tuple[str, str], best_s: float,
-              floors: dict[tuple, float] | None = None) -> list[tuple[Candidate, Plan | None]]:
+              floors: dict[str, dict[tuple, float]] | None = None) -> list[tuple[Candidate, Plan | None]]:
         """One split under one (recompute, offload) setting, costed at every optimizer-parallel level
         and precision that applies (no plan when a bound shows it cannot beat ``best_s``; nothing
-        when the recompute mode can buy nothing here); ``floors``: per (offload, level, precision), what the
+        when the recompute mode can buy nothing here); ``floors``: per offload, per (level, precision), what the
         split did without recompute (:func:`_floor`), which a pipeline that recomputes cannot beat."""
         recompute, offload = setting
         if recompute != "none" and not self.worth(recompute):
@@ -413,13 +413,12 @@ class _Costs:
             if mine.plan is None:
                 out += [(dataclasses.replace(c, precision=precision), None) for c, _ in pruned(mine.lower_bound_s)]
             elif _pp(mesh) > 1:
-                known = {k[1:]: f for k, f in (floors or {}).items() if k[0] == offload} if program != modes[-1] \
-                    else {}
-                found = self._pipelined(mine, mesh, offload, rows, best_s, modes, precision, known)
+                plain = (floors or {}).get(offload) if program != modes[-1] else None  # recomputing: what it beats
+                found = self._pipelined(mine, mesh, offload, rows, best_s, modes, precision, plain)
                 sending = self.solved_sending(op_axes, program, rows / _pp(mesh), mesh, precision)
                 if sending.plan.nodes != mine.plan.nodes:
                     found = _faster_per_variant(found + self._pipelined(sending, mesh, offload, rows, best_s, modes,
-                                                                        precision, known))
+                                                                        precision, plain))
                 out += found
             else:
                 out += self._whole_fitting(mine, mesh, setting, rows, best_s, floor, precision)
@@ -648,19 +647,23 @@ class _Costs:
 
     def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int, best_s: float,
                    modes: tuple[str, ...], only: str | None = None,
-                   floor: dict[tuple, float] | None = None) -> list[tuple[Candidate, Plan | None]]:
+                   floors: dict[tuple, float] | None = None) -> list[tuple[Candidate, Plan | None]]:
         """A pipelined split: at every (optimizer-parallel level, precision) (of precision ``only``, where given),
         its best cuts, micro-batch count, schedule and recompute mode per chunk (of ``modes``), or a bound where
-        none can beat ``best_s`` (``floor``, per (level, precision): one known before any is costed). A pipeline
+        none can beat ``best_s`` (``floors``, per (level, precision): one known before any is costed). A pipeline
         no chunk of which runs the last mode is left to the setting before."""
         dp, pp, base = _data_size(mesh, self.data_axes), _pp(mesh), solved.plan
         link = axis_link(mesh, PIPELINE_AXIS, self.cluster)
         out = []
+
+        def pruned(bound: float, zero: int, precision: str) -> None:
+            out.append((Candidate(mesh, rows, bound, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0), recompute=modes[-1],
+                                  offload=offload, zero=zero, precision=precision, pruned=True), None))
+
         for zero, precision in _variants(dp, offload, self.cluster, self.fixed, only):
-            known = (floor or {}).get((zero, precision), 0.0)
-            if known >= best_s:
-                out.append((Candidate(mesh, rows, known, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0), recompute=modes[-1],
-                                      offload=offload, zero=zero, precision=precision, pruned=True), None))
+            floor_s = (floors or {}).get((zero, precision), 0.0)
+            if floor_s >= best_s:
+                pruned(floor_s, zero, precision)
                 continue
             units = tuple(self.units(base, mesh, precision, mode) for mode in modes) + \
                 self.rows_units(base, mesh, rows, precision, modes)
@@ -675,9 +678,7 @@ class _Costs:
             found, bound, refused = best_pipeline(units, setup, best_s)
             if found is None and refused == float("inf"):
                 if bound < float("inf"):
-                    out.append((Candidate(mesh, rows, bound, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0),
-                                          recompute=modes[-1], offload=offload, zero=zero, precision=precision,
-                                          pruned=True), None))
+                    pruned(bound, zero, precision)
                 continue
             # nothing fits: by how much the leanest misses, and what memory refused (so what saves it is tried)
             p = found or leanest_pipeline(units, setup)
@@ -712,15 +713,14 @@ def _faster_per_variant(found: list[tuple[Candidate, Plan | None]]) -> list[tupl
     only bounded, and of two bounds the lesser; with the least step either was refused by memory."""
     best: dict[tuple, tuple[Candidate, Plan | None]] = {}
     for c, plan in found:
-        key, known = (c.zero, c.precision), best.get((c.zero, c.precision))
-        if known is not None:  # what memory refused either may still be reached
-            refused = min(c.refused_s, known[0].refused_s)
-            c, known = dataclasses.replace(c, refused_s=refused), (dataclasses.replace(known[0], refused_s=refused),
-                                                                   known[1])
-        if known is None or (c.pruned, c.step_s) < (known[0].pruned, known[0].step_s):
-            best[key] = c, plan
-        else:
-            best[key] = known
+        key = (c.zero, c.precision)
+        if key in best:
+            known, known_plan = best[key]
+            refused = min(c.refused_s, known.refused_s)  # what memory refused either may still be reached
+            if (known.pruned, known.step_s) <= (c.pruned, c.step_s):
+                c, plan = known, known_plan
+            c = dataclasses.replace(c, refused_s=refused)
+        best[key] = c, plan
     return list(best.values())
 
 
