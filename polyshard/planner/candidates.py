@@ -67,6 +67,9 @@ class _Renamed(Sequence):
     def __len__(self) -> int:
         return len(self._twin)
 
+    def __iter__(self):
+        return (self._made.get(i) or self[i] for i in range(len(self._twin)))
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]

@@ -393,9 +393,10 @@ def leanest_pipeline(modes: Modes, setup: Setup) -> PipelineCost | None:
     return cost_pipeline(leanest, dataclasses.replace(setup, limit=float("inf")), m, schedule, v, simulated=False)
 
 
-def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
-    """Each unit's parameter memory; the gradient bucket is counted once per stage instead. A stage
-    accumulates its gradients over the micro-batches, whole until the last (counted so for every m)."""
+def _unit_state(units: Units, s: Setup) -> tuple[list[MemoryEstimate], np.ndarray]:
+    """Each unit's parameter memory, and its running total from the first unit (0 before it); the gradient
+    bucket is counted once per stage instead. A stage accumulates its gradients over the micro-batches, whole
+    until the last (counted so for every m)."""
     whole = ("state", id(units), s.zero, s.dp, s.precision, s.offload)
     if whole not in s.memo:
         out = []
@@ -404,7 +405,7 @@ def _unit_state(units: Units, s: Setup) -> list[MemoryEstimate]:
             if key not in s.memo:
                 s.memo[key] = dataclasses.replace(state_memory(groups, *key[1:], accumulating=True), buffers_bytes=0.0)
             out.append(s.memo[key])
-        s.memo[whole] = out
+        s.memo[whole] = out, np.concatenate([[0.0], np.cumsum([st.total_bytes for st in out])])
     return s.memo[whole]
 
 
@@ -471,13 +472,12 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
     whose memory is what matters)."""
     units = modes[0]
     n, chunks, rows = len(units), s.pp * v, s.rows / m
-    state = [_unit_state(u, s) for u in modes]  # each unit's parameter memory, per mode
-    fixed_of = [np.concatenate([[0.0], np.cumsum([st.total_bytes for st in per_unit])]) for per_unit in state]
+    state, fixed_of = zip(*(_unit_state(u, s) for u in modes))  # each unit's parameter memory, per mode
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
     bucket = min(s.bucket_sizes) if s.dp > 1 and s.zero == 0 else 0.0  # level 0: a buffer per chunk, cuts fit the least
     # in one micro-batch's backward: its recomputed block alive again, and the gradients of the op running
     working = [(u.rerun_bytes.max() + u.transient_bytes.max()) * rows for u in modes]
-    allowed = np.array([[_allows(s.fixed, u, c, s.rows // m) for u in modes] for c in range(chunks)])
+    allowed = _allowed(modes, s, chunks, s.rows // m)
     least_acts = np.min([u.activation_bytes for u in modes], axis=0).sum() * rows
     if min(f[-1] for f in fixed_of) + least_acts * min(held) + chunks * (min(working) + bucket) > s.pp * s.limit:
         return None  # more than all chunks hold together (limit / v each): no cuts fit, and no program is needed
@@ -595,6 +595,14 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
     return PipelineCost(schedule, m, v, tuple(units.starts[i] for i in cuts), compute, op_comm, p2p,
                         span - busy[rank], dp_comm, 1 - sum(busy) / (s.pp * span), tuple(stages), memory, span,
                         bucket_bytes=size, squeezed=squeezed)
+
+
+def _allowed(modes: Modes, s: Setup, chunks: int, micro_rows: int) -> np.ndarray:
+    """[chunk, mode]: :func:`_allows`, once per modes, chunk count and micro-batch rows."""
+    key = ("allowed", tuple(map(id, modes)), chunks, micro_rows)
+    if key not in s.memo:
+        s.memo[key] = np.array([[_allows(s.fixed, u, c, micro_rows) for u in modes] for c in range(chunks)])
+    return s.memo[key]
 
 
 def _allows(fixed: Fixed, units: Units, chunk: int, micro_rows: int) -> bool:

@@ -318,6 +318,7 @@ class _Costs:
         self._floors: dict[tuple, float] = {}  # forward_floor per (operator axes or "fp32", recompute)
         self._units: dict[tuple, tuple[Plan, Units]] = {}
         self._memo: dict = {}  # what pipelined splits share (see Setup)
+        self._level3: dict[tuple, tuple] = {}  # per parameter groups (kept, so their id stays theirs): _level3
         self.dataset_strategy = dataset_strategy
         self.capture_rows = capture_rows
         # rows -> the model captured at those rows, its batch values (None: another graph), its shared parameters
@@ -623,7 +624,7 @@ class _Costs:
             backward = (1 - units.forward_share) * (compute + op_comm) / m
             return compute, _dp_seconds(numel * DTYPES[plan.precision][1], mesh, self.data_axes, self.cluster,
                                         plan.zero, overlap_s=backward * self.hides, micro_batches=m,
-                                        bucket_bytes=size, **_level3(units.model_groups, plan.precision, plan))
+                                        bucket_bytes=size, **self.level3(units.model_groups, plan.precision, plan))
 
         timed = {b: synced(b) for b in self.bucket_sizes}
         tried = []  # fastest first (a sort keeps the default first among ties), until one fits
@@ -644,6 +645,15 @@ class _Costs:
                          offload=plan.offload, zero=plan.zero, precision=plan.precision, memory_floor=not exact,
                          accumulation=m, sequence=plan.sequence_parallel, bucket_bytes=plan.bucket_bytes,
                          skew_s=self.skew(compute, op_comm > 0 or dp > 1)), plan
+
+    def level3(self, groups, precision: str, plan: Plan) -> dict:
+        """:func:`_level3` once per parameter groups: a pipeline's costing asks again at every bucket size and
+        micro-batch count."""
+        key = (id(groups), precision, plan.zero_threshold_bytes)
+        found = self._level3.get(key)
+        if found is None or found[0] is not groups:
+            found = self._level3[key] = groups, _level3(groups, precision, plan)
+        return found[1]
 
     def _pipelined(self, solved: IntraOpResult, mesh, offload: str, rows: int, best_s: float,
                    modes: tuple[str, ...], only: str | None = None,
@@ -671,7 +681,7 @@ class _Costs:
                           send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
                           dp_seconds=lambda b, groups, overlap, m, size, zero=zero, precision=precision: _dp_seconds(
                               b, mesh, self.data_axes, self.cluster, zero, overlap_s=overlap * self.hides,
-                              micro_batches=m, bucket_bytes=size, **_level3(groups, precision, base)),
+                              micro_batches=m, bucket_bytes=size, **self.level3(groups, precision, base)),
                           update_seconds=lambda numel, tensors=0, zero=zero, precision=precision: _update_seconds(
                               numel, offload, zero, dp, precision, self.cluster, tensors),
                           fixed=self.fixed, memo=self._memo, bucket_sizes=self.bucket_sizes)
