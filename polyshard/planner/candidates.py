@@ -70,6 +70,12 @@ class _Renamed(Sequence):
     def __iter__(self):
         return (self._made.get(i) or self[i] for i in range(len(self._twin)))
 
+    def taking(self, name: str) -> tuple:
+        """What :func:`layouts_taken` reads: the twin's layouts of its inputs this node renames ``name``, the
+        last one of a candidate's where several are (as a renamed candidate keeps it)."""
+        theirs = {k for k, mine in self._rename.items() if mine == name}
+        return tuple(next((v for k, v in reversed(d.inputs.items()) if k in theirs), None) for d in self._twin)
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
@@ -82,6 +88,13 @@ class _Renamed(Sequence):
             self._made[i] = NodePlan(d.impl, {self._rename[k]: v for k, v in d.inputs.items()}, d.output, d.params,
                                      d.shape_divisors)
         return self._made[i]
+
+
+def layouts_taken(options: Sequence[NodePlan], name: str) -> tuple:
+    """The layout each candidate takes input ``name`` in (None: as it comes), a twin's without making its own."""
+    if isinstance(options, _Renamed):
+        return options.taking(name)
+    return tuple(d.inputs.get(name) for d in options)
 
 
 def _same(a: list, b: list) -> bool:

@@ -27,7 +27,7 @@ from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
 from polyshard.graph.twins import twins
 from polyshard.layout import Axes, Layout
-from polyshard.planner.candidates import Enumeration, Repeat, enumerated, shares_params
+from polyshard.planner.candidates import Enumeration, Repeat, enumerated, layouts_taken, shares_params
 from polyshard.planner.cost.comm import comm_seconds, own_bytes, weight_sum_seconds
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes
@@ -310,14 +310,18 @@ def _shared_moves(nodes: list[fx.Node], options, rep: dict[str, str], repeated: 
         return (rep[v.name], rep[twin.name]), per_edge[(v.name, twin.name)]
 
     found: dict[tuple, list] = {}
+    moving: dict[int, bool] = {}  # per costs array (twin edges share theirs): whether any pick pays to move
     for u in nodes:
         if u.name in returned:
             continue
         uses = []
         for c in u.users:
             pair, costs = counted_as(u, c)
-            if costs.any():
-                uses.append((pair, costs, tuple(d.inputs.get(u.name) for d in options[c.name])))
+            moves = moving.get(id(costs))
+            if moves is None:
+                moves = moving[id(costs)] = bool(costs.any())
+            if moves:
+                uses.append((pair, costs, layouts_taken(options[c.name], u.name)))
         if len(uses) > 1:
             edges = sorted(((pair, id(costs), takes) for pair, costs, takes in uses), key=lambda e: e[:2])
             key = (rep[u.name], tuple(edges))

@@ -474,6 +474,7 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
     n, chunks, rows = len(units), s.pp * v, s.rows / m
     state, fixed_of = zip(*(_unit_state(u, s) for u in modes))  # each unit's parameter memory, per mode
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
+    in_flight_of = np.array(held)
     bucket = min(s.bucket_sizes) if s.dp > 1 and s.zero == 0 else 0.0  # level 0: a buffer per chunk, cuts fit the least
     # in one micro-batch's backward: its recomputed block alive again, and the gradients of the op running
     working = [(u.rerun_bytes.max() + u.transient_bytes.max()) * rows for u in modes]
@@ -496,21 +497,22 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
         acts.append(acts_of[end] - acts_of[start])
 
     def load(banded, cap: float = s.limit / v):  # time where a range fits with its chunk's activations in flight,
-        in_flight_of = np.array(held)[:, None, None]  # in its fastest mode that does
-        return functools.reduce(np.minimum, (
-            np.where(allowed[:, k, None, None] & (banded(b) + banded(a) * in_flight_of <= cap), banded(t), np.inf)
+        return functools.reduce(np.minimum, (  # in its fastest mode that does
+            np.where(allowed[:, k, None, None] & (banded(b) + banded(a) * in_flight_of[:, None, None] <= cap),
+                     banded(t), np.inf)
             for k, (b, a, t) in enumerate(zip(base, acts, time))))
 
     def modes_of(cuts: list[int], cap: float = s.limit / v) -> list[int] | None:
-        """Each chunk's fastest mode that fits under ``cap``; None if one has none."""
-        edges = [0, *cuts, n]
+        """Each chunk's fastest mode that fits under ``cap`` (the first of equals); None if one has none."""
+        edges = np.array([0, *cuts, n])
         if len(edges) != chunks + 1:
             return None
-        picks = [min((k for k in range(len(modes))
-                      if allowed[c, k] and base[k][i, j] + acts[k][i, j] * held[c] <= cap),
-                     key=lambda k: time[k][i, j], default=None)
-                 for c, (i, j) in enumerate(zip(edges, edges[1:]))]
-        return None if None in picks else picks
+        i, j = edges[:-1], edges[1:]
+        fits = np.stack([allowed[:, k] & (b[i, j] + a[i, j] * in_flight_of <= cap)
+                         for k, (b, a) in enumerate(zip(base, acts))])
+        if not fits.any(axis=0).all():
+            return None
+        return np.where(fits, np.stack([t[i, j] for t in time]), np.inf).argmin(axis=0).tolist()
 
     if s.fixed.cuts == "even":
         cuts = even_partition(n, chunks)
