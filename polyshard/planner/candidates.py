@@ -67,9 +67,6 @@ class _Renamed(Sequence):
     def __len__(self) -> int:
         return len(self._twin)
 
-    def __iter__(self):
-        return (self._made.get(i) or self[i] for i in range(len(self._twin)))
-
     def taking(self, name: str) -> tuple:
         """What :func:`layouts_taken` reads: the twin's layouts of its inputs this node renames ``name``, the
         last one of a candidate's where several are (as a renamed candidate keeps it)."""
