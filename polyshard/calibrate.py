@@ -211,11 +211,13 @@ def measure_update_overhead(repeats: int) -> float:
     return statistics.median(_times(opt.step, repeats, torch.device("cpu"), dist.barrier, calls=5)) / len(params)
 
 
-def measure_memory_bandwidth(repeats: int) -> float:
+def measure_memory_bandwidth(repeats: int, host: bool = False) -> float:
     """Bytes per second one copy reads and writes in this rank's memory (all ranks copy at once, as in
-    training): what bounds elementwise ops, norms and the optimizer step."""
+    training): what bounds elementwise ops, norms and the optimizer step; ``host``: in host memory, where
+    offload steps the optimizer."""
     _check_repeats(repeats)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    on_gpu = torch.cuda.is_available() and not host
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     nbytes, calls = _STREAM[device.type]
     src, dst = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
     return 2 * nbytes / statistics.median(_times(lambda: dst.copy_(src), repeats, device, dist.barrier, calls))
@@ -346,6 +348,12 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     overheads = measure_op_overheads(repeats, [name for name in flops if name != "float32"])
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
+    cuda = base.device_type == "cuda"
+    # where offload steps the optimizer: on a GPU node the host, timed as the device is; a CPU's host is the device
+    host_memory_bw, host_update = memory_bw, overheads.optimizer_overhead_s
+    if cuda:
+        host_memory_bw = _all_reduce([measure_memory_bandwidth(repeats, host=True)], dist.ReduceOp.MIN, None)[0]
+        host_update = _all_reduce([measure_update_overhead(repeats)], dist.ReduceOp.MAX, None)[0]
     sweeps = _sweeps(base, sizes, repeats)
     fits = _fits(sweeps, sizes)
     skew = measure_arrival_skew(_comm_device(None), repeats) if world > 1 else 0.0
@@ -357,7 +365,6 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         notes.append("one node: inter_node is a copy of intra_node (no link between nodes to time)")
     if world > 1 and base.devices_per_node == 1:
         notes.append("one device per node: intra_node is a copy of inter_node (no link inside a node to time)")
-    cuda = base.device_type == "cuda"
     efficiency, depths = measured_product_shares(base, matmul_sizes.get("float32", _MATMUL_SIZE[base.device_type]))
     cluster = replace(
         base,
@@ -376,6 +383,8 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         memory_bandwidth_bytes_per_s=memory_bw,
         host_bandwidth_bytes_per_s=host_bw,
         disk_bandwidth_bytes_per_s=disk_bw,
+        host_memory_bandwidth_bytes_per_s=host_memory_bw,
+        host_optimizer_overhead_s=host_update,
         arrival_skew=skew,
     )
     if dist.get_rank() == 0:
@@ -509,7 +518,9 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
               "", f"{'memory (read + write)':<24} {_si(cluster.memory_bandwidth_bytes_per_s, 'B/s'):>12}",
               "", "offload copies",
               f"{'device <-> host':<24} {_si(cluster.host_bandwidth_bytes_per_s, 'B/s'):>12}",
-              f"{'host <-> disk':<24} {_si(cluster.disk_bandwidth_bytes_per_s, 'B/s'):>12}"]
+              f"{'host <-> disk':<24} {_si(cluster.disk_bandwidth_bytes_per_s, 'B/s'):>12}",
+              f"{'host memory (step)':<24} {_si(cluster.host_memory_bandwidth_bytes_per_s, 'B/s'):>12}",
+              f"{'host step, per tensor':<24} {_si(cluster.host_optimizer_overhead_s, 's'):>12}"]
     if not sweeps:
         return "\n".join(lines + [""] + [f"note: {n}" for n in notes])
     lines += ["", f"{'arrival skew':<24} {cluster.arrival_skew:>12.3f}  (the mean rank's extra wait in a collective, "

@@ -35,7 +35,9 @@ class _Device:
     intra_node: Link  # between devices of one node
     inter_node: Link  # between nodes
     overheads: tuple[float, float, float]  # (op_overhead_s, split_op_overhead_s, optimizer_overhead_s) of Cluster
-    offload_bandwidths: tuple[float, float]  # (host_bandwidth_bytes_per_s, disk_bandwidth_bytes_per_s) of Cluster
+    # (host_bandwidth_bytes_per_s, disk_bandwidth_bytes_per_s, host_memory_bandwidth_bytes_per_s,
+    # host_optimizer_overhead_s) of Cluster
+    offload: tuple[float, float, float, float]
     memory_bandwidth_bytes_per_s: float  # achievable device-memory bandwidth (read + write)
     matmul_efficiency: float  # share of peak FLOP/s a large matrix product reaches
     attention_efficiency: float  # share of peak FLOP/s fused attention reaches in training
@@ -71,7 +73,12 @@ _CPU_OVERHEADS = (40e-6, 400e-6, 0.0)
 # Device <-> host copies and host <-> disk: PCIe 4.0 x16 (A100) or 5.0 x16 (H100, H200) at about 80% of
 # line rate, one NVMe SSD (typical sequential figure); on CPU, a memory copy and a SATA-class disk.
 _PCIE4, _PCIE5, _NVME = 25e9, 50e9, 3e9
-_CPU_OFFLOAD = (10e9, 0.5e9)
+# The host steps offloaded state: a GPU node's host memory per GPU at line rate (8 GPUs share it), until
+# `polyshard calibrate` measures it: DGX A100, two AMD EPYC 7742 with 8 channels of DDR4-3200 (204.8 GB/s a
+# socket); DGX H100 and H200, two Xeon Platinum 8480C with 8 channels of DDR5-4800 (307.2 GB/s a socket). Per
+# tensor, torch's AdamW on a host core (about 100 us, as on the CPU VM above). A CPU's host is the device itself.
+_DGX_A100_HOST, _DGX_H100_HOST = (2 * 204.8e9 / 8, 100e-6), (2 * 307.2e9 / 8, 100e-6)
+_CPU_OFFLOAD = (10e9, 0.5e9, 0.0, 0.0)
 # Measured on one H100 SXM (bench/bench_device.py, bench/results/h100-80g.json): bf16 products of
 # 1024..16384 per side reach 768 of the 989 TFLOP/s peak (0.78), fp32 50 of 67 (0.75); causal flash
 # attention (head dim 128, forward + backward, counted as 3 x 4*B*H*T*T*D) 530 (0.55); a copy moves
@@ -94,16 +101,16 @@ _H200_RATES = (_MATMUL_SHARE, 0.61, _GPU_MATMUL_DEPTHS)
 _DEVICES: dict[str, _Device] = {
     # NVIDIA A100 datasheet: 40 GB HBM2 at 1555 GB/s, 19.5 TFLOP/s fp32, 312 bf16/fp16, NVLink 3.
     "A100-40G": _Device("cuda", 40 * GiB, _flops(19.5e12, 312e12), _NVLINK3, _IB_HDR, _GPU_OVERHEADS,
-                        (_PCIE4, _NVME), _STREAM_SHARE * 1555e9, *_GPU_RATES),
+                        (_PCIE4, _NVME, *_DGX_A100_HOST), _STREAM_SHARE * 1555e9, *_GPU_RATES),
     # NVIDIA A100 datasheet: 80 GB HBM2e at 2039 GB/s, same compute and NVLink as the 40 GB part.
     "A100-80G": _Device("cuda", 80 * GiB, _flops(19.5e12, 312e12), _NVLINK3, _IB_HDR, _GPU_OVERHEADS,
-                        (_PCIE4, _NVME), _STREAM_SHARE * 2039e9, *_GPU_RATES),
+                        (_PCIE4, _NVME, *_DGX_A100_HOST), _STREAM_SHARE * 2039e9, *_GPU_RATES),
     # NVIDIA H100 SXM datasheet: 80 GB HBM3 at 3.35 TB/s, 67 TFLOP/s fp32, 989 bf16/fp16 dense, NVLink 4.
     "H100-80G": _Device("cuda", 80 * GiB, _flops(67e12, 989e12), _NVLINK4, _IB_NDR, _GPU_OVERHEADS,
-                        (_PCIE5, _NVME), _STREAM_SHARE * 3.35e12, *_GPU_RATES),
+                        (_PCIE5, _NVME, *_DGX_H100_HOST), _STREAM_SHARE * 3.35e12, *_GPU_RATES),
     # NVIDIA H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s, H100 compute, NVLink 4.
     "H200-141G": _Device("cuda", 141 * 10**9, _flops(67e12, 989e12), _NVLINK4, _IB_NDR, _GPU_OVERHEADS,
-                         (_PCIE5, _NVME), _STREAM_SHARE * 4.8e12, *_H200_RATES),
+                         (_PCIE5, _NVME, *_DGX_H100_HOST), _STREAM_SHARE * 4.8e12, *_H200_RATES),
     # A modest multi-core CPU; half precision is not faster than fp32 there. Matmul rates above are
     # already what such a core reaches, and memory-bound ops are left to the per-op cost.
     "cpu": _Device("cpu", 0, _flops(5e10, 5e10), _LOOPBACK, _ETHERNET_10G, _CPU_OVERHEADS, _CPU_OFFLOAD, 0.0, 1.0, 1.0),
@@ -111,7 +118,8 @@ _DEVICES: dict[str, _Device] = {
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s")
-_OFFLOAD_KEYS = ("host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s")
+_OFFLOAD_KEYS = ("host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s", "host_memory_bandwidth_bytes_per_s",
+                 "host_optimizer_overhead_s")
 _RATE_KEYS = ("memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency")
 _SKEW_KEY = "arrival_skew"
 
@@ -144,6 +152,10 @@ class Cluster:
     # Copies between a device and its host's memory, and between host memory and local disk (offload).
     host_bandwidth_bytes_per_s: float = 0.0
     disk_bandwidth_bytes_per_s: float = 0.0
+    # Where a GPU node's host steps offloaded state: the memory bandwidth one device's process reaches there, and
+    # the step's fixed seconds per tensor (a CPU cluster's host is its device, priced by the device's figures).
+    host_memory_bandwidth_bytes_per_s: float = 0.0
+    host_optimizer_overhead_s: float = 0.0
     # Device-memory bytes per second (read + write) that memory-bound ops reach; 0: cost them by FLOPs alone.
     memory_bandwidth_bytes_per_s: float = 0.0
     # Share of flops_per_s a large matrix product reaches (1.0 where flops_per_s were measured on products).
@@ -285,7 +297,7 @@ class Cluster:
             raise PolyshardError(f"cannot read cluster file {str(path)!r}: {e}") from e
         if isinstance(data, dict):  # files written before these figures existed: their device type's preset
             like = _DEVICES["cpu" if data.get("device_type") == "cpu" else "A100-80G"]
-            data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload_bandwidths)),
+            data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload)),
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
                     "matmul_depth_shares": [], "matmul_shares": {}, "attention_shares": {}, "op_overheads_s": {},
                     "all_to_all": True, _SKEW_KEY: 0.0, "pointwise_rates": {},
@@ -376,7 +388,7 @@ def _cluster(nodes: int, per_node: int, name: str, device: _Device) -> Cluster:
         inter_node=device.inter_node,
         flops_per_s=dict(device.flops_per_s),
         **dict(zip(_OVERHEAD_KEYS, device.overheads)),
-        **dict(zip(_OFFLOAD_KEYS, device.offload_bandwidths)),
+        **dict(zip(_OFFLOAD_KEYS, device.offload)),
         memory_bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
         matmul_efficiency=device.matmul_efficiency,
         attention_efficiency=device.attention_efficiency,

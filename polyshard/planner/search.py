@@ -770,9 +770,9 @@ def _level3(groups, precision: str, plan: Plan) -> dict:
 def _update_seconds(numel: float, offload: str, zero: int, dp: int, precision: str, cluster: Cluster,
                     tensors: int = 0) -> float:
     """Seconds of the optimizer step on ``numel`` local parameters in ``tensors`` tensors (this rank's shard
-    from level 1 on), or of the copies to and from where offload keeps the state (the host steps it)."""
+    from level 1 on), or under offload the copies to and from where it keeps the state and the host's step."""
     if offload != "none":
-        return offload_seconds(numel, offload, cluster) + tensors * cluster.optimizer_overhead_s
+        return offload_seconds(numel, offload, cluster, tensors=tensors)
     return optimizer_seconds(numel / (dp if zero else 1), precision, cluster, tensors)
 
 

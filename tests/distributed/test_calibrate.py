@@ -37,6 +37,9 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert all(1e-7 < s < 1e-2 for s in cluster.op_overheads_s.values()) and "plain, bfloat16" in run.stdout
     assert cluster.host_bandwidth_bytes_per_s > 1e7 and cluster.disk_bandwidth_bytes_per_s > 1e6
     assert cluster.memory_bandwidth_bytes_per_s > 1e8 and "memory (read + write)" in run.stdout
+    # offload steps the optimizer on the host, which on a CPU is the device: its own figures, written as the host's
+    assert (cluster.host_memory_bandwidth_bytes_per_s, cluster.host_optimizer_overhead_s) == \
+        (cluster.memory_bandwidth_bytes_per_s, cluster.optimizer_overhead_s) and "host step, per tensor" in run.stdout
     # causal attention timed at four head sizes per dtype, each a share of that dtype's matmul rate
     assert "attention (causal, forward + backward)" in run.stdout
     for points in (cluster.attention_shares["float32"], cluster.attention_shares["bfloat16"]):

@@ -137,7 +137,7 @@ def test_yaml_written_before_overheads_takes_its_device_types(tmp_path):
     c = Cluster.preset("cpu-gloo:2")
     data = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(c)))
     for key in ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s", "host_bandwidth_bytes_per_s",
-                "disk_bandwidth_bytes_per_s",
+                "disk_bandwidth_bytes_per_s", "host_memory_bandwidth_bytes_per_s", "host_optimizer_overhead_s",
                 "memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency", "arrival_skew",
                 "pointwise_rates"):
         del data[key]

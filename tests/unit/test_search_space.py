@@ -296,6 +296,19 @@ def test_offload_that_fits_with_room_does_not_stop_recompute_being_tried():
     assert (plan.recompute, plan.offload) == ("full", "none")
 
 
+def test_offload_on_a_cpu_pays_the_plain_step_and_the_copies():
+    # a CPU's host is its device: offloaded state is stepped as the plain run steps it, and the copies come on top
+    cal = dataclasses.replace(Cluster.preset("cpu-gloo:4"), memory_bandwidth_bytes_per_s=5e9, optimizer_overhead_s=1e-4)
+    model = models.build("gpt-small", "meta")
+    priced = {}
+    for offload in ("none", "host"):
+        _, ranked = search(model, model.example_inputs(1), cal, 16,
+                           fixed=Fixed(dp=4, zero=0, precision="fp32", m=1, offload=offload))
+        priced[offload] = min((c for c in ranked if not c.pruned), key=lambda c: c.step_s)
+    copies = 2 * 4 * sum(p.numel() for p in model.parameters()) / cal.host_bandwidth_bytes_per_s
+    assert priced["host"].step_s == pytest.approx(priced["none"].step_s + copies, rel=1e-9)
+
+
 @pytest.mark.parametrize("cluster,fixed", [("8xA100-80G", Fixed(zero=z)) for z in range(4)] +
                          [("8xA100-80G", Fixed(precision=p)) for p in ("fp32", "fp16")] +
                          [("cpu-mixed", Fixed(precision=p)) for p in ("fp32", "bf16")])

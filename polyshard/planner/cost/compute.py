@@ -83,13 +83,16 @@ def forward_seconds(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module
 
 
 def optimizer_seconds(numel: float, precision: str, cluster: Cluster, tensors: int = 0) -> float:
-    """Seconds of one optimizer step over ``numel`` local parameters in ``tensors`` tensors: memory-bound, a
-    fused AdamW reads parameter, gradient and two moments and writes three of them back, 28 bytes in fp32
-    (half precision adds the half gradient read and the half parameter written: 32); plus a fixed cost
-    per tensor."""
-    bandwidth = cluster.memory_bandwidth_bytes_per_s
+    """Seconds of one optimizer step on the device over ``numel`` local parameters in ``tensors`` tensors."""
+    return step_seconds(numel, precision, cluster.memory_bandwidth_bytes_per_s, cluster.optimizer_overhead_s, tensors)
+
+
+def step_seconds(numel: float, precision: str, bandwidth: float, per_tensor_s: float, tensors: int) -> float:
+    """An AdamW step where memory streams ``bandwidth`` bytes per second (0: unknown, left out): memory-bound, it
+    reads parameter, gradient and two moments and writes three of them back, 28 bytes in fp32 (half precision
+    adds the half gradient read and the half parameter written: 32); plus ``per_tensor_s`` per tensor."""
     moved = numel * (28 if precision == "fp32" else 32) / bandwidth if bandwidth else 0.0
-    return moved + tensors * cluster.optimizer_overhead_s
+    return moved + tensors * per_tensor_s
 
 
 def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module], itemsize: int) -> float:
