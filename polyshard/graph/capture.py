@@ -21,7 +21,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._pytree import tree_leaves, tree_map
 
 from polyshard.errors import PolyshardError
-from polyshard.graph.export import SIGNATURE_KEY, export_graph
+from polyshard.graph.export import SIGNATURE_KEY, export_graph, graph_module
 from polyshard.graph.export import at_rows as exported_at_rows
 
 LEAF_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm)
@@ -165,8 +165,11 @@ def capture(model: nn.Module, example_inputs: Sequence | Mapping) -> fx.GraphMod
         graph = _Tracer().trace(model)
     except Exception:  # fx raises many kinds; all mean "not traceable symbolically": run the code instead
         return export_graph(model, args, kwargs, is_leaf)
-    example_inputs = args
-    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    return _with_shapes(graph_module(model, graph, type(model).__name__), model, args)
+
+
+def _with_shapes(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence) -> fx.GraphModule:
+    """``gm``, a trace of ``model``, with each node's shape and dtype at ``example_inputs``."""
     if all(p.device.type == "meta" for p in model.parameters()):
         # meta tensors carry shapes already: the fastest way through a 175B model (seconds)
         _RepeatShapeProp(gm).propagate(*[t.to("meta") if isinstance(t, torch.Tensor) else t for t in example_inputs])
@@ -179,11 +182,17 @@ def capture(model: nn.Module, example_inputs: Sequence | Mapping) -> fx.GraphMod
 
 def at_rows(model: nn.Module, gm: fx.GraphModule, example_row: Sequence | Mapping, rows: int) -> fx.GraphModule:
     """``gm`` (``model`` captured on the one-row ``example_row``) with its shapes at ``rows`` rows: an exported
-    graph recorded again (export kept the batch symbolic: no second export), a traced one traced again."""
+    graph recorded again (export kept the batch symbolic: no second export), a traced one propagated again (a
+    symbolic trace never sees the inputs, so tracing again would give the same graph)."""
     if SIGNATURE_KEY in gm.meta and (again := exported_at_rows(gm, rows)) is not None:
         return again
-    return capture(model, tree_map(lambda t: t.repeat(rows, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor)
-                                   else t, example_row))
+    wider = tree_map(lambda t: t.repeat(rows, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) else t,
+                     example_row)
+    if SIGNATURE_KEY in gm.meta:  # the code fixed the batch: export it again at these rows
+        return capture(model, wider)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return _with_shapes(graph_module(model, graph, type(model).__name__), model, split_example(wider)[0])
 
 
 def shapes_of(node: fx.Node) -> tuple[tuple[int, ...], ...] | None:

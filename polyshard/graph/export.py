@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 from torch import fx, nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
@@ -109,9 +110,15 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     root._modules, root._parameters, root._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
     for name in [n for n in attrs if "." not in n and not hasattr(root, n)]:
         setattr(root, name, attrs[name])
-    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    gm = graph_module(root, graph, type(model).__name__)
     gm.meta[SIGNATURE_KEY] = signature
     return gm
+
+
+def graph_module(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """``graph`` over ``root``'s modules, its Python generated at its first call: the search reads a capture and
+    never runs it, and generating a 100-layer model's code costs a fraction of a second each time."""
+    return _LazyGraphModule(root, graph, class_name=class_name)
 
 
 def at_rows(gm: fx.GraphModule, rows: int) -> fx.GraphModule | None:
@@ -128,7 +135,7 @@ def at_rows(gm: fx.GraphModule, rows: int) -> fx.GraphModule | None:
             new.meta["tensor_meta"] = _meta_at(meta, val, batch)
         elif isinstance(meta, tuple):
             new.meta["tensor_meta"] = tuple(_meta_at(m, v, batch) for m, v in zip(meta, val))
-    wider = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    wider = graph_module(gm, graph, type(gm).__name__)
     wider.meta.update(gm.meta)
     return wider
 

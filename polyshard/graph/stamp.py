@@ -44,15 +44,15 @@ def find_stack(model: nn.Module) -> Stack | None:
 
 def _alike(layers: nn.ModuleList) -> bool:
     """Every layer is layer 0 again: the same modules, tensor shapes and settings, but for an index."""
-    first = [(name, type(m), _tensors(m), _plain(m)) for name, m in layers[0].named_modules()]
+    first = [(name, type(m), _tensors(m), _settings(m)) for name, m in layers[0].named_modules()]
     for i, layer in enumerate(layers):
         mods = list(layer.named_modules())
         if len(mods) != len(first):
             return False
-        for (name, kind, tensors, plain), (other, m) in zip(first, mods):
-            mine = _plain(m)
-            if (name != other or kind is not type(m) or tensors != _tensors(m) or mine.keys() != plain.keys()
-                    or any(v != plain[k] and not (plain[k] == "0" and v == str(i)) for k, v in mine.items())):
+        for (name, kind, tensors, settings), (other, m) in zip(first, mods):
+            mine = _settings(m)
+            if (name != other or kind is not type(m) or tensors != _tensors(m) or mine.keys() != settings.keys()
+                    or not all(_same_setting(v, settings[k], i) for k, v in mine.items())):
                 return False
     return True
 
@@ -62,11 +62,19 @@ def _tensors(m: nn.Module) -> tuple:
                  [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)])
 
 
-def _plain(m: nn.Module) -> dict[str, str]:
-    """A module's settings: its attributes that are neither modules nor tensors (a layer's own index, 0 in
-    layer 0 and i in layer i, is the one difference allowed)."""
-    return {k: repr(v) for k, v in vars(m).items() if not k.startswith("_") and k != "training"
+def _settings(m: nn.Module) -> dict:
+    """A module's settings: its attributes that are neither modules nor tensors."""
+    return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"
             and not isinstance(v, (nn.Module, torch.Tensor))}
+
+
+def _same_setting(mine, first, i: int) -> bool:
+    """Layer ``i``'s setting is layer 0's: one object (a shared config, whose repr is long), or printed alike, or
+    the layer's own index (0 in layer 0)."""
+    if mine is first:
+        return True
+    text, first_text = repr(mine), repr(first)
+    return text == first_text or (first_text == "0" and text == str(i))
 
 
 def first_layers(model: nn.Module, stack: Stack) -> nn.Module:

@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from polyshard import models
 from polyshard.cluster import Cluster
@@ -156,3 +157,20 @@ def test_an_exported_graph_at_more_rows_is_what_exporting_them_records(family):
     plan = rows_layouts(again, batch, (("tp", 4),), {})
     projections = [n for n in again.graph.nodes if n.op == "call_module" and n.target.endswith(("q_proj", "c_attn"))]
     assert projections and all(plan.nodes[n.name].output.dims[0] == ("tp",) for n in projections)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_traced_graph_at_more_rows_is_what_tracing_them_records(tied):
+    """A symbolic trace never sees the inputs: the graph at more rows is the one-row graph, its shapes propagated
+    again, as tracing the model again at those rows records them; the one-row capture keeps its own shapes."""
+    model = _gpt(tied)
+    row = model.example_inputs(1)
+    gm = capture(model, row)
+    before = [n.meta.get("tensor_meta") for n in gm.graph.nodes]
+    again, traced = at_rows(model, gm, row, 4), capture(model, model.example_inputs(4))
+    assert [(n.name, n.target) for n in again.graph.nodes] == [(n.name, n.target) for n in traced.graph.nodes]
+    assert [n.meta.get("tensor_meta") for n in again.graph.nodes] == \
+        [n.meta.get("tensor_meta") for n in traced.graph.nodes]
+    assert [n.meta.get("tensor_meta") for n in gm.graph.nodes] == before != \
+        [n.meta.get("tensor_meta") for n in again.graph.nodes]
+    assert torch.equal(again(*model.example_inputs(4)), model(*model.example_inputs(4)))
