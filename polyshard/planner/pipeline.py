@@ -22,6 +22,7 @@ from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
 from polyshard.graph.regions import Recomputed
 from polyshard.layout import Layout
+from polyshard.planner.cost.comm import DataSync
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD
 from polyshard.planner.cost.memory import (STATES, MemoryEstimate, gradient_transients, kept_copies, local_numel,
                                            param_numel)
@@ -303,9 +304,9 @@ class PipelineCost:
 class Setup:
     """What one pipelined mesh runs under: pp stages, dp data-parallel ranks, rows per data-parallel
     replica per step, the optimizer-parallel level, precision and offload, the memory limit;
-    send: seconds to send bytes between neighbouring stages; dp_seconds(bytes, groups, overlap_s, m, bucket):
+    send: seconds to send bytes between neighbouring stages; dp_sync(bytes, groups, m, bucket):
     the data-parallel communication of that many gradient bytes of these parameter groups over m
-    micro-batches left exposed beside overlap_s of backward, in buckets of that many bytes;
+    micro-batches, in buckets of that many bytes (:class:`DataSync`: read at a backward's length);
     update_seconds(numel, tensors): the optimizer step's (or offload's copies') seconds over that many
     parameters in that many tensors (none given: a lower bound); fixed: settings the user fixed; memo:
     results one search reuses (unit memory, simulated schedules, time-balanced cuts); bucket_sizes: the
@@ -319,7 +320,7 @@ class Setup:
     offload: str
     limit: float
     send: Callable[[np.ndarray], np.ndarray]
-    dp_seconds: Callable[[float, float, float, int, int], float]
+    dp_sync: Callable[[float, tuple, int, int], DataSync]
     update_seconds: Callable[..., float]
     fixed: Fixed = Fixed()
     memo: dict = dataclasses.field(default_factory=dict)
@@ -336,7 +337,7 @@ def best_pipeline(modes: Modes, setup: Setup,
     numel = sum(sum(g) for unit in units.groups for g in unit)
     allowed = list(_options(len(units), setup))
     options = sorted((bound, *option) for bound, option in zip(_bounds(modes, setup, allowed, numel), allowed))
-    best, tried, overflow_at = None, set(), {}
+    best, tried, overflow_at, ranges = None, set(), {}, {}
     refused = []  # (bound, option) of the options memory refused, or squeezed into slower cuts
     lost_bound = float("inf")  # the lowest bound of the options that fit but were not simulated (they lose)
     for bound, m, schedule, v in options:
@@ -348,7 +349,7 @@ def best_pipeline(modes: Modes, setup: Setup,
         if m <= overflow_at.get((schedule, v), 0):  # fewer, larger micro-batches hold no less per stage
             refused.append((bound, m, schedule, v))
             continue
-        found = cost_pipeline(modes, setup, m, schedule, v, beat_s=beat)
+        found = cost_pipeline(modes, setup, m, schedule, v, beat_s=beat, ranges=ranges)
         if schedule == "1f1b":
             tried.add(m)
         if isinstance(found, Loses):
@@ -362,11 +363,11 @@ def best_pipeline(modes: Modes, setup: Setup,
             best = found
     else:
         bound = float("inf")  # every option was tried
-    freed = _freed(modes, setup, refused)
+    freed = _freed(modes, setup, refused, ranges)
     return best and dataclasses.replace(best, refused_s=freed), min(bound, lost_bound), freed
 
 
-def _freed(modes: Modes, s: Setup, refused: list[tuple]) -> float:
+def _freed(modes: Modes, s: Setup, refused: list[tuple], ranges: dict | None = None) -> float:
     """What saving memory may reach: of the ``refused`` options ((bound, m, schedule, v)), the least span any
     takes on its cuts with memory to spare (the busiest rank's work, fill and drain, which recompute only
     lengthens; not simulated). inf when none."""
@@ -375,7 +376,7 @@ def _freed(modes: Modes, s: Setup, refused: list[tuple]) -> float:
     for bound, m, schedule, v in sorted(refused):
         if bound >= least:
             break
-        found = cost_pipeline(modes, spare, m, schedule, v, beat_s=0.0)  # its least span, before simulating
+        found = cost_pipeline(modes, spare, m, schedule, v, beat_s=0.0, ranges=ranges)  # least span, not simulated
         if found is not None:  # None: the modes allowed leave some chunk nothing to run, at any memory
             least = min(least, found.bound_s)
     return least
@@ -446,11 +447,12 @@ def _bounds(modes: Modes, s: Setup, options: list[tuple[int, str, int]], numel: 
         if m not in per_m:
             seconds = np.min([u.seconds(s.rows / m) for u in modes], axis=0)
             sends = np.min([s.send(u.send_bytes * s.rows / m) for u in modes], axis=0)
-            per_m[m] = seconds.sum(), seconds.max(), float(np.max(sends))
-        total, slowest, sent = per_m[m]
+            per_m[m] = (seconds.sum(), seconds.max(), float(np.max(sends)),
+                        [s.dp_sync(grads, every, m, b) for b in s.bucket_sizes])
+        total, slowest, sent, syncs = per_m[m]
         backward = (1 - units.forward_share) * total / (s.pp * v) + sent
         out.append(max((m + (s.pp - 1) / v) * total / s.pp, m * slowest)
-                   + min(s.dp_seconds(grads, every, backward, m, b) for b in s.bucket_sizes)
+                   + min(sync.exposed(backward) for sync in syncs)
                    + update)
     return out
 
@@ -463,38 +465,76 @@ class Loses:
     bound_s: float
 
 
+class _Ranges:
+    """Per mode, what every unit range [i, j) (indexed [i, j]) holds and takes at one micro-batch's ``rows``:
+    what :func:`cost_pipeline` reads at every schedule and micro-batch count of those rows."""
+
+    def __init__(self, modes: Modes, s: Setup, rows: float):
+        self.modes, self.setup, self.rows = modes, s, rows
+        self.state, self.fixed_of = zip(*(_unit_state(u, s) for u in modes))  # each unit's state; running totals
+        # in one micro-batch's backward: its recomputed block alive again, and the gradients of the op running
+        self.working = [(u.rerun_bytes.max() + u.transient_bytes.max()) * rows for u in modes]
+        self.least_acts = np.min([u.activation_bytes for u in modes], axis=0).sum() * rows
+
+    @functools.cached_property
+    def seconds(self) -> list[np.ndarray]:
+        return [u.seconds(self.rows) for u in self.modes]
+
+    @functools.cached_property
+    def send(self) -> list[np.ndarray]:
+        """Per cut 0..n, what a chunk sends across it (the ends send nothing)."""
+        return [np.concatenate([[0.0], self.setup.send(u.send_bytes[1:] * self.rows), [0.0]]) for u in self.modes]
+
+    @functools.cached_property
+    def time(self) -> list[np.ndarray]:
+        """Seconds, with sends of activations out and gradients back in."""
+        return [_range_sums(sec) + sent[None, :] + sent[:, None] for sec, sent in zip(self.seconds, self.send)]
+
+    @functools.cached_property
+    def base(self) -> list[np.ndarray]:
+        """Parameter state, working memory and a level-0 bucket."""
+        return [f[None, :] - f[:, None] + w + _bucket(self.setup) for f, w in zip(self.fixed_of, self.working)]
+
+    @functools.cached_property
+    def acts(self) -> list[np.ndarray]:
+        """Activations of one micro-batch."""
+        return [_range_sums(u.activation_bytes * self.rows) for u in self.modes]
+
+
+def _range_sums(values: np.ndarray) -> np.ndarray:
+    """[i, j]: the sum of ``values[i:j]`` (a running total's difference), for every i, j."""
+    total = np.concatenate([[0.0], np.cumsum(values)])
+    return total[None, :] - total[:, None]
+
+
+def _bucket(s: Setup) -> float:
+    """At level 0 with data parallel, the gradient buffer each chunk holds: cuts fit the least one."""
+    return min(s.bucket_sizes) if s.dp > 1 and s.zero == 0 else 0.0
+
+
 def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulated: bool = True,
-                  beat_s: float = float("inf")) -> PipelineCost | Loses | None:
+                  beat_s: float = float("inf"), ranges: dict | None = None
+                  ) -> PipelineCost | Loses | None:
     """This (m, schedule)'s fastest cuts whose every stage fits, each chunk in the fastest of ``modes`` that fits
     it (sending across its cuts what that mode's plan lays out there), simulated; None when no cuts fit,
     :class:`Loses` when they cannot take less than ``beat_s``. ``simulated=False`` times the schedule by the
     equal-stage formula instead, (m + (p-1)/v) x the busiest rank's micro-batch (for a split that does not fit,
-    whose memory is what matters)."""
+    whose memory is what matters). ``ranges``: :class:`_Ranges` by micro-batch rows, kept across calls on the same
+    modes and setup (its memory limit aside)."""
     units = modes[0]
     n, chunks, rows = len(units), s.pp * v, s.rows / m
-    state, fixed_of = zip(*(_unit_state(u, s) for u in modes))  # each unit's parameter memory, per mode
+    ranges = {} if ranges is None else ranges
+    if rows not in ranges:
+        ranges[rows] = _Ranges(modes, s, rows)
+    r = ranges[rows]
+    state, fixed_of, working = r.state, r.fixed_of, r.working
     held = [in_flight(schedule, s.pp, m, v, c) for c in range(chunks)]
     in_flight_of = np.array(held)
-    bucket = min(s.bucket_sizes) if s.dp > 1 and s.zero == 0 else 0.0  # level 0: a buffer per chunk, cuts fit the least
-    # in one micro-batch's backward: its recomputed block alive again, and the gradients of the op running
-    working = [(u.rerun_bytes.max() + u.transient_bytes.max()) * rows for u in modes]
+    bucket = _bucket(s)
     allowed = _allowed(modes, s, chunks, s.rows // m)
-    least_acts = np.min([u.activation_bytes for u in modes], axis=0).sum() * rows
-    if min(f[-1] for f in fixed_of) + least_acts * min(held) + chunks * (min(working) + bucket) > s.pp * s.limit:
+    if min(f[-1] for f in fixed_of) + r.least_acts * min(held) + chunks * (min(working) + bucket) > s.pp * s.limit:
         return None  # more than all chunks hold together (limit / v each): no cuts fit, and no program is needed
-    seconds = [u.seconds(rows) for u in modes]
-    # per mode, per cut 0..n, what a chunk in that mode sends across it (the ends send nothing)
-    send = [np.concatenate([[0.0], s.send(u.send_bytes[1:] * rows), [0.0]]) for u in modes]
-    start, end = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")  # every unit range [i, j)
-    time = []  # per mode, per unit range: seconds, with sends of activations out and gradients back in
-    for sec, sent in zip(seconds, send):
-        time_of = np.concatenate([[0.0], np.cumsum(sec)])
-        time.append(time_of[end] - time_of[start] + sent[end] + sent[start])
-    base = [f[end] - f[start] + w + bucket for f, w in zip(fixed_of, working)]
-    acts = []
-    for u in modes:
-        acts_of = np.concatenate([[0.0], np.cumsum(u.activation_bytes * rows)])
-        acts.append(acts_of[end] - acts_of[start])
+    seconds, send, time, base, acts = r.seconds, r.send, r.time, r.base, r.acts
 
     def load(banded, cap: float = s.limit / v):  # time where a range fits with its chunk's activations in flight,
         return functools.reduce(np.minimum, (  # in its fastest mode that does
@@ -553,7 +593,7 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
     numel = sum(map(sum, groups))
     # a rank's gradients sync in its last micro-batch's backward, beside the backwards still to run there, in
     # buckets of each size: (exposed sync, optimizer step)
-    synced = {b: (s.dp_seconds(numel * _itemsize(s.precision), groups, min(backward), m, b),
+    synced = {b: (s.dp_sync(numel * _itemsize(s.precision), groups, m, b).exposed(min(backward)),
                   s.update_seconds(numel, stepped_tensors(groups, s.zero, s.precision, s.offload, b)))
               for b in s.bucket_sizes}
     work = [m * sum(forward[c] + backward[c] for c in range(r, chunks, s.pp)) for r in range(s.pp)]  # per rank

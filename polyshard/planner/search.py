@@ -41,7 +41,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import at_rows, capture
 from polyshard.graph.regions import recomputed
 from polyshard.mesh import PIPELINE_AXIS, SPATIAL_AXES
-from polyshard.planner.cost.comm import axis_link, collective_latency
+from polyshard.planner.cost.comm import DataSync, axis_link, collective_latency
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory, frees_activations
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
 from polyshard.planner.cost.compute import optimizer_seconds, passes
@@ -622,9 +622,8 @@ class _Costs:
             tensors = stepped_tensors(units.model_groups, plan.zero, plan.precision, plan.offload, size)
             compute = work + _update_seconds(numel, plan.offload, plan.zero, dp, plan.precision, self.cluster, tensors)
             backward = (1 - units.forward_share) * (compute + op_comm) / m
-            return compute, _dp_seconds(numel * DTYPES[plan.precision][1], mesh, self.data_axes, self.cluster,
-                                        plan.zero, overlap_s=backward * self.hides, micro_batches=m,
-                                        bucket_bytes=size, **self.level3(units.model_groups, plan.precision, plan))
+            return compute, self.dp_sync(numel * DTYPES[plan.precision][1], mesh, plan.zero, m, size,
+                                         self.level3(units.model_groups, plan.precision, plan)).exposed(backward)
 
         timed = {b: synced(b) for b in self.bucket_sizes}
         tried = []  # fastest first (a sort keeps the default first among ties), until one fits
@@ -645,6 +644,13 @@ class _Costs:
                          offload=plan.offload, zero=plan.zero, precision=plan.precision, memory_floor=not exact,
                          accumulation=m, sequence=plan.sequence_parallel, bucket_bytes=plan.bucket_bytes,
                          skew_s=self.skew(compute, op_comm > 0 or dp > 1)), plan
+
+    def dp_sync(self, grad_bytes: float, mesh, zero: int, micro_batches: int, bucket_bytes: int,
+                level3: dict) -> DataSync:
+        """:func:`_dp_sync` on ``mesh``, hiding nothing where the user turned overlap off."""
+        sync = _dp_sync(grad_bytes, mesh, self.data_axes, self.cluster, zero, micro_batches=micro_batches,
+                        bucket_bytes=bucket_bytes, **level3)
+        return sync if self.hides else dataclasses.replace(sync, hides=0.0)
 
     def level3(self, groups, precision: str, plan: Plan) -> dict:
         """:func:`_level3` once per parameter groups: a pipeline's costing asks again at every bucket size and
@@ -679,9 +685,8 @@ class _Costs:
                 self.rows_units(base, mesh, rows, precision, modes)
             setup = Setup(pp, dp, rows, zero, precision, offload, self.limit,
                           send=lambda b: b / link.bandwidth_bytes_per_s + link.latency_s,
-                          dp_seconds=lambda b, groups, overlap, m, size, zero=zero, precision=precision: _dp_seconds(
-                              b, mesh, self.data_axes, self.cluster, zero, overlap_s=overlap * self.hides,
-                              micro_batches=m, bucket_bytes=size, **self.level3(groups, precision, base)),
+                          dp_sync=lambda b, groups, m, size, zero=zero, precision=precision: self.dp_sync(
+                              b, mesh, zero, m, size, self.level3(groups, precision, base)),
                           update_seconds=lambda numel, tensors=0, zero=zero, precision=precision: _update_seconds(
                               numel, offload, zero, dp, precision, self.cluster, tensors),
                           fixed=self.fixed, memo=self._memo, bucket_sizes=self.bucket_sizes)
@@ -824,7 +829,14 @@ def _mesh_text(mesh) -> str:
 def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0,
                 overlap_s: float = 0.0, micro_batches: int = 1, whole_bytes: float = 0.0,
                 bucket_bytes: int = BUCKET_BYTES) -> float:
-    """Data-parallel communication per step left exposed (alpha-beta on the outermost data axis's link).
+    """Data-parallel communication per step left exposed beside ``overlap_s`` of backward (:func:`_dp_sync`)."""
+    return _dp_sync(grad_bytes, mesh, data_axes, cluster, zero, modules, micro_batches, whole_bytes,
+                    bucket_bytes).exposed(overlap_s)
+
+
+def _dp_sync(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0,
+             micro_batches: int = 1, whole_bytes: float = 0.0, bucket_bytes: int = BUCKET_BYTES) -> DataSync:
+    """Data-parallel communication per step (alpha-beta on the outermost data axis's link), by when it runs.
 
     With B gradient bytes over n ranks, each level moves what the runtime (polyshard.runtime.zero)
     issues, one collective per gradient bucket of ``bucket_bytes``: level 0 all-reduces the gradients,
@@ -835,13 +847,13 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
     ``modules``: those level 3 gathers; ``whole_bytes``: of B, parameters small enough to stay whole at
     levels 1-3, all-reduced in buckets of their own and never gathered. Each collective pays its own fixed
     cost (an all-gather half an all-reduce's, see collective_latency). On GPUs the
-    collectives issued during backward (level 3: during every forward and backward) run beside
-    ``overlap_s`` of the last backward and only the rest, and at least the last bucket, is exposed; the
-    all-gather after the optimizer step (levels 1, 2) is not hidden.
+    collectives issued during backward (level 3: during every forward and backward) run beside the last
+    backward and only the rest, and at least the last bucket, is exposed; the all-gather after the optimizer
+    step (levels 1, 2) is not hidden.
     On CPU gloo runs on the cores that compute, so nothing hides (see cost/overlap.py)."""
     dp = _data_size(mesh, data_axes)
     if dp == 1:
-        return 0.0
+        return DataSync(0.0)
     link = axis_link(mesh, next(n for n, s in mesh if n in data_axes), cluster)
     latency = collective_latency(link, dp)
     gather, scatter = (collective_latency(link, dp, kind, cluster.backend) for kind in ("all_gather", "reduce_scatter"))
@@ -862,10 +874,10 @@ def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int 
         during = 2 * pass_s + buckets * latency
     after = sharded_s + sharded_buckets * gather if zero in (1, 2) else 0.0
     if cluster.device_type != "cuda":
-        return during + after
-    hidden = overlap_s * (1.5 * micro_batches if zero == 3 else 1)  # level 3: beside every forward (half a backward)
+        return DataSync(during, after)
     last_bucket = min(during, wire_bytes("all_reduce", bucket_bytes, dp) / link.bandwidth_bytes_per_s + latency)
-    return max(during - hidden, last_bucket) + after
+    # level 3: beside every forward too (half a backward each)
+    return DataSync(during, after, last_bucket, 1.5 * micro_batches if zero == 3 else 1)
 
 
 def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: float, reserve_bytes: float = 0.0,

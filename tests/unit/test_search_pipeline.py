@@ -9,6 +9,7 @@ import pytest
 from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
+from polyshard.planner.cost.comm import DataSync
 from polyshard.planner.pipeline import Setup, Units, _options, best_pipeline, cost_pipeline
 from polyshard.plan import Plan
 from polyshard.planner.report import chosen_row, render
@@ -33,7 +34,7 @@ def _units(seconds, activation_mib, param_numels, send_mib=0.0):
 
 def _setup(pp, rows, limit=float("inf"), send_s_per_mib=0.0):
     return Setup(pp=pp, dp=1, rows=rows, zero=0, precision="fp32", offload="none", limit=limit,
-                 send=lambda b: b / MiB * send_s_per_mib, dp_seconds=lambda b, modules, overlap, m, size: 0.0,
+                 send=lambda b: b / MiB * send_s_per_mib, dp_sync=lambda b, groups, m, size: DataSync(0.0),
                  update_seconds=lambda numel, tensors=0: 0.0)
 
 
@@ -226,7 +227,7 @@ def test_an_interleaved_rank_syncs_and_steps_the_parameters_of_every_chunk_it_ho
     units = _units([0.1] * 4, [1.0] * 4, [10, 20, 30, 40])
     synced, stepped = [], []
     setup = dataclasses.replace(_setup(pp=2, rows=2), dp=2,
-                                dp_seconds=lambda b, modules, overlap, m, size: synced.append(b) or 0.0,
+                                dp_sync=lambda b, groups, m, size: synced.append(b) or DataSync(0.0),
                                 update_seconds=lambda numel, tensors=0: stepped.append((numel, tensors)) or 0.0)
     found = cost_pipeline((units,), setup, 2, "interleaved", 2)
     assert [s.rank for s in found.stages] == [0, 1, 0, 1]

@@ -8,6 +8,7 @@ in one node, else on the inter-node link.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch.nn.functional as F
 from torch import fx, nn
@@ -19,6 +20,23 @@ from polyshard.halo import BILINEAR_HALO, SPLIT_DIMS, halo, pair
 from polyshard.layout import Axes, Layout
 from polyshard.plan import Plan
 from polyshard.transitions import transition_bytes, wire_bytes
+
+
+@dataclass(frozen=True)
+class DataSync:
+    """A step's data-parallel communication: ``during`` backward, of which ``hides`` seconds hide per second of
+    backward it runs beside, leaving at least ``last`` (the last bucket) exposed; then ``after`` backward, alone.
+    Computed once per (bytes, level, micro-batches, bucket size), read at each backward length."""
+
+    during: float
+    after: float = 0.0
+    last: float = 0.0
+    hides: float = 0.0
+
+    def exposed(self, overlap_s: float) -> float:
+        """Seconds left exposed beside ``overlap_s`` of backward."""
+        hidden = overlap_s * self.hides if self.hides else 0.0
+        return max(self.during - hidden, self.last) + self.after
 
 
 def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster) -> Link:
