@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -486,6 +487,11 @@ class _Ranges:
         return [np.concatenate([[0.0], self.setup.send(u.send_bytes[1:] * self.rows), [0.0]]) for u in self.modes]
 
     @functools.cached_property
+    def numel_of(self) -> list[list[int]]:
+        """Per mode, the parameters of the units before each cut 0..n (exact: integers)."""
+        return [[0, *itertools.accumulate(sum(map(sum, unit)) for unit in u.groups)] for u in self.modes]
+
+    @functools.cached_property
     def time(self) -> list[np.ndarray]:
         """Seconds, with sends of activations out and gradients back in."""
         return [_range_sums(sec) + sent[None, :] + sent[:, None] for sec, sent in zip(self.seconds, self.send)]
@@ -586,11 +592,12 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
     own = [seconds[k][i:j].sum() for k, (i, j) in zip(mode, parts)]  # each chunk's seconds, sends aside
     forward = [u.forward_share * t + send[k][j] for k, u, t, (i, j) in zip(mode, run, own, parts)]  # activations out
     backward = [(1 - u.forward_share) * t + send[k][i] for k, u, t, (i, j) in zip(mode, run, own, parts)]  # grads in
-    # the parameter groups each rank holds: its one stage's, or under interleaving its v chunks'
-    held_groups = [tuple(g for c in range(r, chunks, s.pp) for unit in run[c].groups[edges[c]:edges[c + 1]]
-                         for g in unit) for r in range(s.pp)]
-    groups = max(held_groups, key=lambda gs: sum(map(sum, gs)))
-    numel = sum(map(sum, groups))
+    # the parameters each rank holds (its one stage's, or under interleaving its v chunks'), the groups of the fullest
+    rank_numel = [sum(r.numel_of[mode[c]][edges[c + 1]] - r.numel_of[mode[c]][edges[c]]
+                      for c in range(k, chunks, s.pp)) for k in range(s.pp)]
+    most = max(range(s.pp), key=rank_numel.__getitem__)
+    groups = tuple(g for c in range(most, chunks, s.pp) for unit in run[c].groups[edges[c]:edges[c + 1]] for g in unit)
+    numel = rank_numel[most]
     # a rank's gradients sync in its last micro-batch's backward, beside the backwards still to run there, in
     # buckets of each size: (exposed sync, optimizer step)
     synced = {b: (s.dp_sync(numel * _itemsize(s.precision), groups, m, b).exposed(min(backward)),
