@@ -200,12 +200,19 @@ def state_memory(groups, zero: int, dp: int, precision: str, offload: str, accum
     """Parameters, gradients and optimizer state of these parameter groups (local sizes, by module),
     as :func:`polyshard.planner.cost.memory.estimate_memory` counts them; no activations."""
     itemsize = 4 if precision == "fp32" else 2
-    held = state_bytes_per_rank(groups or [0], zero, dp, threshold_bytes, itemsize, optimizer_states=1,
-                                accumulating=accumulating)
+    held = _state_bytes(tuple(groups) or (0,), zero, dp, threshold_bytes, itemsize, accumulating)
     state = held["optimizer"] / itemsize * 4 * (STATES[optimizer] + (precision != "fp32"))
     buffers = min(bucket_bytes, held["params"]) if dp > 1 and zero == 0 else 0.0
     on_device = state if offload == "none" else 0.0
     return MemoryEstimate(held["params"], held["grads"], on_device, 0.0, buffers, state - on_device)
+
+
+@functools.lru_cache(maxsize=256)  # a search asks again at every micro-batch count and bucket size
+def _state_bytes(groups: tuple, zero: int, dp: int, threshold_bytes: int, itemsize: int,
+                 accumulating: bool) -> dict[str, int]:
+    """:func:`state_bytes_per_rank` with one optimizer state (read only: shared by every caller)."""
+    return state_bytes_per_rank(groups, zero, dp, threshold_bytes, itemsize, optimizer_states=1,
+                                accumulating=accumulating)
 
 
 @functools.lru_cache(maxsize=256)  # a search asks again for the same groups at every micro-batch count
