@@ -32,7 +32,7 @@ from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
 from polyshard.plan import DTYPES, Plan
 from polyshard.schedule import schedule_actions, simulated_times
-from polyshard.planner.stages import even_partition, min_max_partition
+from polyshard.planner.stages import even_partition, min_max_partition, range_sums
 
 # Schedules of more micro-batches than this many per stage are simulated at this many, and the rest
 # added at the steady state's pace (each further micro-batch, or group of pp interleaved, adds what the
@@ -501,7 +501,7 @@ class _Ranges:
     @functools.cached_property
     def time(self) -> list[np.ndarray]:
         """Seconds, with sends of activations out and gradients back in."""
-        return [_range_sums(sec) + sent[None, :] + sent[:, None] for sec, sent in zip(self.seconds, self.send)]
+        return [range_sums(sec) + sent[None, :] + sent[:, None] for sec, sent in zip(self.seconds, self.send)]
 
     @functools.cached_property
     def base(self) -> list[np.ndarray]:
@@ -511,13 +511,7 @@ class _Ranges:
     @functools.cached_property
     def acts(self) -> list[np.ndarray]:
         """Activations of one micro-batch."""
-        return [_range_sums(u.activation_bytes * self.rows) for u in self.modes]
-
-
-def _range_sums(values: np.ndarray) -> np.ndarray:
-    """[i, j]: the sum of ``values[i:j]`` (a running total's difference), for every i, j."""
-    total = np.concatenate([[0.0], np.cumsum(values)])
-    return total[None, :] - total[:, None]
+        return [range_sums(u.activation_bytes * self.rows) for u in self.modes]
 
 
 def _bucket(s: Setup) -> float:
