@@ -3,6 +3,8 @@
     torchrun --nproc-per-node 4 bench/bench_cost_model.py                       # gpt-tiny and gpt-small, batch 8
     torchrun --nproc-per-node 4 bench/bench_cost_model.py --model gpt-small --batch 8,16
     torchrun --nproc-per-node 4 bench/bench_cost_model.py --settings "dp=4;dp=2,pp=2,m=4;dp=4,zero=3"
+    torchrun --nproc-per-node 1 bench/bench_cost_model.py --model gpt-125m --batch 16 \
+        --settings "precision=bf16,m=2;precision=bf16,recompute=full;precision=fp32"   # one GPU
 
 For each configuration (model x global batch) each setting (``--config`` spelling; by default every
 dp x tp split of the ranks) is searched alone, which gives its plan and predicted step time, and one
@@ -11,12 +13,14 @@ is that setting, timed once). Every rank searches (the search is deterministic).
 of every configuration is built for real (``ps.init`` + ``ps.parallelize``, same seed, same global
 batches, AdamW at the plan's optimizer level, ``polyshard train``'s step) and trained: after
 --warmup untimed steps, --rounds timed rounds, each running --steps steps of every setting, taking
-turns in an order that rotates from round to round, so machine noise hits all of them alike. A
+turns in an order that rotates from round to round, so machine noise hits all of them alike (one
+configuration's settings at a time: they are freed before the next configuration's are built). A
 setting's measured step time is the median over rounds of (seconds between barriers) / steps.
 
 Rank 0 prints, per configuration, the predicted and measured step times and ranks; the Spearman
 rank correlation of predicted vs measured (per configuration, per model, and pooled over every
-point); each prediction's error; whether the planner's pick is the measured fastest or within 5% of it; a breakdown
+point); each prediction's error; whether the planner's pick is the measured fastest or within 5% of it; on GPUs,
+each setting's predicted memory against its allocator peak (the other settings' resident bytes left out); a breakdown
 of one profiled block per mesh (time the main thread waits for operator collectives and for the
 gradient all-reduce, against the planner's op_comm_s and dp_comm_s); and one JSON line.
 Nothing is written to disk.
@@ -42,7 +46,7 @@ import polyshard as ps  # noqa: E402
 from bench_core import NUM_BATCHES, make_batches  # noqa: E402
 from polyshard import models  # noqa: E402
 from polyshard.calibrate import calibrate, message_sizes  # noqa: E402
-from polyshard.cluster import Cluster  # noqa: E402
+from polyshard.cluster import Cluster, format_bytes  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
 from polyshard.plan import Plan  # noqa: E402
@@ -171,11 +175,26 @@ def predict(configs, cluster: Cluster, settings: list[str]) -> dict:
 # ---------------------------------------------------------------- one mesh, trained for real
 
 
+def allocated() -> int:
+    """Bytes of tensors on this rank's GPU (0 on CPU, where no allocator keeps count)."""
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def settle() -> None:
+    """Wait for every rank, and on a GPU for its queued kernels, so a timer reads finished work."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class Run:
     """One configuration under one setting: ``step(i)`` trains on global batch ``i`` (this rank's rows)."""
 
     def __init__(self, model: str, batch: int, label: str, mesh, batches, plan: Plan | None):
         self.model, self.batch, self.label, self.mesh = model, batch, label, mesh
+        self.before = allocated()  # device bytes before this setting's model, to count what it keeps
         self.ps_mesh = ps.init(dict(mesh))
         n, i = self.ps_mesh.num_data_shards, self.ps_mesh.data_index
         example = tuple(t.chunk(n)[i] for t in batches[0])  # one rank's rows: the shapes for capture
@@ -183,6 +202,8 @@ class Run:
         self.local = [self.pm.local_batch(x, y) for x, y in batches]  # cut once, before timing
         self.opt = make_optimizer(self.pm, LR, "")  # AdamW, at the plan's optimizer-parallel level
         self.times: list[float] = []  # seconds per step, one per round
+        self.resident = 0  # device bytes this setting keeps between steps (weights, optimizer state)
+        self.peak = 0  # device bytes at this setting's fullest moment, other settings' resident bytes left out
         self.dp_wait = 0.0  # seconds spent in the gradient sync's finish() (while enabled)
         self._timing_sync = False
         sync = self.pm.grad_sync  # data parallel's engine, or an optimizer-parallel level's
@@ -204,6 +225,12 @@ class Run:
         accum = self.pm.plan.micro_batches if self.ps_mesh.pp == 1 else 1  # gradient accumulation without a pipeline
         return train_step(self.pm, self.opt, *self.local[i % len(self.local)], accum)
 
+    def warm(self, steps: int) -> list[float]:
+        """The first ``steps`` steps' global losses, untimed; then what the setting keeps on the device."""
+        losses = [self.global_loss(self.step(i)) for i in range(steps)]
+        self.resident = allocated() - self.before
+        return losses
+
     def global_loss(self, loss: torch.Tensor) -> float:
         """The global-batch loss: data shards hold their rows' mean."""
         group = self.ps_mesh.data_group()
@@ -215,12 +242,18 @@ class Run:
 
     def timed(self, steps: int, start: int) -> float:
         self.activate()
-        dist.barrier()
+        settle()
+        base = allocated()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for i in range(start, start + steps):
             self.step(i)
-        dist.barrier()
-        return (time.perf_counter() - t0) / steps
+        settle()
+        seconds = (time.perf_counter() - t0) / steps
+        if torch.cuda.is_available():
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated() - base + self.resident)
+        return seconds
 
     def breakdown(self, steps: int, start: int) -> dict:
         """One profiled block: wall time per step, main-thread waits for operator collectives
@@ -255,7 +288,7 @@ class Run:
 def main(argv=None) -> None:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ps.init({"dp": world})  # starts the gloo process group (1 thread per rank)
+    ps.init({"dp": world})  # starts the process group: gloo on CPU (1 thread per rank), NCCL on GPUs
     lead = dist.get_rank() == 0
     if min(args.warmup, args.steps, args.rounds) < 1:
         raise SystemExit("--warmup, --steps and --rounds must be at least 1")
@@ -277,17 +310,39 @@ def main(argv=None) -> None:
     predicted, t_search = payload[0]["predicted"], payload[0]["search_s"]
     picks = {key: p["pick"] for key, p in predicted.items()}
 
-    # ---- every mesh of every configuration, built once
+    # ---- per configuration, its settings built once and timed in rounds, then freed before the next
+    # configuration's (a GPU holds one configuration's models at a time)
     runs: list[Run] = []
     first_loss: dict[tuple[str, int], dict[str, float]] = {}
+    detail = {}
     for model, batch in configs:
         batches = make_batches(models.CONFIGS[model], batch, NUM_BATCHES)
+        group = []
         for label, figures in predicted[(model, batch)]["settings"].items():
             plan = Plan.from_json(figures["plan"]) if args.plan == "search" else None
             run = Run(model, batch, label, figures["mesh"], batches, plan)
-            runs.append(run)
-            losses = [run.global_loss(run.step(i)) for i in range(args.warmup)]
-            first_loss.setdefault((model, batch), {})[label] = losses[0]
+            group.append(run)
+            first_loss.setdefault((model, batch), {})[label] = run.warm(args.warmup)[0]
+        # timed rounds: the settings take turns; the order rotates per round, so noise hits all alike
+        start = args.warmup
+        for r in range(args.rounds):
+            order = group[r % len(group):] + group[:r % len(group)]
+            if r % 2:
+                order = order[::-1]
+            for run in order:
+                run.times.append(run.timed(args.steps, start))
+            start += args.steps
+        # one profiled block per setting: where the measured time goes
+        if args.profile_steps > 0:
+            for run in group:
+                detail[(run.model, run.batch, run.label)] = run.breakdown(args.profile_steps, start)
+        for run in group:
+            run.close()
+        runs.extend(group)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     if lead:
         print(f"cluster: {cluster.device_name} x {cluster.num_devices} ({cluster.backend}); "
               f"search: {t_search:.1f} s for {len(configs)} configurations; torch {torch.__version__}", flush=True)
@@ -297,27 +352,9 @@ def main(argv=None) -> None:
             print(f"{key[0]} batch {key[1]}: first loss under every setting " + ", ".join(
                 f"{m} {v:.6f}" for m, v in by_mesh.items()) + f" (rel spread {spread:.1e})", flush=True)
 
-    # ---- timed rounds: all meshes of all configurations take turns; the order rotates per round
-    start = args.warmup
-    for r in range(args.rounds):
-        order = runs[r % len(runs):] + runs[:r % len(runs)]
-        if r % 2:
-            order = order[::-1]
-        for run in order:
-            run.times.append(run.timed(args.steps, start))
-        start += args.steps
-
-    # ---- one profiled block per mesh: where the measured time goes
-    detail = {}
-    if args.profile_steps > 0:
-        for run in runs:
-            detail[(run.model, run.batch, run.label)] = run.breakdown(args.profile_steps, start)
-
     if lead:
         report(args, cluster, configs, runs, predicted, picks, detail, first_loss)
 
-    for run in runs:
-        run.close()
     del runs
     gc.collect()
     dist.barrier()
@@ -344,7 +381,7 @@ def report(args, cluster, configs, runs, predicted, picks, detail, first_loss) -
                          "error": round(p / m - 1, 4), "predicted_rank": a, "measured_rank": b,
                          "compute_ms": round(c["compute_s"] * 1e3, 3), "op_comm_ms": round(c["op_comm_s"] * 1e3, 3),
                          "dp_comm_ms": round(c["dp_comm_s"] * 1e3, 3), "skew_ms": round(c["skew_s"] * 1e3, 3),
-                         "memory_bytes": int(c["memory_bytes"]),
+                         "memory_bytes": int(c["memory_bytes"]), "peak_bytes": r.peak,
                          "rounds_ms": [round(t * 1e3, 2) for t in r.times]})
         pick = picks[(model, batch)]
         fastest = min(zip(meas, these), key=lambda x: x[0])
@@ -388,6 +425,14 @@ def report(args, cluster, configs, runs, predicted, picks, detail, first_loss) -
     within = sum(abs(r["error"]) <= ERROR_GOAL for r in rows)
     print(f"predictions within 25% of the measured step: {within}/{len(rows)} "
           f"(median |error| {statistics.median(abs(r['error']) for r in rows):.0%})")
+
+    if any(r["peak_bytes"] for r in rows):  # on a GPU: the planner's memory against the allocator's peak
+        print()
+        print("| model | batch | setting | predicted memory | measured peak | predicted / measured |")
+        print("|---|---:|---|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['model']} | {r['batch']} | {r['setting']} | {format_bytes(r['memory_bytes'])} "
+                  f"| {format_bytes(r['peak_bytes'])} | {r['memory_bytes'] / r['peak_bytes']:.3f} |")
 
     if detail:
         print()
