@@ -175,17 +175,20 @@ def predict(configs, cluster: Cluster, settings: list[str]) -> dict:
 # ---------------------------------------------------------------- one mesh, trained for real
 
 
+ON_GPU = torch.cuda.is_available()  # each rank trains on its GPU (NCCL), else on the CPU (gloo)
+
+
 def allocated() -> int:
     """Bytes of tensors on this rank's GPU (0 on CPU, where no allocator keeps count)."""
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    return torch.cuda.memory_allocated() if ON_GPU else 0
 
 
 def settle() -> None:
     """Wait for every rank, and on a GPU for its queued kernels, so a timer reads finished work."""
-    if torch.cuda.is_available():
+    if ON_GPU:
         torch.cuda.synchronize()
     dist.barrier()
-    if torch.cuda.is_available():
+    if ON_GPU:
         torch.cuda.synchronize()
 
 
@@ -244,14 +247,14 @@ class Run:
         self.activate()
         settle()
         base = allocated()
-        if torch.cuda.is_available():
+        if ON_GPU:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for i in range(start, start + steps):
             self.step(i)
         settle()
         seconds = (time.perf_counter() - t0) / steps
-        if torch.cuda.is_available():
+        if ON_GPU:
             self.peak = max(self.peak, torch.cuda.max_memory_allocated() - base + self.resident)
         return seconds
 
@@ -340,7 +343,7 @@ def main(argv=None) -> None:
             run.close()
         runs.extend(group)
         gc.collect()
-        if torch.cuda.is_available():
+        if ON_GPU:
             torch.cuda.empty_cache()
 
     if lead:
