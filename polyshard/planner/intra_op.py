@@ -430,6 +430,7 @@ def solve(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int, memory
     scale = 1.0 / max(node_cost.max(initial=0.0), paid.max(initial=0.0), 1e-30)
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)  # no solver threads: a search's forked workers would inherit them dead
     h.setOptionValue("time_limit", time_limit_s)
     h.setOptionValue("mip_rel_gap", 1e-9)
     h.setOptionValue("mip_abs_gap", 0.0)

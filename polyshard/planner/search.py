@@ -18,6 +18,8 @@ faster than its work split evenly), so hopeless splits need no program.
 Costs use one capture of the model at one row, scaled by the rows each split gives a device
 (compute, activations and their communication grow with rows; parameters do not). Each costed option takes
 the gradient bucket size (of BUCKET_CHOICES) that syncs and steps its gradients fastest.
+On a cluster of several nodes, processes forked once the first split is costed cost the rest side by side
+(:mod:`polyshard.planner.workers`), sharing the best step time found so far.
 A ``Fixed`` restricts the search to the settings a user gives (``polyshard cost --config``).
 """
 
@@ -28,6 +30,7 @@ import functools
 import gc
 import itertools
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -52,6 +55,7 @@ from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipelin
                                         leanest_pipeline, level3_traffic, state_memory, stepped_tensors,
                                         unit_costs)
 from polyshard.planner.config import Fixed
+from polyshard.planner.workers import SharedBest, available_cores, run_items
 from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
 from polyshard.plan import (DTYPES, OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, Plan, most_recompute,
@@ -201,7 +205,7 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
            memory_limit_bytes: float | None = None, meshes=None, data_axes: tuple[str, ...] = ("dp",),
            fixed: Fixed = Fixed(), reserve_bytes: float | None = None,
            pp_plan: bool = False, dataset_strategy: Sequence | None = None,
-           graph: fx.GraphModule | None = None) -> tuple[Plan, list[Candidate]]:
+           graph: fx.GraphModule | None = None, workers: int | None = None) -> tuple[Plan, list[Candidate]]:
     """The best plan over ``meshes`` (default: every dp x pp x tp split) and every candidate's costs.
 
     ``example_row``: inputs for one row (batch dim 1); ``global_batch``: rows per step in all;
@@ -211,7 +215,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     model's own pipeline plan names (:func:`pp_plan_units`), not only at its repeated blocks;
     ``dataset_strategy``: per positional input, how its dims split (slice counts, or axis names: a mesh
     without the axis keeps the dim whole), so the search weighs splitting images by height and width;
-    ``graph``: the model already captured at ``example_row`` (:func:`capture`), so a second search skips it.
+    ``graph``: the model already captured at ``example_row`` (:func:`capture`), so a second search skips it;
+    ``workers``: processes that cost splits side by side (default: see :func:`_default_workers`).
     """
     reserve = default_reserve_bytes(cluster) if reserve_bytes is None else reserve_bytes
     limit = (memory_limit_bytes or cluster.memory_bytes) - reserve
@@ -221,44 +226,19 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     gm = capture(model, example_row) if graph is None else graph
     costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else (),
                    dataset_strategy, lambda rows: at_rows(model, gm, example_row, rows))
-    candidates, plans, skipped = [], {}, []
-    best_s = float("inf")
     allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks),
                                                     None if fixed.tp else cluster.devices_per_node)
-               if _keeps(fixed, m, data_axes)]
-    for mesh in costs.order(allowed):
-        if global_batch % _data_size(mesh, data_axes):
-            continue
-        hopeless: set[str] = set()  # offloads whose time bound already lost on this split
-        floors: dict[str, dict[tuple, float]] = {}  # offload -> (level, precision) -> what recompute cannot beat
-        for setting in SETTINGS:
-            if not fixed.allows(recompute=setting[0], offload=setting[1]) or setting[1] in hopeless:
-                continue
-            try:
-                found = costs.split(mesh, setting, best_s, floors)
-            except PolyshardError as exc:  # a pin that this split cannot hold
-                skipped.append(f"{_mesh_text(mesh)}: {exc}")
-                break
-            for candidate, plan in found:
-                candidates.append(candidate)
-                if plan is not None:
-                    plans[candidate.key] = plan
-                    if candidate.memory.total_bytes <= limit:
-                        best_s = min(best_s, candidate.step_s)
-                if setting[0] == "none":
-                    floors.setdefault(setting[1], {})[(candidate.zero, candidate.precision)] = _floor(candidate, limit)
-            if found and all(c.pruned for c, _ in found):
-                # recompute only adds time, and so does offload: what lost without them loses with them
-                if setting[1] == "none":
-                    break
-                hopeless.add(setting[1])
-                continue
-            # recompute and offload only buy memory, at the price of time: once memory refused no option
-            # of this setting that could beat the best, the settings after it cannot win here
-            if setting[1] == "none" and \
-                    _nothing_to_free(found, len(_variants(_data_size(mesh, data_axes), "none", cluster, fixed)),
-                                     best_s, limit):
-                break
+               if _keeps(fixed, m, data_axes) and global_batch % _data_size(m, data_axes) == 0]
+    ordered = costs.order(allowed)
+    workers = _default_workers(cluster) if workers is None else workers
+    best = SharedBest(shared=workers > 1 and len(ordered) > 2)
+    # the first split sets the incumbent and solves the program the likeliest splits share before any fork
+    tried = [costs.tried(ordered[:1], best)] if ordered else []
+    tried += run_items(costs.items(ordered[1:], grouped=workers > 1), functools.partial(costs.tried, best=best),
+                       workers)
+    candidates = [c for t in tried for c in t.candidates]
+    plans = {key: plan for t in tried for key, plan in t.plans.items()}
+    skipped = [s for t in tried for s in t.skipped]
     if not candidates:
         why = "; ".join(skipped) or (f"none allowed by {fixed.text()} holds a plan (the data-parallel size must "
                                      f"divide the batch of {global_batch}, optimizer levels above 0 need dp > 1, "
@@ -285,6 +265,29 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                                first_bucket_bytes=first_bucket_bytes(cluster, plans[best.key].bucket_bytes),
                                report=report | {k: v for k, v in hints.items() if v})
     return plan, ranked
+
+
+@dataclass
+class _Tried:
+    """What costing some splits found: every candidate, the plan of the fastest that fits (the search needs no
+    other), and the splits a pin ruled out."""
+
+    candidates: list[Candidate]
+    plans: dict[tuple, Plan]
+    skipped: list[str]
+    fastest_s: float = float("inf")
+
+    def keep(self, candidate: Candidate, plan: Plan) -> None:
+        if candidate.step_s < self.fastest_s:
+            self.plans, self.fastest_s = {candidate.key: plan}, candidate.step_s
+
+
+def _default_workers(cluster: Cluster) -> int:
+    """Processes a search runs in: for a cluster of several nodes, this process's share of the cores it may use
+    (each rank of a job on this machine plans); one for a single node, whose search takes less than forking saves."""
+    if cluster.num_devices <= cluster.devices_per_node:
+        return 1
+    return max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 class _Costs:
@@ -330,6 +333,64 @@ class _Costs:
         then the shallowest pipelines (the least bubble), then by their least data-parallel communication."""
         return sorted(meshes, key=lambda m: (abs(math.log(_op_size(m, self.data_axes) / self.cluster.devices_per_node)),
                                              _pp(m), self.floor(m, "none")))
+
+    def items(self, meshes: list, grouped: bool) -> list[list]:
+        """``meshes`` as work for :func:`run_items`, in order: one each, or (``grouped``, for processes side by
+        side) those whose operator axes have no program yet together, so that one process builds it."""
+        if not grouped:
+            return [[m] for m in meshes]
+        built = {axes for axes, *_ in self._terms}
+        out, group_of = [], {}
+        for mesh in meshes:
+            axes = self.op_axes(mesh)
+            if axes in built:
+                out.append([mesh])
+            elif axes in group_of:
+                group_of[axes].append(mesh)
+            else:
+                group_of[axes] = [mesh]
+                out.append(group_of[axes])
+        return out
+
+    def op_axes(self, mesh) -> tuple:
+        """The axes of ``mesh`` that split operators (neither data nor pipeline), of 2 ranks or more."""
+        return tuple((n, s) for n, s in mesh if n not in self.data_axes and n != PIPELINE_AXIS and s > 1)
+
+    def tried(self, meshes: list, best: SharedBest) -> _Tried:
+        """Every setting of each of ``meshes`` that may beat ``best`` (lowered by what fits), with the plan of the
+        fastest that fits."""
+        out = _Tried([], {}, [])
+        for mesh in meshes:
+            hopeless: set[str] = set()  # offloads whose time bound already lost on this split
+            floors: dict[str, dict[tuple, float]] = {}  # offload -> (level, precision) -> what recompute cannot beat
+            for setting in SETTINGS:
+                if not self.fixed.allows(recompute=setting[0], offload=setting[1]) or setting[1] in hopeless:
+                    continue
+                try:
+                    found = self.split(mesh, setting, best.value, floors)
+                except PolyshardError as exc:  # a pin that this split cannot hold
+                    out.skipped.append(f"{_mesh_text(mesh)}: {exc}")
+                    break
+                for candidate, plan in found:
+                    out.candidates.append(candidate)
+                    if plan is not None and candidate.memory.total_bytes <= self.limit:
+                        out.keep(candidate, plan)
+                        best.offer(candidate.step_s)
+                    if setting[0] == "none":
+                        floors.setdefault(setting[1], {})[(candidate.zero, candidate.precision)] = \
+                            _floor(candidate, self.limit)
+                if found and all(c.pruned for c, _ in found):
+                    # recompute only adds time, and so does offload: what lost without them loses with them
+                    if setting[1] == "none":
+                        break
+                    hopeless.add(setting[1])
+                    continue
+                # recompute and offload only buy memory, at the price of time: once memory refused no option
+                # of this setting that could beat the best, the settings after it cannot win here
+                variants = len(_variants(_data_size(mesh, self.data_axes), "none", self.cluster, self.fixed))
+                if setting[1] == "none" and _nothing_to_free(found, variants, best.value, self.limit):
+                    break
+        return out
 
     def worth(self, recompute: str) -> bool:
         """Whether a recompute mode may buy memory: it runs something again, and unless the user asked for it,
@@ -379,7 +440,7 @@ class _Costs:
         if _pp(mesh) > max(len(self.blocks), 1):
             raise PolyshardError(f"{_pp(mesh)} pipeline stages need as many stage units (by default the repeated "
                                  f"blocks, children of a ModuleList); the model has {len(self.blocks)}")
-        op_axes = tuple((n, s) for n, s in mesh if n not in self.data_axes and n != PIPELINE_AXIS and s > 1)
+        op_axes = self.op_axes(mesh)
         rows = self.batch // _data_size(mesh, self.data_axes)
         floor = self.floor(mesh, offload)
         split_ways = math.prod(n for _, n in op_axes)

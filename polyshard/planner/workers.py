@@ -1,0 +1,105 @@
+"""Independent work spread over forked processes, one per core: a search's splits share nothing but the best
+step time found so far, so they can be costed side by side.
+
+Workers are forked, so each starts with everything the caller computed before (the captured model, the
+programs already solved) and needs nothing sent to it; only results travel back, pickled. Items are taken in
+order, each by the first process free, and results come back in item order whoever computed them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from polyshard.errors import PolyshardError
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class SharedBest:
+    """The least value any process has offered (a search's incumbent step time): read without a lock, lowered
+    under one. In one process alone it is a plain float."""
+
+    def __init__(self, shared: bool):
+        self._value = multiprocessing.get_context("fork").Value("d", float("inf")) if shared else None
+        self._local = float("inf")
+
+    @property
+    def value(self) -> float:
+        return self._value.value if self._value is not None else self._local
+
+    def offer(self, value: float) -> None:
+        if self._value is None:
+            self._local = min(self._local, value)
+            return
+        with self._value.get_lock():
+            if value < self._value.value:
+                self._value.value = value
+
+
+def run_items(items: Sequence[Any], work: Callable[[Any], Any], workers: int) -> list[Any]:
+    """``[work(item) for item in items]``, computed by this process and ``workers - 1`` forked ones, each taking
+    the next item when it is free. An exception raised by ``work`` is raised here (the first item's, in order)."""
+    workers = min(workers, len(items))
+    if workers <= 1:
+        return [work(item) for item in items]
+    context = multiprocessing.get_context("fork")
+    taken = context.Value("i", 0)
+    results: dict[int, Any] = {}
+
+    def drain() -> dict[int, tuple[bool, Any]]:
+        done = {}
+        while True:
+            with taken.get_lock():
+                index = taken.value
+                taken.value += 1
+            if index >= len(items):
+                return done
+            try:
+                done[index] = (True, work(items[index]))
+            except Exception as exc:  # raised in the caller, in item order
+                done[index] = (False, exc)
+                return done
+
+    children = []
+    for _ in range(workers - 1):
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_child, args=(drain, send), daemon=True)
+        child.start()
+        send.close()
+        children.append((child, receive))
+    results.update(drain())
+    for child, receive in children:
+        try:
+            results.update(receive.recv())
+        except EOFError:
+            child.join()
+            raise PolyshardError(f"a search worker exited with code {child.exitcode} before sending its "
+                                 "results") from None
+        child.join()
+    for index in sorted(results):
+        ok, value = results[index]
+        if not ok:
+            raise value
+    return [results[i][1] for i in range(len(items))]
+
+
+def _child(drain: Callable[[], dict], send) -> None:
+    """A forked worker: drain items and send back what it computed (as text what pickle cannot carry)."""
+    done = drain()
+    try:
+        send.send(done)
+    except Exception as exc:
+        send.send({i: (False, PolyshardError(_text(value) if not ok else
+                                             f"a search worker could not send its result back: {_text(exc)}"))
+                   for i, (ok, value) in done.items()})
+    send.close()
+
+
+def _text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(exc)).strip()
