@@ -169,6 +169,8 @@ def _planning_flags(p: argparse.ArgumentParser) -> None:
                    "model's own pipeline plan names (embedding, each layer, final norm, head), not only at its layers")
     p.add_argument("--json", action="store_true", help="print one JSON object (step_s, memory_bytes_per_device, "
                    "config, breakdown, planning_s) instead of the table")
+    p.add_argument("--workers", type=int, default=None, help="processes that cost splits side by side (default: "
+                   "one per core this process may use on a cluster of several nodes, else 1)")
 
 
 def _plan(args) -> int:
@@ -187,6 +189,8 @@ def _plan(args) -> int:
     batch = args.batch_size or cluster.num_devices
     if batch < 1:
         raise PolyshardError(f"--global-batch must be at least 1, got {batch}")
+    if args.workers is not None and args.workers < 1:
+        raise PolyshardError(f"--workers must be at least 1, got {args.workers}")
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     reserve = parse_bytes(args.memory_reserve) if args.memory_reserve else None
     _check_reserve(limit or cluster.memory_bytes, reserve, default_reserve_bytes(cluster))
@@ -203,7 +207,7 @@ def _plan(args) -> int:
         apply_strategies(model, args.pin)
     graph = capture(model, model.example_inputs(1))
     options = dict(meshes=planned.meshes, dataset_strategy=planned.dataset_strategy, reserve_bytes=reserve,
-                   pp_plan=args.pp_plan, graph=graph)
+                   pp_plan=args.pp_plan, graph=graph, workers=args.workers)
     plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, **options)
     plan = dataclasses.replace(plan, model=planned.name)
     seconds = time.perf_counter() - start

@@ -15,6 +15,8 @@ from typing import Any
 
 from polyshard.errors import PolyshardError
 
+FORKS = "fork" in multiprocessing.get_all_start_methods()  # elsewhere every item runs in this process
+
 
 def available_cores() -> int:
     """Cores this process may run on (its affinity, not the machine's count)."""
@@ -26,7 +28,7 @@ class SharedBest:
     under one. In one process alone it is a plain float."""
 
     def __init__(self, shared: bool):
-        self._value = multiprocessing.get_context("fork").Value("d", float("inf")) if shared else None
+        self._value = multiprocessing.get_context("fork").Value("d", float("inf")) if shared and FORKS else None
         self._local = float("inf")
 
     @property
@@ -45,7 +47,7 @@ class SharedBest:
 def run_items(items: Sequence[Any], work: Callable[[Any], Any], workers: int) -> list[Any]:
     """``[work(item) for item in items]``, computed by this process and ``workers - 1`` forked ones, each taking
     the next item when it is free. An exception raised by ``work`` is raised here (the first item's, in order)."""
-    workers = min(workers, len(items))
+    workers = min(workers, len(items)) if FORKS else 1
     if workers <= 1:
         return [work(item) for item in items]
     context = multiprocessing.get_context("fork")

@@ -83,6 +83,7 @@ def test_explain_shows_a_plan_beside_another_term_by_term(capsys, tmp_path):
     (("--config", "pipes=2"), "unknown"),
     (("--model", "gpt:layers=2"), "needs hidden"),
     (("--global-batch", "-4"), "at least 1"),
+    (("--workers", "0"), "--workers must be at least 1"),
     (("--image-size", "64"), "reads tokens"),
     (("--model", "unet-small", "--seq-len", "64"), "--seq-len is for token models"),
     (("--model", "unet-small", "--image-size", "30"), "use a multiple of 4"),
