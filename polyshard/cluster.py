@@ -199,6 +199,13 @@ class Cluster:
         """Elements per second ``op`` runs at in ``dtype`` (per forward-equivalent), where it was measured."""
         return self.pointwise_rates.get(dtype, {}).get(op)
 
+    @property
+    def shares_grow_with_size(self) -> bool:
+        """Whether no product or attention reaches a larger share of peak for being smaller (measured tables may
+        dip where timings were noisy): what lets a bound take work split k ways as no faster than 1 / k of it."""
+        tables = [*self.matmul_shares.values(), *self.attention_shares.values(), self.matmul_depth_shares]
+        return all(a <= b for points in tables for (_, a), (_, b) in zip(points, points[1:]))
+
     def matmul_share(self, m: float, n: float, k: float, dtype: str = "float32") -> float:
         """The share of ``dtype``'s peak a product of (m x k) by (k x n) reaches over a training step: forward
         contracts k, the input's gradient n and the weight's gradient m, each at its depth's share

@@ -17,7 +17,7 @@ from torch import fx, nn
 
 from polyshard.graph.params import parameters_of
 from polyshard.graph.twins import blocks, stripped, twins
-from polyshard.layout import Axes
+from polyshard.layout import Axes, Layout
 from polyshard.plan import NodePlan
 from polyshard.planner.rules import RuleContext, decide_all
 from polyshard.planner.rules.base import INPUT_LAYOUTS
@@ -190,6 +190,30 @@ def enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None) -> Enum
                                       list(_shared_param_conflicts(nodes, options, rep, modules)),
                                       [r for r in _repeats(gm) if all(m in copied for m in r.members)])
     return per_graph[key]
+
+
+def covers(wide: Enumeration, narrow: Enumeration) -> bool:
+    """Whether ``narrow``'s program is ``wide``'s with fewer strategies: the same stand-ins and twins, and each op's
+    every strategy one ``wide`` offers it, alike but for the axes' sizes (tp=64 against tp=16)."""
+    if narrow.rep != wide.rep or narrow.copied != wide.copied:
+        return False
+    for name, options in narrow.options.items():
+        if name in narrow.copied:  # its twin's, renamed alike in both
+            continue
+        offered = {_sizeless(d) for d in wide.options[name]}
+        if any(_sizeless(d) not in offered for d in options):
+            return False
+    return True
+
+
+def _sizeless(d: NodePlan) -> tuple:
+    """A strategy as its layouts' splits and pending sums, whatever the axes' sizes."""
+    def laid(value):
+        if isinstance(value, Layout):
+            return value.dims, value.partial
+        return tuple(map(laid, value)) if isinstance(value, tuple) else value
+    return (d.impl, tuple((k, laid(v)) for k, v in d.inputs.items()), laid(d.output),
+            tuple((k, laid(v)) for k, v in d.params.items()))
 
 
 def shares_params(node: fx.Node, owned, seen: set[int]) -> bool:

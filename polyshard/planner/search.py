@@ -14,7 +14,8 @@ hidden, so it is never above what it prunes. Recompute and offload are tried whe
 a split fits only because nothing was costed yet; a pipeline's chunks each take the fastest recompute mode
 that fits them (early stages hold more micro-batches in flight), all laid out by the plain program, whose
 bounds bound them. An operator split of k ways is first bounded by the unsplit program's bound / k (no op gets
-faster than its work split evenly), so hopeless splits need no program.
+faster than its work split evenly), and one over k ranks of an axis by k0 / k of a built program's on k0 of them
+(no strategy gets more than k / k0 times cheaper on k / k0 times the ranks), so hopeless splits need no program.
 Costs use one capture of the model at one row, scaled by the rows each split gives a device
 (compute, activations and their communication grow with rows; parameters do not). Each costed option takes
 the gradient bucket size (of BUCKET_CHOICES) that syncs and steps its gradients fastest.
@@ -49,6 +50,7 @@ from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory, frees
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
 from polyshard.planner.cost.compute import optimizer_seconds, passes
 from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
+from polyshard.planner.candidates import covers, enumerated
 from polyshard.planner.intra_op import IntraOpResult, Terms, forward_floor, program_terms, solve
 from polyshard.planner.precision import bounding_cluster, narrowest, precisions_to_cost
 from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, crossing_bytes, ideal_bubble,
@@ -458,6 +460,10 @@ class _Costs:
             bound = self.unsplit_bound(program, rows / _pp(mesh), (best_s - floor) * split_ways) / split_ways
             if bound + floor >= best_s:
                 return pruned(bound)
+        if split_ways > 1 and best_s < float("inf"):  # nor before the bound a program on fewer of its ranks gives
+            bound = self.divisor_bound(op_axes, program, rows / _pp(mesh), best_s - floor)
+            if bound + floor >= best_s:
+                return pruned(bound)
         if program != "none" and best_s < float("inf"):  # nor before the plain program's bound and the reruns
             bound = self.recompute_bound(op_axes, program, rows / _pp(mesh))
             if bound + floor >= best_s:
@@ -567,6 +573,29 @@ class _Costs:
                      for (axes, mode, r0, precision), found in self._solved.items()
                      if axes == () and mode == recompute and precision is None), default=0.0)
         return known if known >= enough_s else self.solved((), recompute, rows, float("inf")).lower_bound_s
+
+    def divisor_bound(self, op_axes, recompute: str, rows: float, enough_s: float) -> float:
+        """A lower bound of the program on one operator axis of k ranks at ``rows`` rows, without building it, from a
+        built one on k0 of them (k0 dividing k, over the same link) that offers every strategy it does
+        (:func:`covers`): each strategy costs at least k0 / k as much on k ranks, its work split at most k / k0 ways
+        further and its collectives sending no less than k0 / k of the bytes in no fewer steps, so k0 / k of that
+        program's LP bound bounds this one's. 0 where no such program is built, or this one is, or a smaller product
+        may reach a larger share of peak on this cluster."""
+        if len(op_axes) != 1 or not self.bounds.shares_grow_with_size or \
+                any(key[:2] == (op_axes, recompute) for key in self._terms):
+            return 0.0
+        (axis, k), = op_axes
+        nodes = self.cluster.devices_per_node
+        bound = 0.0
+        for axes, mode, offload, precision in list(self._terms):
+            if mode != recompute or offload != "none" or precision is not None or len(axes) != 1:
+                continue
+            (name, k0), = axes
+            if name != axis or k0 >= k or k % k0 or (nodes % k0 == 0) != (nodes % k == 0):
+                continue
+            if covers(enumerated(self.gm, axes, self.sequence), enumerated(self.gm, op_axes, self.sequence)):
+                bound = max(bound, self.solved(axes, recompute, rows, enough_s * k / k0).lower_bound_s * k0 / k)
+        return bound
 
     def recompute_bound(self, op_axes, recompute: str, rows: float) -> float:
         """A lower bound of ``recompute``'s program on ``op_axes`` at ``rows`` rows without solving it: the plain

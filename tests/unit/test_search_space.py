@@ -16,7 +16,10 @@ from polyshard.planner.cost.comm import axis_link
 from polyshard.graph.capture import capture, shape_of
 from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.precision import precisions_to_cost
-from polyshard.planner.search import BUCKET_CHOICES, _dp_seconds, default_reserve_bytes, mesh_candidates, search
+from polyshard.planner.candidates import covers, enumerated
+from polyshard.planner.intra_op import solve
+from polyshard.planner.search import (BUCKET_CHOICES, _Costs, _dp_seconds, default_reserve_bytes, mesh_candidates,
+                                       search)
 from polyshard.transitions import wire_bytes
 
 
@@ -391,3 +394,41 @@ def test_tensor_axes_divide_a_node_or_span_whole_nodes():
     assert axis_link((("dp", 8), ("tp", 6)), "tp", cluster) == cluster.inter_node
     assert axis_link((("dp", 12), ("tp", 4)), "tp", cluster) == cluster.intra_node
     assert axis_link((("dp", 12), ("tp", 4)), "dp", cluster) == cluster.inter_node
+
+
+@pytest.mark.parametrize("name", ["gpt:layers=2,hidden=4096,heads=32,seq=2048,vocab=32000", "hf:llama-3-8b"])
+def test_a_program_on_fewer_ranks_of_an_axis_bounds_one_on_more(name):  # wide enough that their plans split ops
+    model = models.build(name, "meta")
+    gm = capture(model, model.example_inputs(1))
+    bounded = 0
+    for k0, k in [(4, 8), (4, 16), (8, 16), (2, 16)]:
+        costs = _Costs(gm, Cluster.preset("16x2xA100-80G"), ("dp",), 64, float("inf"))  # tp=4 and up span nodes
+        costs.terms((("tp", k0),), "none", "none")  # the only program built
+        for rows in (1, 8):
+            bound = costs.divisor_bound((("tp", k),), "none", rows, float("inf"))
+            exact = solve(gm, (("tp", k),), costs.bounds, rows, float("inf"), precision=costs.narrowest)
+            assert bound <= exact.lower_bound_s * (1 + 1e-9), (k0, k, rows)
+            assert k0 > 2 or bound == 0  # tp=2 rides the node's link, tp=16 the slower one between nodes
+            bounded += bound > 0.45 * exact.lower_bound_s
+    assert bounded, "no program bounded another: the test checks nothing"
+
+
+def test_a_program_bounds_another_only_where_it_offers_every_strategy_the_other_does():
+    model = models.build("gpt:layers=2,hidden=768,heads=12,seq=128,vocab=512", "meta")  # 12 heads split 4, not 16 ways
+    gm = capture(model, model.example_inputs(1))
+    four, sixteen = (enumerated(gm, (("tp", k),), None) for k in (4, 16))
+    assert covers(four, sixteen) and not covers(sixteen, four)
+    costs = _Costs(gm, Cluster.preset("16x2xA100-80G"), ("dp",), 64, float("inf"))
+    costs.terms((("tp", 16),), "none", "none")
+    assert costs.divisor_bound((("tp", 32),), "none", 4, float("inf")) > 0
+    assert costs.divisor_bound((("tp", 8),), "none", 4, float("inf")) == 0  # fewer ranks: no bound from more
+
+
+def test_no_program_bounds_another_where_a_smaller_product_may_run_nearer_peak():
+    model = models.build("gpt:layers=2,hidden=768,heads=12,seq=128,vocab=512", "meta")
+    gm = capture(model, model.example_inputs(1))
+    dipping = dataclasses.replace(Cluster.preset("16x2xA100-80G"), matmul_depth_shares=((64, 0.9), (4096, 0.6)))
+    assert not dipping.shares_grow_with_size
+    costs = _Costs(gm, dipping, ("dp",), 64, float("inf"))
+    costs.terms((("tp", 16),), "none", "none")
+    assert costs.divisor_bound((("tp", 32),), "none", 4, float("inf")) == 0
