@@ -233,7 +233,7 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
                if _keeps(fixed, m, data_axes) and global_batch % _data_size(m, data_axes) == 0]
     ordered = costs.order(allowed)
     workers = _default_workers(cluster) if workers is None else workers
-    best = SharedBest(shared=workers > 1 and len(ordered) > 2)
+    best = SharedBest(shared=workers > 1)
     # the first split sets the incumbent and solves the program the likeliest splits share before any fork
     tried = [costs.tried(ordered[:1], best)] if ordered else []
     tried += run_items(costs.items(ordered[1:], grouped=workers > 1), functools.partial(costs.tried, best=best),
@@ -344,7 +344,7 @@ class _Costs:
         built = {axes for axes, *_ in self._terms}
         out, group_of = [], {}
         for mesh in meshes:
-            axes = self.op_axes(mesh)
+            axes = _op_axes(mesh, self.data_axes)
             if axes in built:
                 out.append([mesh])
             elif axes in group_of:
@@ -353,10 +353,6 @@ class _Costs:
                 group_of[axes] = [mesh]
                 out.append(group_of[axes])
         return out
-
-    def op_axes(self, mesh) -> tuple:
-        """The axes of ``mesh`` that split operators (neither data nor pipeline), of 2 ranks or more."""
-        return tuple((n, s) for n, s in mesh if n not in self.data_axes and n != PIPELINE_AXIS and s > 1)
 
     def tried(self, meshes: list, best: SharedBest) -> _Tried:
         """Every setting of each of ``meshes`` that may beat ``best`` (lowered by what fits), with the plan of the
@@ -442,7 +438,7 @@ class _Costs:
         if _pp(mesh) > max(len(self.blocks), 1):
             raise PolyshardError(f"{_pp(mesh)} pipeline stages need as many stage units (by default the repeated "
                                  f"blocks, children of a ModuleList); the model has {len(self.blocks)}")
-        op_axes = self.op_axes(mesh)
+        op_axes = _op_axes(mesh, self.data_axes)
         rows = self.batch // _data_size(mesh, self.data_axes)
         floor = self.floor(mesh, offload)
         split_ways = math.prod(n for _, n in op_axes)
@@ -884,8 +880,13 @@ def _variants(dp: int, offload: str, cluster: Cluster, fixed: Fixed = Fixed(),
     return [(z, p) for z in levels for p in precisions if fixed.allows(zero=z, precision=p) and only in (None, p)]
 
 
+def _op_axes(mesh, data_axes) -> tuple:
+    """The axes of ``mesh`` that split operators (neither data nor pipeline), of 2 ranks or more."""
+    return tuple((n, s) for n, s in mesh if n not in data_axes and n != PIPELINE_AXIS and s > 1)
+
+
 def _op_size(mesh, data_axes) -> int:
-    return math.prod(s for n, s in mesh if n not in data_axes and n != PIPELINE_AXIS)
+    return math.prod(s for _, s in _op_axes(mesh, data_axes))
 
 
 def _data_size(mesh, data_axes) -> int:
