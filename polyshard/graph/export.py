@@ -96,13 +96,14 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     _split_to_slices(graph)
     _drop_same_dtype_casts(graph)
     _collapse_leaves(graph, traced, is_leaf, attrs)
-    if stack is not None and not stamp(graph, stack, model, attrs):  # the layers' graphs differ after all
-        return export_graph(model, args, kwargs, is_leaf, stamped=False)
+    # shapes and the causal rewrite before stamping: each stamped layer copies its model layer's as they are
     batch = dict.fromkeys(_symbolic_batch(graph), rows)
     grads = _needs_grad(graph, attrs)
     for node in graph.nodes:
         _set_tensor_meta(node, batch, node in grads)
     run_causal_attention_unmasked(graph)
+    if stack is not None and not stamp(graph, stack, model, attrs):  # the layers' graphs differ after all
+        return export_graph(model, args, kwargs, is_leaf, stamped=False)
     for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:  # a collapsed leaf's own state
         graph.erase_node(node)
         attrs.pop(node.target, None)
