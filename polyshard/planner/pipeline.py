@@ -343,7 +343,7 @@ def best_pipeline(modes: Modes, setup: Setup,
     rank's work alone lost; inf when all were costed); and what saving memory may reach (:func:`_freed`)."""
     units = modes[0]
     numel = sum(sum(g) for unit in units.groups for g in unit)
-    allowed = list(_options(len(units), setup))
+    allowed = list(schedule_options(len(units), setup.rows, setup.pp, setup.fixed))
     options = sorted((bound, *option) for bound, option in zip(_bounds(modes, setup, allowed, numel), allowed))
     best, tried, overflow_at, ranges = None, set(), {}, {}
     refused = []  # (bound, option) of the options memory refused, or squeezed into slower cuts
@@ -394,7 +394,7 @@ def leanest_pipeline(modes: Modes, setup: Setup) -> PipelineCost | None:
     """The time-balanced cuts under the allowed schedule with the most micro-batches and the leanest
     recompute mode, whatever their memory (to tell by how much a mesh on which nothing fits misses);
     None when nothing is allowed."""
-    options = list(_options(len(modes[0]), setup))
+    options = list(schedule_options(len(modes[0]), setup.rows, setup.pp, setup.fixed))
     if not options:
         return None
     m, schedule, v = max(options, key=lambda o: (o[0], o[1] == "1f1b"))
@@ -418,22 +418,21 @@ def _unit_state(units: Units, s: Setup) -> tuple[list[MemoryEstimate], np.ndarra
     return s.memo[whole]
 
 
-def _options(n: int, s: Setup):
-    """(micro-batches, schedule, virtual stages) to try, bounded: m divides the rows, with micro-batches
-    of at most MAX_MICRO_ROWS rows or at most MAX_MICRO_PER_STAGE per stage; interleaving with
-    2, 3, 4, 6 or 8 chunks per rank (at most n/pp), m a multiple of pp; pp x v chunks where the user gives a
-    recompute mode or a tp split per chunk. What the user fixes is tried whatever these bounds say."""
-    f = s.fixed
-    for m in (m for m in range(1, s.rows + 1) if s.rows % m == 0):
-        if f.m is None and f.mbs is None and s.rows // m > MAX_MICRO_ROWS and m > MAX_MICRO_PER_STAGE * s.pp:
+def schedule_options(n: int, rows: int, pp: int, f: Fixed):
+    """(micro-batches, schedule, virtual stages) to try for ``n`` units on ``pp`` stages, bounded: m divides the
+    ``rows``, with micro-batches of at most MAX_MICRO_ROWS rows or at most MAX_MICRO_PER_STAGE per stage;
+    interleaving with 2, 3, 4, 6 or 8 chunks per rank (at most n/pp), m a multiple of pp; pp x v chunks where the
+    user gives a recompute mode or a tp split per chunk. What the user fixes is tried whatever these bounds say."""
+    for m in (m for m in range(1, rows + 1) if rows % m == 0):
+        if f.m is None and f.mbs is None and rows // m > MAX_MICRO_ROWS and m > MAX_MICRO_PER_STAGE * pp:
             continue
         candidates = [(m, "1f1b", 1), (m, "gpipe", 1)]
-        if s.pp > 1 and m % s.pp == 0:
-            chunks = [f.v] if f.v is not None else [v for v in VIRTUAL_STAGES if v <= n // s.pp]
-            candidates += [(m, "interleaved", v) for v in chunks if 1 < v <= n // s.pp]
+        if pp > 1 and m % pp == 0:
+            chunks = [f.v] if f.v is not None else [v for v in VIRTUAL_STAGES if v <= n // pp]
+            candidates += [(m, "interleaved", v) for v in chunks if 1 < v <= n // pp]
         for m_, schedule, v in candidates:
-            if f.allows(m=m_, mbs=s.rows // m_, schedule=schedule, v=v) and \
-                    len(f.stage_recompute) in (0, s.pp * v) and len(f.stage_tp_split) in (0, 1, s.pp * v):
+            if f.allows(m=m_, mbs=rows // m_, schedule=schedule, v=v) and \
+                    len(f.stage_recompute) in (0, pp * v) and len(f.stage_tp_split) in (0, 1, pp * v):
                 yield m_, schedule, v
 
 

@@ -14,8 +14,10 @@ hidden, so it is never above what it prunes. Recompute and offload are tried whe
 a split fits only because nothing was costed yet; a pipeline's chunks each take the fastest recompute mode
 that fits them (early stages hold more micro-batches in flight), all laid out by the plain program, whose
 bounds bound them. An operator split of k ways is first bounded by the unsplit program's bound / k (no op gets
-faster than its work split evenly), and one over k ranks of an axis by k0 / k of a built program's on k0 of them
-(no strategy gets more than k / k0 times cheaper on k / k0 times the ranks), so hopeless splits need no program.
+faster than its work split evenly), a pipelined one so at every micro-batch's rows and then by the pipeline's
+wait at the schedule where it is least, and one over k ranks of an axis by k0 / k of a built program's on k0 of
+them (no strategy gets more than k / k0 times cheaper on k / k0 times the ranks), so hopeless splits need no
+program.
 Costs use one capture of the model at one row, scaled by the rows each split gives a device
 (compute, activations and their communication grow with rows; parameters do not). Each costed option takes
 the gradient bucket size (of BUCKET_CHOICES) that syncs and steps its gradients fastest.
@@ -54,8 +56,8 @@ from polyshard.planner.candidates import covers, enumerated
 from polyshard.planner.intra_op import IntraOpResult, Terms, forward_floor, program_terms, solve
 from polyshard.planner.precision import bounding_cluster, narrowest, precisions_to_cost
 from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, crossing_bytes, ideal_bubble,
-                                        leanest_pipeline, level3_traffic, state_memory, stepped_tensors,
-                                        unit_costs)
+                                        leanest_pipeline, level3_traffic, schedule_options, state_memory,
+                                        stepped_tensors, unit_costs)
 from polyshard.planner.config import Fixed
 from polyshard.planner.workers import SharedBest, available_cores, run_items
 from polyshard.planner.dataset import input_layouts
@@ -454,6 +456,8 @@ class _Costs:
                 return pruned(bound)
         if split_ways > 1 and best_s < float("inf"):  # before a program of its own: the unsplit one's bound / ways
             bound = self.unsplit_bound(program, rows / _pp(mesh), (best_s - floor) * split_ways) / split_ways
+            if _pp(mesh) > 1 and bound + floor < best_s:  # and at the schedule where a pipeline waits least
+                bound = max(bound, self.pipelined_bound(program, mesh, rows, split_ways, best_s - floor))
             if bound + floor >= best_s:
                 return pruned(bound)
         if split_ways > 1 and best_s < float("inf"):  # nor before the bound a program on fewer of its ranks gives
@@ -569,6 +573,21 @@ class _Costs:
                      for (axes, mode, r0, precision), found in self._solved.items()
                      if axes == () and mode == recompute and precision is None), default=0.0)
         return known if known >= enough_s else self.solved((), recompute, rows, float("inf")).lower_bound_s
+
+    def pipelined_bound(self, recompute: str, mesh, rows: int, ways: int, enough_s: float = float("inf")) -> float:
+        """A lower bound of a pipeline on ``mesh`` over ``rows`` rows per replica, its operators split ``ways`` ways,
+        without a program of its own: the pipeline's equal-stage bound (:func:`best_pipeline`), (m + (p-1)/v) / p x
+        the model's seconds per micro-batch, at the schedule allowed where it is least, those seconds bounded by the
+        unsplit program's bound at a micro-batch's rows / ``ways``. 0 once it falls short of a finite ``enough_s``
+        (the unsplit program is solved at another row count only where that may reach it)."""
+        pp, least = _pp(mesh), float("inf")
+        options = schedule_options(max(len(self.blocks), 1), rows, pp, self.fixed)
+        for m, _, v in sorted(options, key=lambda o: (-o[0], -o[2])):  # the likeliest least first
+            scale = (m + (pp - 1) / v) / pp / ways
+            least = min(least, scale * self.unsplit_bound(recompute, rows / m, enough_s / scale))
+            if least < enough_s < float("inf"):
+                return 0.0
+        return 0.0 if least == float("inf") else least
 
     def divisor_bound(self, op_axes, recompute: str, rows: float, enough_s: float) -> float:
         """A lower bound of the program on one operator axis of k ranks at ``rows`` rows, without building it, from a

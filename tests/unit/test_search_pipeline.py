@@ -10,7 +10,7 @@ from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.planner.cost.comm import DataSync
-from polyshard.planner.pipeline import Setup, Units, _options, best_pipeline, cost_pipeline
+from polyshard.planner.pipeline import Setup, Units, best_pipeline, cost_pipeline, schedule_options
 from polyshard.plan import Plan
 from polyshard.planner.report import chosen_row, render
 from polyshard.planner.config import Fixed
@@ -109,7 +109,7 @@ def test_what_memory_refused_is_bounded_from_below(seed):
         unlimited = dataclasses.replace(setup, limit=float("inf"))
         beat_s = found.step_s if found else float("inf")
         could_win = []  # options memory refused, or squeezed into slower cuts, that could beat what was found
-        for option in _options(n, setup):
+        for option in schedule_options(n, setup.rows, setup.pp, setup.fixed):
             fitting, free = cost_pipeline((units,), setup, *option), cost_pipeline((units,), unlimited, *option)
             if (fitting is None or fitting.step_s > free.step_s * (1 + 1e-9)) and free.step_s < beat_s:
                 could_win.append(free.step_s)

@@ -432,3 +432,28 @@ def test_no_program_bounds_another_where_a_smaller_product_may_run_nearer_peak()
     costs = _Costs(gm, dipping, ("dp",), 64, float("inf"))
     costs.terms((("tp", 16),), "none", "none")
     assert costs.divisor_bound((("tp", 32),), "none", 4, float("inf")) == 0
+
+
+
+@pytest.mark.parametrize("name,meshes,raised", [
+    ("gpt:layers=4,hidden=4096,heads=32,seq=2048,vocab=32000",
+     ["pp=2,dp=2,tp=2", "pp=2,dp=1,tp=4", "pp=4,dp=1,tp=2"], 1.3),
+    ("hf:llama-3-8b", ["pp=4,dp=1,tp=2"], 1.05),
+])
+def test_a_pipelines_bound_without_a_program_of_its_own_is_below_what_it_costs(name, meshes, raised):
+    """At the schedule where it waits least, a pipeline whose operators split k ways takes no less than the
+    unsplit program's bound / k per micro-batch, (m + (p-1)/v) / p times over: the split, costed alone on 8 A100s
+    at 8 rows a step, never beats it, and it says more than the unsplit bound at rows / p where few rows leave a
+    bubble (wide ops, whose time grows with their rows)."""
+    model = models.build(name, "meta")
+    costs = _Costs(capture(model, model.example_inputs(1)), _cluster("8xA100-80G"), ("dp",), 8, float("inf"))
+    gains = []
+    for text in meshes:
+        fixed = Fixed.parse(text)
+        mesh, rows = (("pp", fixed.pp), ("dp", fixed.dp), ("tp", fixed.tp)), 8 // fixed.dp
+        bound = costs.pipelined_bound("none", mesh, rows, fixed.tp)
+        _, alone = _search(name, "8xA100-80G", 8, fixed)
+        costed = [c.step_s for c in alone if not c.pruned]
+        assert costed and 0 < bound <= min(costed) * (1 + 1e-9), text
+        gains.append(bound / (costs.unsplit_bound("none", rows / fixed.pp, float("inf")) / fixed.tp))
+    assert max(gains) > raised, gains
