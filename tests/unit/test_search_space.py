@@ -434,7 +434,6 @@ def test_no_program_bounds_another_where_a_smaller_product_may_run_nearer_peak()
     assert costs.divisor_bound((("tp", 32),), "none", 4, float("inf")) == 0
 
 
-
 @pytest.mark.parametrize("name,meshes,raised", [
     ("gpt:layers=4,hidden=4096,heads=32,seq=2048,vocab=32000",
      ["pp=2,dp=2,tp=2", "pp=2,dp=1,tp=4", "pp=4,dp=1,tp=2"], 1.3),
