@@ -61,6 +61,7 @@ RECOMPUTE_MODES = tuple(Recompute)
 RECOMPUTE_COMMS = tuple(RecomputeComm)
 SCHEDULES = tuple(Schedule)
 ZERO_LEVELS = (0, 1, 2, 3)
+ZERO_THRESHOLD_BYTES = 64 * 1024  # parameters smaller than this stay whole at optimizer levels 1-3
 OPTIMIZERS = tuple(Optimizer)
 PRECISIONS = tuple(Precision)
 DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}  # precision -> (dtype, bytes)
@@ -147,7 +148,7 @@ class Plan:
     micro_batches: int = 1
     virtual_stages: int = 1
     zero: int = 0
-    zero_threshold_bytes: int = 64 * 1024
+    zero_threshold_bytes: int = ZERO_THRESHOLD_BYTES
     bucket_bytes: int = BUCKET_BYTES
     first_bucket_bytes: int = FIRST_BUCKET_BYTES
     optimizer: Optimizer = Optimizer.ADAMW

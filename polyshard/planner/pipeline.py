@@ -124,11 +124,15 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
         groups[u].append(sizes)
         if first:
             model_groups.append(tuple(sizes[i] for i in first))
-    share = 1 / (TRAIN_FLOPS_PER_FORWARD + (plan.recompute == "full"))
-    return Units(facts.span, starts, forward_share=share, groups=tuple(map(tuple, groups)),
+    return Units(facts.span, starts, forward_share=forward_share(plan.recompute), groups=tuple(map(tuple, groups)),
                  model_groups=tuple(g for g in model_groups if g), activation_bytes=activation,
                  rerun_bytes=rerun, transient_bytes=transient, send_bytes=np.cumsum(crossing)[:n],
                  recompute=str(plan.recompute), **fields)
+
+
+def forward_share(recompute: str) -> float:
+    """Of a training pass's seconds, forward's: one of three passes, one of four where backward runs it again."""
+    return 1 / (TRAIN_FLOPS_PER_FORWARD + (recompute == "full"))
 
 
 def crossing_bytes(gm: fx.GraphModule, terms, unit_of: dict[str, int], itemsize: int) -> np.ndarray:

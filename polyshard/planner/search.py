@@ -10,7 +10,8 @@ Each split is costed at every optimizer-parallel level, precision and micro-batc
 when there is no pipeline); the fastest that fits wins. Splits are tried from the most promising, and what a
 lower bound shows cannot win is not costed: every bound is computed in the narrowest precision tried, priced
 as fast as the fastest tried in every term (polyshard.planner.precision), and with all data-parallel traffic
-hidden, so it is never above what it prunes. Recompute and offload are tried where memory is tight, also where
+hidden (without a pipeline: all that backward can hide at each optimizer level), so it is never above what it
+prunes. Recompute and offload are tried where memory is tight, also where
 a split fits only because nothing was costed yet; a pipeline's chunks each take the fastest recompute mode
 that fits them (early stages hold more micro-batches in flight), all laid out by the plain program, whose
 bounds bound them. An operator split of k ways is first bounded by the unsplit program's bound / k (no op gets
@@ -55,15 +56,15 @@ from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.candidates import covers, enumerated
 from polyshard.planner.intra_op import IntraOpResult, Terms, forward_floor, program_terms, solve
 from polyshard.planner.precision import bounding_cluster, narrowest, precisions_to_cost
-from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, crossing_bytes, ideal_bubble,
-                                        leanest_pipeline, level3_traffic, schedule_options, state_memory,
-                                        stepped_tensors, unit_costs)
+from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, crossing_bytes, forward_share,
+                                        ideal_bubble, leanest_pipeline, level3_traffic, schedule_options,
+                                        state_memory, stepped_tensors, unit_costs)
 from polyshard.planner.config import Fixed
 from polyshard.planner.workers import SharedBest, available_cores, run_items
 from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
-from polyshard.plan import (DTYPES, OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, Plan, most_recompute,
-                            recompute_text)
+from polyshard.plan import (DTYPES, OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, ZERO_THRESHOLD_BYTES, Plan,
+                            most_recompute, recompute_text)
 from polyshard.planner.rules import left_whole
 from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.planner.stage_rows import batch_values, rows_layouts, shared_parameters, with_rows_chunks
@@ -312,7 +313,8 @@ class _Costs:
         self.own_plans: tuple[str | None, ...] = tuple(tried) if len(tried) > 1 else (None,)
         self.blocks = list(stage_units) or block_paths(gm)
         self.unit_of = assign_chunks(gm, self.blocks[1:])
-        self.numel = sum(p.numel() for p in gm.parameters())
+        self.param_numels = tuple(p.numel() for p in gm.parameters())
+        self.numel = sum(self.param_numels)
         self.recompute_comm = fixed.recompute_comm or "keep"
         self.sequence = None if fixed.sp is None else bool(fixed.sp)
         self.hides = float(fixed.overlap != 0)  # of backward, the share gradient communication may run beside
@@ -413,6 +415,38 @@ class _Costs:
                    + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds)
                    for zero in ZERO_LEVELS for size in self.bucket_sizes)
 
+    def whole_bound(self, mesh, offload: str, recompute: str, program_s: float) -> float:
+        """A lower bound of a step on ``mesh`` without a pipeline whose program (compute and operator
+        communication) takes at least ``program_s``: at each optimizer level costed, data-parallel traffic
+        hides only beside the backward share of the step, and at level 3 beside forward too
+        (:class:`DataSync`'s ``hides`` per second of backward, at one micro-batch, where it sends least);
+        its bytes as if every weight were split over the operator axes, and those small enough to stay
+        whole at levels 1-3 (:meth:`whole_most`) left out; its fixed costs only per bucket."""
+        numel = self.numel / _op_size(mesh, self.data_axes)
+        itemsize = DTYPES[self.narrowest][1] if offload == "none" else 4
+        dp = _data_size(mesh, self.data_axes)
+        sharded = max(0.0, numel * itemsize - self.whole_most(_op_size(mesh, self.data_axes), itemsize))
+        backward = (1 - forward_share(recompute)) * self.hides
+        least = float("inf")
+        for zero in {z for z, _ in _variants(dp, offload, self.cluster, self.fixed)}:
+            work = program_s + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds)
+            for size in self.bucket_sizes:
+                sync = _dp_sync(numel * itemsize if zero == 0 else sharded, mesh, self.data_axes, self.bounds, zero,
+                                bucket_bytes=size)
+                rate = sync.hides * backward  # seconds hidden per second of the step's work
+                # the step is work + max(during - rate x work, last) + after: least at the work where it
+                # stops falling, if it falls
+                at = max(work, (sync.during - sync.last) / rate) if rate > 1 else work
+                least = min(least, at + max(sync.during - rate * at, sync.last) + sync.after)
+        return least
+
+    def whole_most(self, op_size: int, itemsize: int) -> float:
+        """The most bytes per rank of parameters small enough to stay whole at optimizer levels 1-3 with the
+        operators split ``op_size`` ways: those whose even split is under the threshold, each at most
+        their whole size and under the threshold."""
+        threshold = ZERO_THRESHOLD_BYTES / itemsize
+        return itemsize * sum(min(n, threshold) for n in self.param_numels if n / op_size < threshold)
+
     def skew(self, compute_s: float, communicates: bool) -> float:
         """Seconds a step waits for ranks that reach its collectives apart: none where it has none."""
         return self.cluster.arrival_skew * compute_s if communicates else 0.0
@@ -445,29 +479,35 @@ class _Costs:
         floor = self.floor(mesh, offload)
         split_ways = math.prod(n for _, n in op_axes)
 
-        def pruned(bound: float) -> list[tuple[Candidate, None]]:
-            return [(Candidate(mesh, rows, bound, 0.0, floor, MemoryEstimate(0, 0, 0, 0, 0), recompute=recompute,
+        def pruned(bound: float, dp_s: float = floor) -> list[tuple[Candidate, None]]:
+            return [(Candidate(mesh, rows, bound, 0.0, dp_s, MemoryEstimate(0, 0, 0, 0, 0), recompute=recompute,
                                offload=offload, pruned=True), None)]
 
+        least = 0.0  # the most any bound below says the split's program costs
         if offload != "none" and best_s < float("inf"):
             # offloaded state is stepped in fp32 (_variants), so the model computes in fp32: its compute alone
-            bound = rows / _pp(mesh) * self.fp32_floor(program) / split_ways
-            if bound + floor >= best_s:
-                return pruned(bound)
+            least = rows / _pp(mesh) * self.fp32_floor(program) / split_ways
+            if least + floor >= best_s:
+                return pruned(least)
         if split_ways > 1 and best_s < float("inf"):  # before a program of its own: the unsplit one's bound / ways
             bound = self.unsplit_bound(program, rows / _pp(mesh), (best_s - floor) * split_ways) / split_ways
             if _pp(mesh) > 1 and bound + floor < best_s:  # and at the schedule where a pipeline waits least
                 bound = max(bound, self.pipelined_bound(program, mesh, rows, split_ways, best_s - floor))
-            if bound + floor >= best_s:
-                return pruned(bound)
+            least = max(least, bound)
+            if least + floor >= best_s:
+                return pruned(least)
         if split_ways > 1 and best_s < float("inf"):  # nor before the bound a program on fewer of its ranks gives
-            bound = self.divisor_bound(op_axes, program, rows / _pp(mesh), best_s - floor)
-            if bound + floor >= best_s:
-                return pruned(bound)
+            least = max(least, self.divisor_bound(op_axes, program, rows / _pp(mesh), best_s - floor))
+            if least + floor >= best_s:
+                return pruned(least)
         if program != "none" and best_s < float("inf"):  # nor before the plain program's bound and the reruns
-            bound = self.recompute_bound(op_axes, program, rows / _pp(mesh))
-            if bound + floor >= best_s:
-                return pruned(bound)
+            least = max(least, self.recompute_bound(op_axes, program, rows / _pp(mesh)))
+            if least + floor >= best_s:
+                return pruned(least)
+        if _pp(mesh) == 1 and least > 0:  # nor, without a pipeline, before what backward can hide at each level
+            bound = self.whole_bound(mesh, offload, program, least)
+            if bound >= best_s:
+                return pruned(least, bound - least)
         solved = self.solved(op_axes, program, rows / _pp(mesh), best_s - floor)
         if solved.plan is None:
             return pruned(solved.lower_bound_s)

@@ -456,3 +456,23 @@ def test_a_pipelines_bound_without_a_program_of_its_own_is_below_what_it_costs(n
         assert costed and 0 < bound <= min(costed) * (1 + 1e-9), text
         gains.append(bound / (costs.unsplit_bound("none", rows / fixed.pp, float("inf")) / fixed.tp))
     assert max(gains) > raised, gains
+
+
+@pytest.mark.parametrize("config", ["dp=32,tp=1,zero=0", "dp=32,tp=1,zero=3", "dp=16,tp=2,zero=2", "dp=8,tp=4,zero=2"])
+def test_a_whole_splits_bound_hides_no_more_traffic_than_backward_does(config):
+    """Without a pipeline, gradient traffic hides only beside backward (level 3: forward too), so a split whose
+    program takes at least the unsplit bound / k is bounded by what stays exposed then: never above what it costs
+    alone on 32 A100s at one row per replica (and 2-4 where tp splits), and at dp=32, where the traffic is three
+    times the compute, well above the bound that hides all of it."""
+    name = "gpt:layers=4,hidden=4096,heads=32,seq=2048,vocab=32000"
+    model = models.build(name, "meta")
+    fixed = Fixed.parse(f"{config},pp=1")
+    costs = _Costs(capture(model, model.example_inputs(1)), _cluster("4x8xA100-80G"), ("dp",), 32, float("inf"),
+                   fixed=fixed)
+    mesh = (("dp", fixed.dp), ("tp", fixed.tp))
+    least = costs.unsplit_bound("none", 32 // fixed.dp, float("inf")) / fixed.tp
+    bound = costs.whole_bound(mesh, "none", "none", least)
+    _, alone = _search(name, "4x8xA100-80G", 32, fixed)
+    costed = [c.step_s for c in alone if not c.pruned]
+    assert costed and bound <= min(costed) * (1 + 1e-9)
+    assert bound > (2 if fixed.dp == 32 else 1.1) * (least + costs.floor(mesh, "none"))
