@@ -30,7 +30,7 @@ from polyshard.planner.cost.memory import (STATES, MemoryEstimate, gradient_tran
 from polyshard.planner.cost.overlap import OpCost
 from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
-from polyshard.plan import DTYPES, Plan
+from polyshard.plan import DTYPES, ZERO_THRESHOLD_BYTES, Plan
 from polyshard.schedule import schedule_actions, simulated_times
 from polyshard.planner.stages import even_partition, min_max_partition, range_sums
 
@@ -199,7 +199,7 @@ def _unit_facts(gm: fx.GraphModule, unit_of: dict[str, int], starts: tuple[str, 
 
 
 def state_memory(groups, zero: int, dp: int, precision: str, offload: str, accumulating: bool = False,
-                 optimizer: str = "adamw", threshold_bytes: int = 64 * 1024,
+                 optimizer: str = "adamw", threshold_bytes: int = ZERO_THRESHOLD_BYTES,
                  bucket_bytes: int = BUCKET_BYTES) -> MemoryEstimate:
     """Parameters, gradients and optimizer state of these parameter groups (local sizes, by module),
     as :func:`polyshard.planner.cost.memory.estimate_memory` counts them; no activations."""
@@ -220,7 +220,7 @@ def _state_bytes(groups: tuple, zero: int, dp: int, threshold_bytes: int, itemsi
 
 
 @functools.lru_cache(maxsize=256)  # a search asks again for the same groups at every micro-batch count
-def level3_traffic(groups, itemsize: int, threshold_bytes: int = 64 * 1024) -> tuple[float, int]:
+def level3_traffic(groups, itemsize: int, threshold_bytes: int = ZERO_THRESHOLD_BYTES) -> tuple[float, int]:
     """(bytes left whole, modules gathered) of these parameter groups (local sizes, by module) at
     optimizer level 3, as polyshard.runtime.zero runs it: parameters under the threshold stay whole
     and are all-reduced; a module holding a larger one is gathered, in forward and in backward."""

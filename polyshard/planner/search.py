@@ -422,10 +422,11 @@ class _Costs:
         (:class:`DataSync`'s ``hides`` per second of backward, at one micro-batch, where it sends least);
         its bytes as if every weight were split over the operator axes, and those small enough to stay
         whole at levels 1-3 (:meth:`whole_most`) left out; its fixed costs only per bucket."""
-        numel = self.numel / _op_size(mesh, self.data_axes)
+        op_size = _op_size(mesh, self.data_axes)
+        numel = self.numel / op_size
         itemsize = DTYPES[self.narrowest][1] if offload == "none" else 4
         dp = _data_size(mesh, self.data_axes)
-        sharded = max(0.0, numel * itemsize - self.whole_most(_op_size(mesh, self.data_axes), itemsize))
+        sharded = max(0.0, numel * itemsize - self.whole_most(op_size, itemsize))
         backward = (1 - forward_share(recompute)) * self.hides
         least = float("inf")
         for zero in {z for z, _ in _variants(dp, offload, self.cluster, self.fixed)}:

@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from polyshard.errors import PolyshardError
 from polyshard.optim import Lamb, NormSpec, build_optimizer
-from polyshard.plan import ZERO_LEVELS
+from polyshard.plan import ZERO_LEVELS, ZERO_THRESHOLD_BYTES
 from polyshard.runtime.fusion import fusion_groups, plan_buckets
 from polyshard.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from polyshard.runtime.sync import Bucket, GradientSync
@@ -57,7 +57,7 @@ class ZeroOptimizer:
     """
 
     def __init__(self, module: nn.Module, optimizer: str | Callable = "adamw", level: int = 1, group=None,
-                 threshold_bytes: int = 64 * 1024, bucket_bytes: int = BUCKET_BYTES,
+                 threshold_bytes: int = ZERO_THRESHOLD_BYTES, bucket_bytes: int = BUCKET_BYTES,
                  precision: str = "fp32", shard_accumulated_grads: bool = False,
                  split_groups: Mapping[int, tuple] | None = None, parts: Sequence[nn.Module] = (),
                  solo: Iterable[nn.Parameter] = (), first_bucket_bytes: int = FIRST_BUCKET_BYTES,
