@@ -3,6 +3,7 @@ mark in the job's key-value store, waits for the other live ranks to do the same
 
 from __future__ import annotations
 
+import datetime
 import time
 import traceback
 from pathlib import Path
@@ -12,6 +13,15 @@ import torch.distributed as dist
 from polyshard.errors import PolyshardError
 
 _MARK = "polyshard/timed-out/"
+
+
+def time_out_collectives(seconds: float) -> None:
+    """From here on every collective of this rank's process groups gives up after ``seconds``. What ran before
+    (building, capture, planning, resuming) kept torch's default: ranks may reach its collectives far apart."""
+    c10d = dist.distributed_c10d
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 def is_timeout(exc: BaseException) -> bool:

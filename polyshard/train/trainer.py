@@ -39,7 +39,7 @@ from polyshard.runtime.offload import OffloadedOptimizer
 from polyshard.runtime.parallel import ParallelModule
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.resume import restore_run, resume_path, save_run
-from polyshard.runtime.stall import is_timeout, stalled
+from polyshard.runtime.stall import is_timeout, stalled, time_out_collectives
 from polyshard.runtime.timeline import draw_timeline
 from polyshard.train.config import (
     TrainConfig, apply_strategies, build_model, check_config, token_source,
@@ -64,7 +64,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         plan, shape = dataclasses.replace(plan, model=cfg.model), dict(plan.mesh)
     if plan is not None and cfg.settings:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
-    mesh = init(shape, timeout=cfg.collective_timeout or None)
+    mesh = init(shape)
     lead = dist.get_rank() == 0
     model = build_model(cfg, cfg.model, seed=cfg.seed)
     pinned = apply_strategies(model, cfg.strategies) if cfg.strategies else []
@@ -119,6 +119,8 @@ def train(cfg: TrainConfig) -> list[dict]:
         if lead:
             print(f"resumed from {resumed} (step {done})")
     metrics_file = _open_metrics(cfg.metrics, history) if lead else None
+    if cfg.collective_timeout:  # the steps' collectives; a background save's group keeps torch's
+        time_out_collectives(cfg.collective_timeout)
     save_group = dist.new_group(backend="gloo") if cfg.async_save else None
     pending = None
     bar = tqdm(total=cfg.steps, initial=done, disable=not lead, unit="step", dynamic_ncols=True)
