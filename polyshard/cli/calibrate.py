@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from polyshard.errors import PolyshardError
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         return launch(args.nproc, ["-m", "polyshard.cli.main", "calibrate", "--out", args.out,
                                     "--max-bytes", args.max_bytes, "--repeats", str(args.repeats)])
     _calibrate_here(args.out, sizes, args.repeats)
-    return 0
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the file is written: skip the interpreter's teardown, where gloo's threads can abort it
 
 
 def _calibrate_here(out: str, sizes: list[int], repeats: int) -> None:
