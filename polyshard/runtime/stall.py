@@ -18,10 +18,10 @@ _MARK = "polyshard/timed-out/"
 def time_out_collectives(seconds: float) -> None:
     """From here on every collective of this rank's process groups gives up after ``seconds``. What ran before
     (building, capture, planning, resuming) kept torch's default: ranks may reach its collectives far apart."""
-    c10d = dist.distributed_c10d
+    c10d, timeout = dist.distributed_c10d, datetime.timedelta(seconds=seconds)
     for group in list(c10d._world.pg_map):
         if not c10d._rank_not_in_group(group):
-            c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+            c10d._set_pg_timeout(timeout, group)
 
 
 def is_timeout(exc: BaseException) -> bool:
