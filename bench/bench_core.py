@@ -189,6 +189,17 @@ def timed_round(systems, steps: int, block: int, start: int, flip: bool) -> dict
     return out
 
 
+def tokens_per_s(systems, args, tokens: int) -> dict[str, list[float]]:
+    """Each system's tokens per second in every round after the warm-up, ``tokens`` per round's ``args.steps``."""
+    times: dict[str, list[float]] = {s.name: [] for s in systems}
+    start = args.warmup
+    for r in range(args.rounds):
+        for name, t in timed_round(systems, args.steps, max(1, args.block), start, flip=r % 2 == 1).items():
+            times[name].append(t)
+        start += args.steps
+    return {name: [tokens / t for t in ts] for name, ts in times.items()}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -220,15 +231,7 @@ def main(argv=None) -> None:
             print(f"warm-up step {k + 1} loss: polyshard {a:.6f}  {base.name} {b:.6f}  "
                   f"rel diff {abs(a - b) / abs(b):.1e}", flush=True)
 
-    times: dict[str, list[float]] = {s.name: [] for s in systems}
-    start = args.warmup
-    for r in range(args.rounds):
-        for name, t in timed_round(systems, args.steps, max(1, args.block), start, flip=r % 2 == 1).items():
-            times[name].append(t)
-        start += args.steps
-
-    tokens = args.steps * args.batch * cfg.seq_len
-    tps = {name: [tokens / t for t in ts] for name, ts in times.items()}
+    tps = tokens_per_s(systems, args, args.steps * args.batch * cfg.seq_len)
     med = {name: statistics.median(v) for name, v in tps.items()}
     ratio = med[ours.name] / med[base.name]
     # per-round ratio (both systems timed in the same round): less sensitive to load drift

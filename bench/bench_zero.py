@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import polyshard as ps  # noqa: E402
-from bench_core import NUM_BATCHES, System, build_model, make_batches, mean_loss, rank_rows, timed_round  # noqa: E402
+from bench_core import NUM_BATCHES, System, build_model, make_batches, mean_loss, rank_rows, tokens_per_s  # noqa: E402
 from training import train_step  # noqa: E402
 from polyshard import models  # noqa: E402
 from polyshard.runtime.zero import setup_zero  # noqa: E402
@@ -182,14 +182,7 @@ def main(argv=None) -> None:
             a, b = losses[s.name][0], losses[base.name][0]
             print(f"first loss: {s.name} {a:.6f}  {base.name} {b:.6f}  rel diff {abs(a - b) / abs(b):.1e}", flush=True)
 
-    times = {s.name: [] for s in systems}
-    start = args.warmup
-    for r in range(args.rounds):
-        for name, t in timed_round(systems, args.steps, max(1, args.block), start, flip=r % 2 == 1).items():
-            times[name].append(t)
-        start += args.steps
-    tokens = args.steps * args.batch * cfg.seq_len
-    tps = {name: [tokens / t for t in ts] for name, ts in times.items()}
+    tps = tokens_per_s(systems, args, args.steps * args.batch * cfg.seq_len)
     med = {name: statistics.median(v) for name, v in tps.items()}
     if rank == 0:
         print(f"\n{args.model}, dp={world}, global batch {args.batch} x {cfg.seq_len} tokens, AdamW\n")
