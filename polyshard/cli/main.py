@@ -156,10 +156,10 @@ def _planning_flags(p: argparse.ArgumentParser) -> None:
                    "hf:CONFIG.json")
     p.add_argument("--cluster", required=True, help="NODESxDEVICESxTYPE (e.g. 128x8xA100-80G), cpu-gloo:N, or a YAML "
                    "file from `polyshard calibrate`")
-    p.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=0,
+    p.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=None,
                    help="sequences per optimizer step, over all devices (default: 1 per device)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
-    p.add_argument("--image-size", type=int, default=0, help="for an image model (unet-small, resnet-small): square "
+    p.add_argument("--image-size", type=int, default=None, help="for an image model (unet-small, resnet-small): square "
                    "images of N pixels a side (default 64); the search weighs splitting them by height and width")
     p.add_argument("--memory-limit", default="", help="bytes per device, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--memory-reserve", default="", help="of the limit, bytes plans leave free for the CUDA context, "
@@ -186,7 +186,7 @@ def _plan(args) -> int:
     cluster = Cluster.load(args.cluster)
     fixed = Fixed.parse(args.config)
     fixed.check_devices(cluster.num_devices)
-    batch = args.batch_size or cluster.num_devices
+    batch = cluster.num_devices if args.batch_size is None else args.batch_size
     if batch < 1:
         raise PolyshardError(f"--global-batch must be at least 1, got {batch}")
     if args.workers is not None and args.workers < 1:
@@ -265,7 +265,7 @@ def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
             "reads tokens, and h and w split images by height and width" if args.model not in VISION else
             "splits its images over dp, h and w only (tp, pipelines and sequence parallel are for token models)"))
     if args.model not in VISION:
-        if args.image_size:
+        if args.image_size is not None:
             raise PolyshardError(f"--image-size sizes an image model's images; {args.model} reads tokens: use "
                                  f"--model {' or '.join(VISION)}, or leave out --image-size")
         cfg = models.config(args.model, args.seq_len)
@@ -275,9 +275,9 @@ def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
     for flag, given in (("--seq-len", args.seq_len is not None), ("--pp-plan", args.pp_plan)):
         if given:
             raise PolyshardError(f"{flag} is for token models; {args.model} reads images: leave it out")
-    if args.image_size < 0:
-        raise PolyshardError(f"--image-size must be a positive number of pixels, got {args.image_size}")
-    size = args.image_size or DEFAULT_IMAGE_SIZE
+    size = DEFAULT_IMAGE_SIZE if args.image_size is None else args.image_size
+    if size < 1:
+        raise PolyshardError(f"--image-size must be a positive number of pixels, got {size}")
     check_image_size(args.model, size, {})
     meshes = image_meshes(args.model, size, devices, batch)
     if not meshes:

@@ -94,7 +94,7 @@ class TrainConfig:
     tokenizer: str = _flag("", "a tokenizer.json (or a folder with one, e.g. a transformers model's): --data is then "
                            "a text file (or a saved dataset's text rows), tokenized once into runs/data/ beside the "
                            "metrics")
-    image_size: int = _flag(0, "with an image model: square images of N pixels (default 64)")
+    image_size: int | None = _flag(None, "with an image model: square images of N pixels (default 64)", type=int)
 
     @property
     def vision(self) -> bool:
@@ -102,7 +102,7 @@ class TrainConfig:
 
     @property
     def image_side(self) -> int:
-        return self.image_size or DEFAULT_IMAGE_SIZE
+        return DEFAULT_IMAGE_SIZE if self.image_size is None else self.image_size
 
 
 def token_source(cfg: TrainConfig) -> tuple[str, str]:
@@ -198,7 +198,7 @@ def _with_model_named(cfg: TrainConfig, plan: Plan | None) -> TrainConfig:
 def _check_image_flags(cfg: TrainConfig, shape: dict[str, int]) -> None:
     """An image model on what it supports: a mesh of dp, h and w (tp too), images it can halve on every tile."""
     if not cfg.vision:
-        if cfg.image_size:
+        if cfg.image_size is not None:
             raise PolyshardError(f"--image-size sizes an image model's images; {cfg.model or 'the model'} reads "
                                  f"tokens: use --model {' or '.join(VISION)}, or leave out --image-size")
         if set(shape) & {"h", "w"}:
@@ -210,8 +210,8 @@ def _check_image_flags(cfg: TrainConfig, shape: dict[str, int]) -> None:
     if unsupported:
         raise PolyshardError(f"{cfg.model} trains on images split by height and width over h and w axes; "
                              f"{unsupported[0]} is for token models: leave it out")
-    if cfg.image_size < 0:
-        raise PolyshardError(f"--image-size must be a positive number of pixels, got {cfg.image_size}")
+    if cfg.image_side < 1:
+        raise PolyshardError(f"--image-size must be a positive number of pixels, got {cfg.image_side}")
     check_image_size(cfg.model, cfg.image_side, {a: n for a, n in shape.items() if a in ("h", "w") and n > 1})
 
 

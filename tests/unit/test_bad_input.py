@@ -216,6 +216,7 @@ CLI_CASES = [
      ["model.model.embed_tokens", "manual_split (100, 100) adds up to 200 rows", "256"]),
     # image models
     ("image-size-odd", TRAIN[:3] + ["--model", "unet-small", "--image-size", "30"], ["--image-size 30", "multiple of 4"]),
+    ("image-size-zero", TRAIN[:3] + ["--model", "unet-small", "--image-size", "0"], ["--image-size", "got 0"]),
     ("image-tile-odd", TRAIN[:3] + ["--model", "unet-small", "--mesh", "h=2", "--image-size", "36"],
      ["tiles of 18 pixels", "multiple of 8"]),
     ("image-size-token-model", TRAIN + ["--image-size", "64"], ["--image-size", "gpt-tiny reads tokens"]),
@@ -339,6 +340,9 @@ CLI_CASES = [
     ("plan-config-schedule", BIG_PLAN + ["--config", "schedule=zigzag"], ["zigzag"]),
     ("plan-config-cuts", BIG_PLAN + ["--config", "cuts=random"], ["cuts", "even"]),
     ("plan-global-batch", BIG_PLAN + ["--global-batch", "-4"], ["--global-batch", "-4"]),
+    ("plan-global-batch-zero", BIG_PLAN + ["--global-batch", "0"], ["--global-batch", "got 0"]),
+    ("plan-image-size-zero", ["plan", "--model", "unet-small", "--cluster", "8xA100-80G", "--image-size", "0"],
+     ["--image-size", "got 0"]),
     ("plan-seq-len", BIG_PLAN + ["--seq-len", "0"], ["sequence length", "0"]),
     ("plan-memory-tiny", BIG_PLAN + ["--memory-limit", "1MiB"], ["1 MiB", "--memory-reserve"]),
     ("plan-reserve", BIG_PLAN + ["--memory-limit", "10GiB", "--memory-reserve", "20GiB"],
