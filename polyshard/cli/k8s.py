@@ -68,6 +68,9 @@ def _check_common(args: argparse.Namespace) -> None:
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?", args.name):
         raise PolyshardError(f"--name {args.name!r} must be a DNS label: lower-case letters, digits and '-', at most "
                              "42 characters")
+    if not re.fullmatch(r"\d+(\.\d+)?([KMGTPE]i|[kMGTPE])?", args.shm):  # a Kubernetes quantity of bytes
+        raise PolyshardError(f"--shm {args.shm!r} is not a size Kubernetes reads: a number with an optional unit "
+                             "such as 8Gi, 512Mi or 2G")
     for flag, value, least in (("--nodes", args.nodes, 1), ("--procs-per-node", args.procs_per_node, 1),
                                ("--gpus-per-proc", args.gpus_per_proc, 0), ("--max-restarts", args.max_restarts, 0)):
         if value < least:

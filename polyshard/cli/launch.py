@@ -4,6 +4,7 @@ ranks find said once."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import signal
@@ -40,8 +41,11 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def check_nodes(nnodes: int, node_rank: int, rdzv: str) -> tuple[str, int] | None:
-    """The (host, port) machines meet at, None for one machine; refuses counts and addresses that cannot work."""
+def check_nodes(nnodes: int, node_rank: int, rdzv: str, rdzv_timeout: float) -> tuple[str, int] | None:
+    """The (host, port) machines meet at, None for one machine; refuses counts, addresses and waits that cannot
+    work."""
+    if not (rdzv_timeout > 0 and math.isfinite(rdzv_timeout)):
+        raise PolyshardError(f"--rdzv-timeout must be a positive, finite number of seconds, got {rdzv_timeout}")
     if nnodes < 1:
         raise PolyshardError(f"--nnodes must be at least 1, got {nnodes}")
     if not 0 <= node_rank < nnodes:

@@ -122,7 +122,7 @@ def _train(args) -> int:
         raise PolyshardError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
         raise PolyshardError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    rendezvous = check_nodes(args.nnodes, args.node_rank, args.rdzv)
+    rendezvous = check_nodes(args.nnodes, args.node_rank, args.rdzv, args.rdzv_timeout)
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1) * args.nnodes
     cfg, shape, plan = check_config(cfg, world)
     if not in_torchrun:

@@ -82,8 +82,8 @@ class TrainConfig:
     resume: str = _flag("", "continue from a checkpoint: 'auto' (the newest in --save-dir) or its directory; the "
                         "plan and device count may differ from the run that saved it")
     collective_timeout: float = _flag(0.0, "seconds a training step's collective waits for a silent process before "
-                                      "the run fails, naming it (default: torch's, 30 minutes, which start-up "
-                                      "always keeps)")
+                                      "the run fails, naming it (default 0: torch's, 30 minutes, which "
+                                      "start-up always keeps)")
     data: str = _flag("", "a token file to train on: uint16 (or --data-dtype uint32) ids, as nanoGPT's prepare.py "
                       "writes, or a folder `datasets` saved (its input_ids rows end to end); each data-parallel rank "
                       "reads only its rows' windows (default: the pydoc corpus, byte tokens); with an image model, "

@@ -117,6 +117,7 @@ def test_killed_server_restarts_from_its_snapshot(tmp_path, capfd):
     (dict(mode="bulk"), "mode must be one of sync, async"),
     (dict(staleness=1), "needs the async mode"),
     (dict(workers=0), "workers must be at least 1"),
+    (dict(straggler_seconds=float("nan")), "straggler_seconds must be at least 0.1, got nan"),
 ])
 def test_bad_arguments_fail_before_any_process(kwargs, message):
     with pytest.raises(PolyshardError, match=message):

@@ -181,6 +181,8 @@ CLI_CASES = [
     ("rdzv-nobody-there", TRAIN + ["--nnodes", "2", "--node-rank", "1", "--rdzv", "127.0.0.1:{closed_port}",
                                    "--rdzv-timeout", "1"],
      ["machine 0 did not answer at 127.0.0.1:{closed_port} within --rdzv-timeout 1 s"]),
+    ("rdzv-timeout-nan", TRAIN + ["--nnodes", "2", "--node-rank", "1", "--rdzv", "127.0.0.1:{closed_port}",
+                                  "--rdzv-timeout", "nan"], ["--rdzv-timeout", "got nan"]),
     # data
     ("data-missing", TRAIN + ["--data", "{inputs}/none.bin"], ["--data", "none.bin", "not a file"]),
     ("data-odd-size", TRAIN + ["--data", "{odd_tokens}"], ["odd.bin", "3 bytes", "--data-dtype"]),

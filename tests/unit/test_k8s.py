@@ -105,6 +105,8 @@ def test_ps_manifests_are_valid_kubernetes_objects(tmp_path):
     (["--name", "Bad_Name", "train"], "must be a DNS label"),
     (["ps", "--servers", "2000", "--model", "recsys-tiny"], "1000 rows, fewer than the 2000 servers"),
     (["--nodes", "0", "train"], "--nodes must be at least 1"),
+    (["--shm", "8 GB", "train"], "--shm '8 GB' is not a size Kubernetes reads"),
+    (["ps", "--workers", "0"], "--workers must be at least 1, got 0"),
 ])
 def test_bad_manifest_requests_fail_with_one_line(argv, message, capsys):
     assert main(["k8s", "--image", "x", *argv]) == 2

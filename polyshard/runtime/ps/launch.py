@@ -73,7 +73,7 @@ def check(spec: PSSpec, servers: int, max_restarts: int) -> None:
     for what, value, least in (("servers", servers, 1), ("workers", spec.workers, 1), ("steps", spec.steps, 1),
                                ("snapshot_every", spec.snapshot_every, 1), ("max_restarts", max_restarts, 0),
                                ("log_every", spec.log_every, 1), ("straggler_seconds", spec.straggler_seconds, 0.1)):
-        if value < least:
+        if not value >= least:  # nan too
             raise PolyshardError(f"{what} must be at least {least}, got {value}")
     if spec.staleness is not None and (spec.mode != "async" or spec.staleness < 0):
         raise PolyshardError(f"staleness {spec.staleness} bounds how old an async gradient may be: it needs the "
