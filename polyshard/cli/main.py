@@ -184,6 +184,9 @@ def _plan(args) -> int:
     from polyshard.planner.search import default_reserve_bytes, search
 
     cluster = Cluster.load(args.cluster)
+    if hasattr(args, "compare") and not args.config.strip():  # `cost`: a configuration to price
+        raise PolyshardError("--config is empty; give the settings to price (e.g. 'dp=8,tp=8'), or use "
+                             "`polyshard plan` to search them all")
     fixed = Fixed.parse(args.config)
     fixed.check_devices(cluster.num_devices)
     batch = cluster.num_devices if args.batch_size is None else args.batch_size

@@ -352,6 +352,8 @@ CLI_CASES = [
     ("plan-out-folder", BIG_PLAN + ["--out", "no/such/dir/p.json"], ["--out", "no/such/dir"]),
     ("plan-pin-missing", BIG_PLAN + ["--pin", "nope.yaml"], ["--pin", "nope.yaml"]),
     ("cost-without-config", ["cost", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2"], ["--config"]),
+    ("cost-empty-config", ["cost", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--config", " "],
+     ["--config is empty", "polyshard plan"]),
     ("cost-zero-without-dp", ["cost", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--config", "tp=2,zero=1"],
      ["dp > 1"]),
     ("explain-missing", ["explain", "nope.json"], ["nope.json"]),
