@@ -90,7 +90,7 @@ class TrainConfig:
                       "an (N, C, H, W) .npy of images beside NAME.labels.npy, or a folder of image files "
                       "(ROOT/CLASS/FILE, or ROOT/images/ beside ROOT/masks/), of which a rank reads only its rows "
                       "and tile")
-    data_dtype: str = _flag("uint16", "the --data file's id type (default %(default)s)", choices=("uint16", "uint32"))
+    data_dtype: str = _flag("", "the --data token file's id type (default uint16)", choices=("uint16", "uint32"))
     tokenizer: str = _flag("", "a tokenizer.json (or a folder with one, e.g. a transformers model's): --data is then "
                            "a text file (or a saved dataset's text rows), tokenized once into runs/data/ beside the "
                            "metrics")
@@ -109,7 +109,7 @@ def token_source(cfg: TrainConfig) -> tuple[str, str]:
     """The token file the run reads and its dtype: --data itself, or --data tokenized by --tokenizer."""
     if cfg.tokenizer:
         return tokenized(cfg.data, cfg.tokenizer, str(Path(cfg.metrics or "runs/metrics.jsonl").parent / "data"))
-    return cfg.data, cfg.data_dtype
+    return cfg.data, cfg.data_dtype or "uint16"
 
 
 def build_model(cfg: TrainConfig, name: str, device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
@@ -285,6 +285,11 @@ def _check_pipeline_flags(cfg: TrainConfig, shape: dict[str, int], settings: dic
 
 
 def _check_memory_flags(cfg: TrainConfig, data: int, settings: dict) -> None:
+    modes = settings.get("stage_recompute") or (settings.get("recompute", "none"),)
+    if "recompute_comm" in dict(cfg.settings) and not (cfg.auto or cfg.memory_limit) and \
+            all(mode == "none" for mode in modes):
+        raise PolyshardError(f"--recompute-comm {settings['recompute_comm']} applies to recomputed regions, and "
+                             "nothing is recomputed; add --recompute selective or full, or leave out --recompute-comm")
     zero, offload, precision = settings.get("zero", 0), settings.get("offload", "none"), settings.get("precision")
     if zero and data < 2 and not cfg.auto:
         raise PolyshardError(f"--zero {zero} shards over the data-parallel ranks, and the mesh has no dp axis of 2 "
@@ -318,6 +323,11 @@ def _check_paths(cfg: TrainConfig) -> None:
         raise PolyshardError(f"--strategies file {cfg.strategies!r} does not exist")
     if cfg.tokenizer and not cfg.data:
         raise PolyshardError("--tokenizer tokenizes the text file --data names: give --data")
+    if cfg.data_dtype and (not cfg.data or cfg.tokenizer or cfg.vision):
+        raise PolyshardError("--data-dtype is the id type of a token file --data names"
+                             + (", and --tokenizer writes its own" if cfg.tokenizer else
+                                f", and {cfg.model} reads images" if cfg.vision and cfg.data else "; give --data")
+                             + " (or leave out --data-dtype)")
     if cfg.data and cfg.vision:
         check_images(cfg.data, cfg.model, cfg.image_side)
     elif cfg.data:
@@ -376,7 +386,7 @@ def _plan_settings(plan: Plan | None) -> dict:
     if plan is None:
         return {}
     return {k: getattr(plan, k) for k in ("zero", "offload", "precision", "schedule", "micro_batches",
-                                          "virtual_stages")}
+                                          "virtual_stages", "recompute", "stage_recompute")}
 
 
 def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | None) -> None:
