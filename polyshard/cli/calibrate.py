@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-from polyshard.errors import PolyshardError
+from polyshard.errors import PolyshardError, check_output_file
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,10 +34,7 @@ def run(args: argparse.Namespace) -> int:
         raise PolyshardError(f"--nproc must be at least 1, got {args.nproc}")
     if args.repeats < 1:
         raise PolyshardError(f"--repeats must be at least 1, got {args.repeats}")
-    if Path(args.out).is_dir():
-        raise PolyshardError(f"--out {args.out!r} is a folder; name a .yaml file")
-    if not Path(args.out).resolve().parent.is_dir():
-        raise PolyshardError(f"--out {args.out!r} is in a folder that does not exist; create it first")
+    check_output_file("--out", args.out)
     from polyshard.calibrate import message_sizes
     from polyshard.cluster import parse_bytes
 

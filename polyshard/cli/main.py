@@ -18,7 +18,7 @@ from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, check_nodes, launch,
                                   under_torchrun, without_flag)
 from polyshard.cli.ps import add_parser as add_ps
 from polyshard.cli.train_args import add_config_flags, train_config
-from polyshard.errors import PolyshardError
+from polyshard.errors import PolyshardError, check_output_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,8 +199,8 @@ def _plan(args) -> int:
     _check_reserve(limit or cluster.memory_bytes, reserve, default_reserve_bytes(cluster))
     if args.pin and not Path(args.pin).is_file():
         raise PolyshardError(f"--pin file {args.pin!r} does not exist")
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        raise PolyshardError(f"--out {args.out!r} is in a folder that does not exist; create it first")
+    if args.out:
+        check_output_file("--out", args.out)
     planned = _planned_model(args, cluster.num_devices, batch, fixed)
     start = time.perf_counter()
     model = planned.build()
@@ -315,6 +315,7 @@ def _explain(args) -> int:
     other = load_plan(args.beside, "--beside plan file") if args.beside else None
     if other is not None:
         _check_comparable(plan, other, args.beside)
+    cluster = _timeline_cluster(plan, args.timeline, args.cluster)
     print(render(plan, layouts=args.layouts))
     if other is not None:
         devices = math.prod(s for _, s in plan.mesh)
@@ -322,8 +323,28 @@ def _explain(args) -> int:
         print(compare(summary(other, None, devices), summary(plan, None, devices),
                       names=names if names[0] != names[1] else (args.beside, args.plan)))
     if args.timeline:
-        _draw_plan_timeline(plan, args.timeline, args.cluster)
+        _draw_plan_timeline(plan, args.timeline, cluster)
     return 0
+
+
+def _timeline_cluster(plan, path: str, cluster_spec: str):
+    """The cluster --timeline times the plan's compute on (None: the plan's own predicted stage times), after
+    every check that would refuse the drawing, so a refusal comes before anything is printed."""
+    from polyshard.cluster import Cluster
+
+    if cluster_spec and not path:
+        raise PolyshardError("--cluster times the --timeline drawing; add --timeline or leave out --cluster")
+    if not path:
+        return None
+    if dict(plan.mesh).get("pp", 1) < 2:
+        raise PolyshardError("--timeline draws a pipeline, and this plan's mesh has no pp axis of 2 or more stages")
+    check_output_file("--timeline", path)
+    if _chosen_pipeline(plan) is not None and not cluster_spec:
+        return None
+    if plan.global_batch < 1:
+        raise PolyshardError("--timeline needs the plan's model and global batch (plans from `polyshard plan` "
+                             "have them)")
+    return Cluster.load(cluster_spec or _plan_cluster(plan) or f"cpu-gloo:{math.prod(s for _, s in plan.mesh)}")
 
 
 def _check_comparable(plan, other, path: str) -> None:
@@ -342,18 +363,16 @@ def _check_comparable(plan, other, path: str) -> None:
                              "model, batch and cluster")
 
 
-def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
+def _draw_plan_timeline(plan, path: str, cluster) -> None:
     """The plan's schedule, simulated with the stage times its search predicted (the same step and
-    bubble as its table), or for a plan without them with the cost model's compute on ``cluster_spec``
-    (default: the cluster the plan was made for), drawn into ``path``."""
+    bubble as its table), or with the cost model's compute on ``cluster`` when one is given (or the plan
+    has no stage times), drawn into ``path``."""
     from polyshard.schedule import schedule_actions, simulate
     from polyshard.runtime.timeline import draw_timeline
 
-    pp = dict(plan.mesh).get("pp", 1)
-    if pp < 2:
-        raise PolyshardError("--timeline draws a pipeline, and this plan's mesh has no pp axis of 2 or more stages")
-    chosen = _chosen_pipeline(plan)
-    if chosen is not None and not cluster_spec:
+    pp = dict(plan.mesh)["pp"]
+    if cluster is None:
+        chosen = _chosen_pipeline(plan)
         stages = chosen["pipeline"]["stages"]
         times = simulate(schedule_actions(plan.schedule, pp, plan.micro_batches, plan.virtual_stages),
                          [s["forward_s"] for s in stages], [s["backward_s"] for s in stages])
@@ -362,19 +381,12 @@ def _draw_plan_timeline(plan, path: str, cluster_spec: str) -> None:
                  f"sync{rest})"
     else:
         from polyshard import models
-        from polyshard.cluster import Cluster
         from polyshard.planner.stages import predict_timings
 
-        if plan.global_batch < 1:
-            raise PolyshardError("--timeline needs the plan's model and global batch (plans from `polyshard plan` "
-                                 "have them)")
-        devices = math.prod(s for _, s in plan.mesh)
-        cluster = Cluster.load(cluster_spec or _plan_cluster(plan) or f"cpu-gloo:{devices}")
         rows = plan.global_batch // math.prod(s for n, s in plan.mesh if n in plan.data_axes)
         model = models.build(plan.model or "gpt-small", device="meta")
         times = predict_timings(model, model.example_inputs(rows), plan, pp, cluster)  # cut into micro-batches there
         source = f"compute on {cluster.num_devices}x {cluster.device_name}"
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     bubble = draw_timeline(path, predicted=times, title=f"{plan.model}: {plan.schedule}, {pp} stages, "
                                                           f"{plan.micro_batches} micro-batches")["predicted"]
     span = max(t.end_s for t in times) - min(t.start_s for t in times)

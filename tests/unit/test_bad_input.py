@@ -69,6 +69,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     plan("disagree", lambda r: _flip_param(r, split))
     plan("axis_size", lambda r: r["params"]["blocks.0.attn.q.weight"].update(axes=[["tp", 4]]))
     plan("bad_schedule", lambda r: r.update(schedule="zigzag"))
+    plan("pipelined_plan", lambda r: r.update(mesh=[["dp", 1], ["tp", 2], ["pp", 2]], global_batch=8))
     plan("zero_micro", lambda r: r.update(micro_batches=0))
     plan("zero_string", lambda r: r.update(zero="2"))
     plan("mesh_foo", lambda r: r.update(mesh=[["foo", 1], ["tp", 2]]))
@@ -377,6 +378,13 @@ CLI_CASES = [
     ("copies-with-pp", TRAIN + ["--mesh", "pp=2", "--copies", "2"], ["--copies 2", "pp"]),
     ("explain-layouts", ["explain", "{plan}", "--layouts", "-1"], ["--layouts", "-1"]),
     ("explain-cluster", ["explain", "{plan}", "--timeline", "t.png", "--cluster", "8xA999"], ["pp"]),
+    ("explain-cluster-without-timeline", ["explain", "{plan}", "--cluster", "8xA100-80G"],
+     ["--cluster", "add --timeline"]),
+    ("explain-timeline-folder", ["explain", "{pipelined_plan}", "--timeline", "{inputs}"], ["--timeline", "folder"]),
+    ("explain-timeline-bad-cluster", ["explain", "{pipelined_plan}", "--timeline", "t.png", "--cluster", "8xA999"],
+     ["A999"]),
+    ("plan-out-is-folder", ["plan", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--out", "{inputs}"],
+     ["--out", "is a folder"]),
     ("plan-pin-broken", BIG_PLAN + ["--pin", "{broken.yaml}"], ["broken.yaml", "line 2"]),
     ("plan-pin-overlap", PLAN + ["--pin", "{overlap.yaml}"], ["blocks.0.mlp.fc", "both"]),
     ("run-folder", ["run", "-n", "2", "{inputs}"], ["folder"]),
@@ -411,9 +419,10 @@ def test_cli_refuses_before_launch(argv, needles, files, tmp_path, monkeypatch, 
     except SystemExit as exc:  # argparse's own refusals
         code = exc.code
     seconds = time.perf_counter() - start
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == 2, err
     assert "Traceback" not in err and err.count("error:") == 1, err
+    assert out == "", f"printed before refusing: {out[:200]}"
     line = err[err.index("error:"):]
     for needle in needles:
         assert _fill(needle, files) in line, f"{needle!r} not named in: {line}"
