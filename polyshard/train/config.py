@@ -108,7 +108,7 @@ class TrainConfig:
 def token_source(cfg: TrainConfig) -> tuple[str, str]:
     """The token file the run reads and its dtype: --data itself, or --data tokenized by --tokenizer."""
     if cfg.tokenizer:
-        return tokenized(cfg.data, cfg.tokenizer, str(Path(cfg.metrics or "runs/metrics.jsonl").parent / "data"))
+        return tokenized(cfg.data, cfg.tokenizer, str(Path(cfg.metrics).parent / "data"))
     return cfg.data, cfg.data_dtype or "uint16"
 
 
@@ -310,6 +310,8 @@ def _check_memory_flags(cfg: TrainConfig, data: int, settings: dict) -> None:
 
 
 def _check_paths(cfg: TrainConfig) -> None:
+    if not cfg.metrics:
+        raise PolyshardError("--metrics '' names no file; leave it out to write runs/metrics.jsonl")
     for flag, path in (("--metrics", cfg.metrics), ("--timeline", cfg.timeline)):
         if not path:
             continue

@@ -285,6 +285,7 @@ CLI_CASES = [
     ("offload-dir-not-empty", TRAIN + ["--offload", "disk", "--offload-dir", "{inputs}"], ["--offload-dir", "empty"]),
     ("metrics-in-a-file", TRAIN + ["--metrics", "{a_file}/m.jsonl"], ["--metrics", "not a folder"]),
     ("metrics-is-folder", TRAIN + ["--metrics", "{inputs}"], ["--metrics", "folder"]),
+    ("metrics-empty", TRAIN + ["--metrics", ""], ["--metrics ''", "names no file"]),
     ("timeline-in-a-file", TRAIN + ["--mesh", "pp=2", "--timeline", "{a_file}/t.png"], ["--timeline", "not a folder"]),
     # strategies YAML
     ("strategies-missing", TRAIN + ["--strategies", "nope.yaml"], ["--strategies", "nope.yaml", "does not exist"]),
@@ -383,6 +384,8 @@ CLI_CASES = [
     ("explain-timeline-folder", ["explain", "{pipelined_plan}", "--timeline", "{inputs}"], ["--timeline", "folder"]),
     ("explain-timeline-bad-cluster", ["explain", "{pipelined_plan}", "--timeline", "t.png", "--cluster", "8xA999"],
      ["A999"]),
+    ("cost-virtual-stages-beyond-blocks", ["cost", "--model", "gpt-tiny", "--cluster", "8xA100-80G", "--config",
+                                          "pp=2,schedule=interleaved,v=99"], ["v=99", "model's 2 blocks"]),
     ("plan-out-is-folder", ["plan", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--out", "{inputs}"],
      ["--out", "is a folder"]),
     ("plan-pin-broken", BIG_PLAN + ["--pin", "{broken.yaml}"], ["broken.yaml", "line 2"]),
