@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from polyshard.cli.train_args import train_config
-from polyshard.errors import PolyshardError
+from polyshard.errors import PolyshardError, check_output_file
 
 PS_PORT = 29600
 MASTER_PORT = 23456  # the Training Operator's default PyTorchJob port
@@ -71,6 +71,20 @@ def _check_common(args: argparse.Namespace) -> None:
     if not re.fullmatch(r"\d+(\.\d+)?([KMGTPE]i|[kMGTPE])?", args.shm):  # a Kubernetes quantity of bytes
         raise PolyshardError(f"--shm {args.shm!r} is not a size Kubernetes reads: a number with an optional unit "
                              "such as 8Gi, 512Mi or 2G")
+    if not args.image or any(c.isspace() for c in args.image):
+        raise PolyshardError(f"--image {args.image!r} is not an image reference; name one such as "
+                             "registry.example/polyshard:1.0")
+    if args.snapshot_claim and args.command != "ps":
+        raise PolyshardError("--snapshot-claim keeps the parameter servers' snapshots; it applies to ps, not train")
+    if args.snapshot_claim and not re.fullmatch(r"[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?", args.snapshot_claim):
+        raise PolyshardError(f"--snapshot-claim {args.snapshot_claim!r} is not a claim name: lower-case letters, "
+                             "digits, '-' and '.', at most 253 characters")
+    spread = [f for f, value in (("--nodes", args.nodes), ("--procs-per-node", args.procs_per_node)) if value != 1]
+    if spread and args.command == "ps":
+        raise PolyshardError(f"{spread[0]} lays out train's pods; ps runs one pod per server and worker "
+                             "(set their counts with ps's --servers and --workers)")
+    if args.out != "-":
+        check_output_file("--out", args.out)
     for flag, value, least in (("--nodes", args.nodes, 1), ("--procs-per-node", args.procs_per_node, 1),
                                ("--gpus-per-proc", args.gpus_per_proc, 0), ("--max-restarts", args.max_restarts, 0)):
         if value < least:

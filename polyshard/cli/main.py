@@ -416,6 +416,11 @@ def _plan_cluster(plan) -> str:
 def _export(args) -> int:
     from polyshard.runtime.export import export_hf
 
+    if not args.out:
+        raise PolyshardError("--out '' names no folder; name the folder to write the model into")
+    existing = next(p for p in (Path(args.out), *Path(args.out).parents) if p.exists())
+    if not existing.is_dir():
+        raise PolyshardError(f"--out {args.out!r}: {str(existing)!r} is a file; name a folder")
     out = export_hf(args.checkpoint, args.out)
     print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'} (load with transformers, or train on with "
           f"--model hf:{out})")

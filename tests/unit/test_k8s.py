@@ -107,6 +107,12 @@ def test_ps_manifests_are_valid_kubernetes_objects(tmp_path):
     (["--nodes", "0", "train"], "--nodes must be at least 1"),
     (["--shm", "8 GB", "train"], "--shm '8 GB' is not a size Kubernetes reads"),
     (["ps", "--workers", "0"], "--workers must be at least 1, got 0"),
+    (["--image", "", "train"], "--image '' is not an image reference"),
+    (["--snapshot-claim", "snaps", "train"], "--snapshot-claim keeps the parameter servers' snapshots"),
+    (["--snapshot-claim", "Bad_Claim", "ps"], "--snapshot-claim 'Bad_Claim' is not a claim name"),
+    (["--nodes", "2", "ps"], "--nodes lays out train's pods"),
+    (["--out", "/", "train"], "--out '/' is a folder"),
+    (["--out", "no/such/dir/job.yaml", "train"], "in a folder that does not exist"),
 ])
 def test_bad_manifest_requests_fail_with_one_line(argv, message, capsys):
     assert main(["k8s", "--image", "x", *argv]) == 2
