@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from polyshard.errors import PolyshardError
+from polyshard.errors import PolyshardError, check_output_file
 
 KEY_ENV = "POLYSHARD_PS_KEY"  # the run's shared secret, hex, for roles started one by one (e.g. by Kubernetes)
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "worker's gradient; async: each gradient is applied as it arrives (default sync)")
     p.add_argument("--staleness", type=int, default=None, help="async: drop a gradient whose parameters are more "
                    "than this many updates old (default: keep all)")
-    p.add_argument("--straggler-timeout", type=float, default=60.0, help="sync: seconds an update waits for a "
+    p.add_argument("--straggler-timeout", type=float, default=None, help="sync: seconds an update waits for a "
                    "silent worker once another's gradient is in, then goes on without it (default 60)")
     p.add_argument("--seed", type=int, default=0, help="init and data (default 0)")
     p.add_argument("--snapshot-dir", default="", help="where servers snapshot their parameters and optimizer state "
@@ -60,11 +60,15 @@ def job_of(args: argparse.Namespace) -> dict:
         raise PolyshardError(f"--batch-size {args.batch_size} must split evenly over --workers {args.workers}")
     if not args.lr > 0:
         raise PolyshardError(f"--lr must be positive, got {args.lr}")
+    if args.straggler_timeout is not None and args.mode == "async":
+        raise PolyshardError("--straggler-timeout is how long a sync update waits for a silent worker, and async "
+                             "applies each gradient as it arrives; leave it out or use --mode sync")
+    waits = {} if args.straggler_timeout is None else {"straggler_seconds": args.straggler_timeout}
     return dict(model_fn=NamedModel(args.model), batch_fn=NamedBatches(args.model, args.batch_size, args.seed),
                 workers=args.workers, steps=args.steps, optimizer=functools.partial(OPTIMIZERS[args.optimizer],
                                                                                     lr=args.lr),
                 mode=args.mode, staleness=args.staleness, seed=args.seed, snapshot_every=args.snapshot_every,
-                log_every=args.log_every, straggler_seconds=args.straggler_timeout)
+                log_every=args.log_every, **waits)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
     job = job_of(args)
     if args.role:
         return _one_role(args, job)
+    if args.index or args.addresses:
+        raise PolyshardError(f"{'--index' if args.index else '--addresses'} places one role of a job started "
+                             "elsewhere: give --role too, or leave it out to run every role here")
+    if args.out:
+        check_output_file("--out", args.out)
     from polyshard.runtime.ps import train_ps
 
     result = train_ps(servers=args.servers, snapshot_dir=args.snapshot_dir or None, max_restarts=args.max_restarts,
