@@ -51,7 +51,8 @@ from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
 from polyshard.plan import Plan  # noqa: E402
 from polyshard.graph.stage_cuts import block_paths  # noqa: E402
-from polyshard.planner.search import mesh_candidates, search  # noqa: E402
+from polyshard.planner.search import search  # noqa: E402
+from polyshard.planner.split import mesh_candidates  # noqa: E402
 from polyshard.runtime.sync import GradientSync  # noqa: E402
 from polyshard.train.trainer import make_optimizer, train_step  # noqa: E402
 

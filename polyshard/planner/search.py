@@ -42,13 +42,14 @@ import numpy as np
 import torch
 from torch import fx, nn
 
-from polyshard.buckets import BUCKET_BYTES, bucket_count
+from polyshard.buckets import BUCKET_BYTES
 from polyshard.cluster import Cluster, format_bytes
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import at_rows, capture
 from polyshard.graph.regions import recomputed
-from polyshard.mesh import PIPELINE_AXIS, SPATIAL_AXES
-from polyshard.planner.cost.comm import DataSync, axis_link, collective_latency
+from polyshard.mesh import PIPELINE_AXIS
+from polyshard.planner.cost.comm import DataSync, axis_link
+from polyshard.planner.cost.data_parallel import dp_seconds, dp_sync
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory, frees_activations
 from polyshard.planner.cost.offload import device_bytes_per_param, offload_seconds
 from polyshard.planner.cost.compute import optimizer_seconds, passes
@@ -56,21 +57,21 @@ from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.candidates import covers, enumerated
 from polyshard.planner.intra_op import IntraOpResult, Terms, forward_floor, program_terms, solve
 from polyshard.planner.precision import bounding_cluster, narrowest, precisions_to_cost
-from polyshard.planner.pipeline import (PipelineCost, Setup, Units, best_pipeline, crossing_bytes, forward_share,
-                                        ideal_bubble, leanest_pipeline, level3_traffic, schedule_options,
-                                        state_memory, stepped_tensors, unit_costs)
+from polyshard.planner.pipeline import (Setup, Units, best_pipeline, crossing_bytes, forward_share, leanest_pipeline,
+                                        level3_traffic, schedule_options, state_memory, stepped_tensors, unit_costs)
 from polyshard.planner.config import Fixed
+from polyshard.planner.split import (Candidate, data_size, mesh_candidates, mesh_text, operator_axes, operator_size,
+                                     search_report, spatial_sizes, stage_count)
 from polyshard.planner.workers import SharedBest, available_cores, run_items
 from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
 from polyshard.plan import (DTYPES, OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, ZERO_THRESHOLD_BYTES, Plan,
-                            most_recompute, recompute_text)
+                            most_recompute)
 from polyshard.planner.rules import left_whole
 from polyshard.planner.rules.base import INPUT_LAYOUTS
 from polyshard.planner.stage_rows import batch_values, rows_layouts, shared_parameters, with_rows_chunks
 from polyshard.graph.stage_cuts import assign_chunks, block_paths
 from polyshard.planner.stages import pp_plan_agreement, pp_plan_units
-from polyshard.transitions import wire_bytes
 
 # Whole-model (recompute, offload) settings, in the order tried: the first costs no time.
 SETTINGS = tuple(itertools.product(RECOMPUTE_MODES, OFFLOADS))
@@ -90,103 +91,6 @@ def default_reserve_bytes(cluster: Cluster) -> int:
     if cluster.device_type != "cuda":
         return 0
     return int(max(GPU_RESERVE_SHARE * cluster.memory_bytes, GPU_RESERVE_MIN_BYTES))
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One mesh split: predicted step time (compute, op-parallel communication, data-parallel
-    gradient communication; pipelined: the busiest rank's, plus its p2p sends and idle time) and
-    per-device memory, at ``rows`` rows per device (per data-parallel replica when pipelined)."""
-
-    mesh: tuple[tuple[str, int], ...]
-    rows: int
-    compute_s: float
-    op_comm_s: float
-    dp_comm_s: float
-    memory: MemoryEstimate
-    gap: float = 0.0  # the intra-op program's distance from its LP lower bound
-    recompute: str = "none"  # activations recomputed in backward (see Plan): the most any chunk recomputes
-    stage_recompute: tuple[str, ...] = ()  # a pipeline's mode per chunk, where they differ
-    stage_tp_split: tuple[str, ...] = ()  # what each pipeline chunk's operator ranks split, where one splits rows
-    offload: str = "none"  # where the optimizer state lives, if not on the device (see Plan)
-    zero: int = 0  # optimizer parallel level over the data axes (see Plan)
-    precision: str = "fp32"
-    pruned: bool = False  # not costed: a lower bound already lost (figures are lower bounds)
-    memory_floor: bool = False  # memory is a lower bound, already over the limit (not estimated further)
-    pipeline: PipelineCost | None = None  # a pipelined split's stages, micro-batches and schedule
-    accumulation: int = 1  # micro-batches per step without a pipeline (gradient accumulation)
-    sequence: bool = False  # sequence parallel: row-parallel products reduce-scatter along the sequence
-    refused_s: float = float("inf")  # the fastest option memory refused here (fewer micro-batches), if any
-    bucket_bytes: int = BUCKET_BYTES  # gradients per data-parallel collective
-    skew_s: float = 0.0  # waiting for ranks that reach the step's collectives apart (Cluster.arrival_skew)
-
-    @property
-    def micro_batches(self) -> int:
-        return self.pipeline.micro_batches if self.pipeline else self.accumulation
-
-    @property
-    def pp(self) -> int:
-        return dict(self.mesh).get(PIPELINE_AXIS, 1)
-
-    @property
-    def p2p_s(self) -> float:
-        return self.pipeline.p2p_s if self.pipeline else 0.0
-
-    @property
-    def bubble_s(self) -> float:
-        return self.pipeline.bubble_s if self.pipeline else 0.0
-
-    @property
-    def step_s(self) -> float:
-        return self.compute_s + self.op_comm_s + self.dp_comm_s + self.p2p_s + self.bubble_s + self.skew_s
-
-    @property
-    def key(self) -> tuple:
-        return (self.mesh, self.recompute, self.stage_recompute, self.stage_tp_split, self.offload, self.zero,
-                self.precision)
-
-    @property
-    def recompute_text(self) -> str:
-        return recompute_text(self.recompute, self.stage_recompute)
-
-    def describe(self) -> str:
-        p = self.pipeline
-        extras = ([f"{p.schedule} m={p.micro_batches}" + f" v={p.virtual_stages}" * (p.virtual_stages > 1)] if p
-                  else [f"accumulate m={self.accumulation}"] * (self.accumulation > 1)) + \
-            [f"recompute {self.recompute_text}"] * (self.recompute != "none") + \
-            [f"tp splits {'/'.join(self.stage_tp_split)}"] * bool(self.stage_tp_split) + \
-            [f"offload {self.offload}"] * (self.offload != "none") + [f"zero {self.zero}"] * (self.zero > 0) + \
-            [self.precision] * (self.precision != "fp32") + ["sequence parallel"] * self.sequence + \
-            [f"buckets {self.bucket_bytes / 2**20:g} MiB"] * (self.bucket_bytes != BUCKET_BYTES)
-        return ", ".join([_mesh_text(self.mesh), *extras])
-
-    def config(self, data_axes: tuple[str, ...] = ("dp",)) -> Fixed:
-        """This candidate's settings in the ``--config`` spelling."""
-        p, tp, spatial = self.pipeline, _op_size(self.mesh, data_axes), _spatial(self.mesh)
-        tp //= math.prod(spatial.values())
-        dp = _data_size(self.mesh, data_axes)
-        return Fixed(dp=dp, tp=tp if tp > 1 or not spatial else None, pp=self.pp,
-                     **spatial, sp=int(self.sequence) if tp > 1 else None,
-                     mbs=self.rows // self.micro_batches, m=self.micro_batches, schedule=p.schedule if p else None,
-                     v=p.virtual_stages if p else None, zero=self.zero, recompute=self.recompute_text,
-                     precision=self.precision, offload=self.offload,
-                     bucket=self.bucket_bytes // 2**20 if dp > 1 or self.bucket_bytes != BUCKET_BYTES else None,
-                     tp_split="/".join(self.stage_tp_split) or None)
-
-
-def mesh_candidates(num_devices: int, blocks: int = 1, devices_per_node: int | None = None) -> list[tuple[tuple[str, int], ...]]:
-    """Every (dp, pp, tp) factorisation with at most ``blocks`` pipeline stages (a stage holds whole
-    repeated blocks): pp outermost so stages talk over the slowest links, tp innermost on the fastest.
-    Given ``devices_per_node``, tp divides a node or spans whole nodes (as Alpa's submesh shapes): any
-    other size puts some of its groups across two nodes, on the slow link, for no gain in splitting."""
-    out = []
-    for pp in (p for p in range(1, min(num_devices, max(blocks, 1)) + 1) if num_devices % p == 0):
-        for tp in (t for t in range(1, num_devices // pp + 1) if num_devices // pp % t == 0):
-            if devices_per_node and devices_per_node % tp and tp % devices_per_node:
-                continue
-            dp = num_devices // pp // tp
-            out.append((("dp", dp), ("tp", tp)) if pp == 1 else ((PIPELINE_AXIS, pp), ("dp", dp), ("tp", tp)))
-    return out
 
 
 def _paused_cycle_collection(fn):
@@ -227,13 +131,14 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     limit = (memory_limit_bytes or cluster.memory_bytes) - reserve
     if limit <= 0:
         raise PolyshardError(f"the memory reserve of {format_bytes(reserve)} leaves nothing of the "
-                             f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the reserve")
+                             f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the "
+                             "reserve")
     gm = capture(model, example_row) if graph is None else graph
     costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else (),
                    dataset_strategy, lambda rows: at_rows(model, gm, example_row, rows))
     allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks),
                                                     None if fixed.tp else cluster.devices_per_node)
-               if _keeps(fixed, m, data_axes) and global_batch % _data_size(m, data_axes) == 0]
+               if _keeps(fixed, m, data_axes) and global_batch % data_size(m, data_axes) == 0]
     ordered = costs.order(allowed)
     workers = _default_workers(cluster) if workers is None else workers
     best = SharedBest(shared=workers > 1)
@@ -338,8 +243,9 @@ class _Costs:
     def order(self, meshes) -> list:
         """Splits whose operator axes fill one node first (they are likely best, and bound the rest),
         then the shallowest pipelines (the least bubble), then by their least data-parallel communication."""
-        return sorted(meshes, key=lambda m: (abs(math.log(_op_size(m, self.data_axes) / self.cluster.devices_per_node)),
-                                             _pp(m), self.floor(m, "none")))
+        node = self.cluster.devices_per_node
+        return sorted(meshes, key=lambda m: (abs(math.log(operator_size(m, self.data_axes) / node)),
+                                             stage_count(m), self.floor(m, "none")))
 
     def items(self, meshes: list, grouped: bool) -> list[list]:
         """``meshes`` as work for :func:`run_items`, in order: one each, or (``grouped``, for processes side by
@@ -349,7 +255,7 @@ class _Costs:
         built = {axes for axes, *_ in self._terms}
         out, group_of = [], {}
         for mesh in meshes:
-            axes = _op_axes(mesh, self.data_axes)
+            axes = operator_axes(mesh, self.data_axes)
             if axes in built:
                 out.append([mesh])
             elif axes in group_of:
@@ -372,7 +278,7 @@ class _Costs:
                 try:
                     found = self.split(mesh, setting, best.value, floors)
                 except PolyshardError as exc:  # a pin that this split cannot hold
-                    out.skipped.append(f"{_mesh_text(mesh)}: {exc}")
+                    out.skipped.append(f"{mesh_text(mesh)}: {exc}")
                     break
                 for candidate, plan in found:
                     out.candidates.append(candidate)
@@ -390,7 +296,7 @@ class _Costs:
                     continue
                 # recompute and offload only buy memory, at the price of time: once memory refused no option
                 # of this setting that could beat the best, the settings after it cannot win here
-                variants = len(_variants(_data_size(mesh, self.data_axes), "none", self.cluster, self.fixed))
+                variants = len(_variants(data_size(mesh, self.data_axes), "none", self.cluster, self.fixed))
                 if setting[1] == "none" and _nothing_to_free(found, variants, best.value, self.limit):
                     break
         return out
@@ -408,10 +314,10 @@ class _Costs:
         """Seconds no plan on ``mesh`` saves: gradient communication left exposed however much
         backward hides, and offload copies, as if every weight were split over the operator and
         pipeline axes, in the narrowest precision tried."""
-        numel = self.numel / _op_size(mesh, self.data_axes) / _pp(mesh)
+        numel = self.numel / operator_size(mesh, self.data_axes) / stage_count(mesh)
         itemsize = DTYPES[self.narrowest][1] if offload == "none" else 4
-        dp = _data_size(mesh, self.data_axes)
-        return min(_dp_seconds(itemsize * numel, mesh, self.data_axes, self.bounds, zero, overlap_s=float("inf"),
+        dp = data_size(mesh, self.data_axes)
+        return min(dp_seconds(itemsize * numel, mesh, self.data_axes, self.bounds, zero, overlap_s=float("inf"),
                                bucket_bytes=size)
                    + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds)
                    for zero in ZERO_LEVELS for size in self.bucket_sizes)
@@ -423,17 +329,17 @@ class _Costs:
         (:class:`DataSync`'s ``hides`` per second of backward, at one micro-batch, where it sends least);
         its bytes as if every weight were split over the operator axes, and those small enough to stay
         whole at levels 1-3 (:meth:`whole_most`) left out; its fixed costs only per bucket."""
-        op_size = _op_size(mesh, self.data_axes)
+        op_size = operator_size(mesh, self.data_axes)
         numel = self.numel / op_size
         itemsize = DTYPES[self.narrowest][1] if offload == "none" else 4
-        dp = _data_size(mesh, self.data_axes)
+        dp = data_size(mesh, self.data_axes)
         sharded = max(0.0, numel * itemsize - self.whole_most(op_size, itemsize))
         backward = (1 - forward_share(recompute)) * self.hides
         least = float("inf")
         for zero in {z for z, _ in _variants(dp, offload, self.cluster, self.fixed)}:
             work = program_s + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds)
             for size in self.bucket_sizes:
-                sync = _dp_sync(numel * itemsize if zero == 0 else sharded, mesh, self.data_axes, self.bounds, zero,
+                sync = dp_sync(numel * itemsize if zero == 0 else sharded, mesh, self.data_axes, self.bounds, zero,
                                 bucket_bytes=size)
                 rate = sync.hides * backward  # seconds hidden per second of the step's work
                 # the step is work + max(during - rate x work, last) + after: least at the work where it
@@ -471,13 +377,13 @@ class _Costs:
             return []
         # a pipeline's chunks each run their fastest mode up to this one that fits: the plain program lays
         # them all out, so its bounds bound them
-        modes = self.stage_modes(recompute) if _pp(mesh) > 1 else (recompute,)
+        modes = self.stage_modes(recompute) if stage_count(mesh) > 1 else (recompute,)
         program = modes[0]
-        if _pp(mesh) > max(len(self.blocks), 1):
-            raise PolyshardError(f"{_pp(mesh)} pipeline stages need as many stage units (by default the repeated "
-                                 f"blocks, children of a ModuleList); the model has {len(self.blocks)}")
-        op_axes = _op_axes(mesh, self.data_axes)
-        rows = self.batch // _data_size(mesh, self.data_axes)
+        if stage_count(mesh) > max(len(self.blocks), 1):
+            raise PolyshardError(f"{stage_count(mesh)} pipeline stages need as many stage units (by default the "
+                                 f"repeated blocks, children of a ModuleList); the model has {len(self.blocks)}")
+        op_axes = operator_axes(mesh, self.data_axes)
+        rows = self.batch // data_size(mesh, self.data_axes)
         floor = self.floor(mesh, offload)
         split_ways = math.prod(n for _, n in op_axes)
 
@@ -488,44 +394,44 @@ class _Costs:
         least = 0.0  # the most any bound below says the split's program costs
         if offload != "none" and best_s < float("inf"):
             # offloaded state is stepped in fp32 (_variants), so the model computes in fp32: its compute alone
-            least = rows / _pp(mesh) * self.fp32_floor(program) / split_ways
+            least = rows / stage_count(mesh) * self.fp32_floor(program) / split_ways
             if least + floor >= best_s:
                 return pruned(least)
         if split_ways > 1 and best_s < float("inf"):  # before a program of its own: the unsplit one's bound / ways
-            bound = self.unsplit_bound(program, rows / _pp(mesh), (best_s - floor) * split_ways) / split_ways
-            if _pp(mesh) > 1 and bound + floor < best_s:  # and at the schedule where a pipeline waits least
+            bound = self.unsplit_bound(program, rows / stage_count(mesh), (best_s - floor) * split_ways) / split_ways
+            if stage_count(mesh) > 1 and bound + floor < best_s:  # and at the schedule where a pipeline waits least
                 bound = max(bound, self.pipelined_bound(program, mesh, rows, split_ways, best_s - floor))
             least = max(least, bound)
             if least + floor >= best_s:
                 return pruned(least)
         if split_ways > 1 and best_s < float("inf"):  # nor before the bound a program on fewer of its ranks gives
-            least = max(least, self.divisor_bound(op_axes, program, rows / _pp(mesh), best_s - floor))
+            least = max(least, self.divisor_bound(op_axes, program, rows / stage_count(mesh), best_s - floor))
             if least + floor >= best_s:
                 return pruned(least)
         if program != "none" and best_s < float("inf"):  # nor before the plain program's bound and the reruns
-            least = max(least, self.recompute_bound(op_axes, program, rows / _pp(mesh)))
+            least = max(least, self.recompute_bound(op_axes, program, rows / stage_count(mesh)))
             if least + floor >= best_s:
                 return pruned(least)
-        if _pp(mesh) == 1 and least > 0:  # nor, without a pipeline, before what backward can hide at each level
+        if stage_count(mesh) == 1 and least > 0:  # nor, without a pipeline, before what backward can hide at each level
             bound = self.whole_bound(mesh, offload, program, least)
             if bound >= best_s:
                 return pruned(least, bound - least)
-        solved = self.solved(op_axes, program, rows / _pp(mesh), best_s - floor)
+        solved = self.solved(op_axes, program, rows / stage_count(mesh), best_s - floor)
         if solved.plan is None:
             return pruned(solved.lower_bound_s)
         out = []
-        dp = _data_size(mesh, self.data_axes)
+        dp = data_size(mesh, self.data_axes)
         for precision in self.own_plans:
             if precision is not None and not _variants(dp, offload, self.cluster, self.fixed, precision):
                 continue  # e.g. bf16 under offload, which steps fp32 state
             mine = solved if precision is None else \
-                self.solved(op_axes, program, rows / _pp(mesh), best_s - floor, precision)
+                self.solved(op_axes, program, rows / stage_count(mesh), best_s - floor, precision)
             if mine.plan is None:
                 out += [(dataclasses.replace(c, precision=precision), None) for c, _ in pruned(mine.lower_bound_s)]
-            elif _pp(mesh) > 1:
+            elif stage_count(mesh) > 1:
                 plain = (floors or {}).get(offload) if program != modes[-1] else None  # recomputing: what it beats
                 found = self._pipelined(mine, mesh, offload, rows, best_s, modes, precision, plain)
-                sending = self.solved_sending(op_axes, program, rows / _pp(mesh), mesh, precision)
+                sending = self.solved_sending(op_axes, program, rows / stage_count(mesh), mesh, precision)
                 if sending.plan.nodes != mine.plan.nodes:
                     found = _faster_per_variant(found + self._pipelined(sending, mesh, offload, rows, best_s, modes,
                                                                         precision, plain))
@@ -546,7 +452,7 @@ class _Costs:
             return out
         fastest = min((c for c, _ in out), key=lambda c: c.step_s)
         if fastest.memory.total_bytes > self.limit and fastest.step_s < best_s and \
-                self.numel / _op_size(mesh, self.data_axes) * device_bytes_per_param(offload) <= self.limit:
+                self.numel / operator_size(mesh, self.data_axes) * device_bytes_per_param(offload) <= self.limit:
             cluster, dtype = self.priced(precision)
             try:
                 lean = solve(self.gm, op_axes, cluster, rows, self.limit, cutoff_s=best_s - floor, recompute=recompute,
@@ -592,7 +498,7 @@ class _Costs:
         program leaves sends out, so it may keep whole a value every stage sends. A stage sends what crosses its
         two cuts, out in forward and back in backward, for each of its rows (rows x pp of the program's): over
         the model's cuts, 2 pp / (cuts) of what crosses each."""
-        pp, link = _pp(mesh), axis_link(mesh, PIPELINE_AXIS, self.cluster)
+        pp, link = stage_count(mesh), axis_link(mesh, PIPELINE_AXIS, self.cluster)
         key = (op_axes, recompute, rows, pp, link.bandwidth_bytes_per_s, precision)
         if key not in self._sending:
             cluster, dtype = self.priced(precision)
@@ -622,7 +528,7 @@ class _Costs:
         the model's seconds per micro-batch, at the schedule allowed where it is least, those seconds bounded by the
         unsplit program's bound at a micro-batch's rows / ``ways``. 0 once it falls short of a finite ``enough_s``
         (the unsplit program is solved at another row count only where that may reach it)."""
-        pp, least = _pp(mesh), float("inf")
+        pp, least = stage_count(mesh), float("inf")
         options = schedule_options(max(len(self.blocks), 1), rows, pp, self.fixed)
         for m, _, v in sorted(options, key=lambda o: (-o[0], -o[2])):  # the likeliest least first
             scale = (m + (pp - 1) / v) / pp / ways
@@ -728,7 +634,8 @@ class _Costs:
         every chunk to split operators, or the ranks split images."""
         ways = math.prod(n for _, n in base.op_axes)
         fixed = self.fixed.stage_tp_split
-        if ways == 1 or self.capture_rows is None or rows % ways or (fixed and "rows" not in fixed) or _spatial(mesh):
+        if ways == 1 or self.capture_rows is None or rows % ways or (fixed and "rows" not in fixed) or \
+                spatial_sizes(mesh):
             return ()
         plan = self.rows_plan(base)
         if plan is None:
@@ -739,7 +646,7 @@ class _Costs:
                only: str | None = None) -> list[tuple[Candidate, Plan]]:
         """A split that holds the whole model: its plan at every (optimizer-parallel level, precision) (of
         precision ``only``, where given), each with the fewest gradient-accumulation micro-batches that fit."""
-        dp = _data_size(mesh, self.data_axes)
+        dp = data_size(mesh, self.data_axes)
         out = []
         for zero, precision in _variants(dp, offload, self.cluster, self.fixed, only):
             units = self.units(base, mesh, precision)
@@ -761,7 +668,7 @@ class _Costs:
                      gap: float) -> tuple[Candidate, Plan]:
         """``plan`` on ``rows`` rows run as ``m`` micro-batches, gradients synced in the last one's backward
         in buckets of the size that syncs and steps them fastest and fits (at level 0 a bucket is also a buffer)."""
-        dp = _data_size(mesh, self.data_axes)
+        dp = data_size(mesh, self.data_axes)
         work = float(rows * units.compute_s.sum() + m * units.overhead_s.sum())
         op_comm = float(rows * units.comm_s.sum() + m * units.latency_s.sum())
 
@@ -794,8 +701,8 @@ class _Costs:
 
     def dp_sync(self, grad_bytes: float, mesh, zero: int, micro_batches: int, bucket_bytes: int,
                 level3: dict) -> DataSync:
-        """:func:`_dp_sync` on ``mesh``, hiding nothing where the user turned overlap off."""
-        sync = _dp_sync(grad_bytes, mesh, self.data_axes, self.cluster, zero, micro_batches=micro_batches,
+        """:func:`dp_sync` on ``mesh``, hiding nothing where the user turned overlap off."""
+        sync = dp_sync(grad_bytes, mesh, self.data_axes, self.cluster, zero, micro_batches=micro_batches,
                         bucket_bytes=bucket_bytes, **level3)
         return sync if self.hides else dataclasses.replace(sync, hides=0.0)
 
@@ -815,7 +722,7 @@ class _Costs:
         its best cuts, micro-batch count, schedule and recompute mode per chunk (of ``modes``), or a bound where
         none can beat ``best_s`` (``floors``, per (level, precision): one known before any is costed). A pipeline
         no chunk of which runs the last mode is left to the setting before."""
-        dp, pp, base = _data_size(mesh, self.data_axes), _pp(mesh), solved.plan
+        dp, pp, base = data_size(mesh, self.data_axes), stage_count(mesh), solved.plan
         link = axis_link(mesh, PIPELINE_AXIS, self.cluster)
         out = []
 
@@ -914,7 +821,7 @@ def _memory_floor(units: Units, zero: int, dp: int, precision: str, offload: str
 
 
 def _level3(groups, precision: str, plan: Plan) -> dict:
-    """:func:`_dp_seconds`'s modules gathered and bytes left whole at optimizer level 3."""
+    """:func:`dp_seconds`'s modules gathered and bytes left whole at optimizer level 3."""
     whole, gathered = level3_traffic(groups, DTYPES[precision][1], plan.zero_threshold_bytes)
     return {"modules": gathered, "whole_bytes": whole}
 
@@ -941,131 +848,11 @@ def _variants(dp: int, offload: str, cluster: Cluster, fixed: Fixed = Fixed(),
     return [(z, p) for z in levels for p in precisions if fixed.allows(zero=z, precision=p) and only in (None, p)]
 
 
-def _op_axes(mesh, data_axes) -> tuple:
-    """The axes of ``mesh`` that split operators (neither data nor pipeline), of 2 ranks or more."""
-    return tuple((n, s) for n, s in mesh if n not in data_axes and n != PIPELINE_AXIS and s > 1)
-
-
-def _op_size(mesh, data_axes) -> int:
-    return math.prod(s for _, s in _op_axes(mesh, data_axes))
-
-
-def _data_size(mesh, data_axes) -> int:
-    return math.prod(s for n, s in mesh if n in data_axes)
-
-
 def _keeps(fixed: Fixed, mesh, data_axes) -> bool:
     """Whether the mesh's sizes agree with the dp / tp / pp / h / w that ``fixed`` keeps (and, where a chunk's
     tp ranks must split rows, has a pipeline and tp ranks)."""
-    spatial = _spatial(mesh)
-    if "rows" in fixed.stage_tp_split and (_pp(mesh) == 1 or _op_size(mesh, data_axes) == 1):
+    spatial = spatial_sizes(mesh)
+    if "rows" in fixed.stage_tp_split and (stage_count(mesh) == 1 or operator_size(mesh, data_axes) == 1):
         return False
-    return fixed.allows(dp=_data_size(mesh, data_axes), tp=_op_size(mesh, data_axes) // math.prod(spatial.values()),
-                        pp=_pp(mesh), h=spatial.get("h", 1), w=spatial.get("w", 1))
-
-
-def _spatial(mesh) -> dict[str, int]:
-    """An image mesh's height and width splits (``{"h": 2, "w": 1}``); empty for other meshes."""
-    sizes = dict(mesh)
-    return {a: sizes.get(a, 1) for a in SPATIAL_AXES} if sizes.keys() & set(SPATIAL_AXES) else {}
-
-
-def _pp(mesh) -> int:
-    return dict(mesh).get(PIPELINE_AXIS, 1)
-
-
-def _mesh_text(mesh) -> str:
-    return " x ".join(f"{n}={s}" for n, s in mesh)
-
-
-def _dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0,
-                overlap_s: float = 0.0, micro_batches: int = 1, whole_bytes: float = 0.0,
-                bucket_bytes: int = BUCKET_BYTES) -> float:
-    """Data-parallel communication per step left exposed beside ``overlap_s`` of backward (:func:`_dp_sync`)."""
-    return _dp_sync(grad_bytes, mesh, data_axes, cluster, zero, modules, micro_batches, whole_bytes,
-                    bucket_bytes).exposed(overlap_s)
-
-
-def _dp_sync(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0,
-             micro_batches: int = 1, whole_bytes: float = 0.0, bucket_bytes: int = BUCKET_BYTES) -> DataSync:
-    """Data-parallel communication per step (alpha-beta on the outermost data axis's link), by when it runs.
-
-    With B gradient bytes over n ranks, each level moves what the runtime (polyshard.runtime.zero)
-    issues, one collective per gradient bucket of ``bucket_bytes``: level 0 all-reduces the gradients,
-    2(n-1)/n B; level 1 all-reduces them and all-gathers the stepped shards, 3(n-1)/n B; level 2 reduce-scatters and
-    all-gathers, 2(n-1)/n B; level 3 all-gathers each module's parameters in forward and again in
-    backward and reduce-scatters the gradients, 3(n-1)/n B in 3 collectives per module; over m
-    accumulated micro-batches level 3 gathers in each one's forward and backward, (2m+1)(n-1)/n B;
-    ``modules``: those level 3 gathers; ``whole_bytes``: of B, parameters small enough to stay whole at
-    levels 1-3, all-reduced in buckets of their own and never gathered. Each collective pays its own fixed
-    cost (an all-gather half an all-reduce's, see collective_latency). On GPUs the
-    collectives issued during backward (level 3: during every forward and backward) run beside the last
-    backward and only the rest, and at least the last bucket, is exposed; the all-gather after the optimizer
-    step (levels 1, 2) is not hidden.
-    On CPU gloo runs on the cores that compute, so nothing hides (see cost/overlap.py)."""
-    dp = _data_size(mesh, data_axes)
-    if dp == 1:
-        return DataSync(0.0)
-    link = axis_link(mesh, next(n for n, s in mesh if n in data_axes), cluster)
-    latency = collective_latency(link, dp)
-    gather, scatter = (collective_latency(link, dp, kind, cluster.backend) for kind in ("all_gather", "reduce_scatter"))
-    pass_s = wire_bytes("reduce_scatter", grad_bytes, dp) / link.bandwidth_bytes_per_s  # (n-1)/n B once
-    first = first_bucket_bytes(cluster, bucket_bytes)
-    buckets = bucket_count(grad_bytes, bucket_bytes, first)
-    sharded = grad_bytes - whole_bytes if zero else 0.0
-    sharded_s = pass_s * sharded / grad_bytes if grad_bytes else 0.0
-    sharded_buckets = bucket_count(sharded, bucket_bytes, first) if sharded > 0 else 0
-    whole_buckets = bucket_count(whole_bytes, bucket_bytes, first) if whole_bytes else 0
-    whole_s = 2 * (pass_s - sharded_s) + whole_buckets * latency if whole_bytes else 0.0
-    if zero == 3:
-        during = ((2 * micro_batches + 1) * sharded_s + modules * (2 * micro_batches * gather + scatter)
-                  + whole_s)
-    elif zero == 2:
-        during = sharded_s + sharded_buckets * scatter + whole_s
-    else:
-        during = 2 * pass_s + buckets * latency
-    after = sharded_s + sharded_buckets * gather if zero in (1, 2) else 0.0
-    if cluster.device_type != "cuda":
-        return DataSync(during, after)
-    last_bucket = min(during, wire_bytes("all_reduce", bucket_bytes, dp) / link.bandwidth_bytes_per_s + latency)
-    # level 3: beside every forward too (half a backward each)
-    return DataSync(during, after, last_bucket, 1.5 * micro_batches if zero == 3 else 1)
-
-
-def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: float, reserve_bytes: float = 0.0,
-                  data_axes: tuple[str, ...] = ("dp",), cluster: Cluster | None = None) -> dict:
-    """JSON-able figures of every candidate split and the choice (plain Python numbers only)."""
-    def row(c: Candidate) -> dict:
-        return {"mesh": c.describe(), "split": _mesh_text(c.mesh), "config": c.config(data_axes).text(),
-                "recompute": c.recompute_text, "offload": c.offload, "zero": c.zero, "precision": c.precision, "pp": c.pp,
-                "rows": c.rows, "micro_batches": c.micro_batches, "step_s": float(c.step_s),
-                "compute_s": float(c.compute_s), "op_comm_s": float(c.op_comm_s), "dp_comm_s": float(c.dp_comm_s),
-                "p2p_s": float(c.p2p_s), "bubble_s": float(c.bubble_s), "skew_s": float(c.skew_s), "gap": float(c.gap),
-                "memory": _memory_row(c.memory), "memory_floor": bool(c.memory_floor),
-                "fits": bool(c.memory.total_bytes <= limit_bytes and not c.pruned), "pruned": bool(c.pruned),
-                **({"pipeline": _pipeline_row(c.pipeline)} if c.pipeline else {})}
-    return {"chosen": chosen.describe(), "config": chosen.config(data_axes).text(), "limit_bytes": float(limit_bytes),
-            "reserve_bytes": float(reserve_bytes), **({"cluster": _cluster_row(cluster)} if cluster else {}),
-            "candidates": [row(c) for c in candidates]}
-
-
-def _cluster_row(cluster: Cluster) -> dict:
-    return {"num_nodes": cluster.num_nodes, "devices_per_node": cluster.devices_per_node,
-            "device_name": cluster.device_name}
-
-
-def _memory_row(m: MemoryEstimate) -> dict:
-    return {k: float(v) for k, v in (("params", m.params_bytes), ("grads", m.grads_bytes),
-                                     ("optimizer", m.optimizer_bytes), ("activations", m.activations_bytes),
-                                     ("buffers", m.buffers_bytes), ("apart", m.apart_bytes),
-                                     ("total", m.total_bytes))}
-
-
-def _pipeline_row(p: PipelineCost) -> dict:
-    pp = len({s.rank for s in p.stages})
-    return {"schedule": p.schedule, "micro_batches": p.micro_batches, "virtual_stages": p.virtual_stages,
-            "boundaries": list(p.boundaries), "bubble": float(p.bubble), "span_s": float(p.span_s),
-            "ideal_bubble": ideal_bubble(pp, p.micro_batches, p.virtual_stages),
-            "stages": [{"rank": s.rank, "first": s.first, "last": s.last, "forward_s": float(s.forward_s),
-                        "backward_s": float(s.backward_s), "memory": _memory_row(s.memory),
-                        "recompute": s.recompute, "tp_split": s.tp_split} for s in p.stages]}
+    return fixed.allows(dp=data_size(mesh, data_axes), tp=operator_size(mesh, data_axes) // math.prod(spatial.values()),
+                        pp=stage_count(mesh), h=spatial.get("h", 1), w=spatial.get("w", 1))

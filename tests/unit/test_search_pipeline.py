@@ -14,7 +14,8 @@ from polyshard.planner.pipeline import Setup, Units, best_pipeline, cost_pipelin
 from polyshard.plan import Plan
 from polyshard.planner.report import chosen_row, render
 from polyshard.planner.config import Fixed
-from polyshard.planner.search import mesh_candidates, search
+from polyshard.planner.search import search
+from polyshard.planner.split import mesh_candidates
 from polyshard.planner.stages import even_partition, min_max_partition, range_sums
 from polyshard.compiler.stages import pipeline_split
 

@@ -18,8 +18,9 @@ from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.precision import precisions_to_cost
 from polyshard.planner.candidates import covers, enumerated
 from polyshard.planner.intra_op import solve
-from polyshard.planner.search import (BUCKET_CHOICES, _Costs, _dp_seconds, default_reserve_bytes, mesh_candidates,
-                                       search)
+from polyshard.planner.cost.data_parallel import dp_seconds
+from polyshard.planner.search import BUCKET_CHOICES, _Costs, default_reserve_bytes, search
+from polyshard.planner.split import mesh_candidates
 from polyshard.transitions import wire_bytes
 
 
@@ -163,17 +164,17 @@ def test_zero_levels_move_what_the_runtime_issues():
     one_pass = wire_bytes("reduce_scatter", grad, 4) / link.bandwidth_bytes_per_s  # (n-1)/n of the bytes
     latency = link.latency_s * 3  # an all-reduce's; a ring all-gather runs half its steps, gloo's scatter all
     gather = latency / 2
-    seconds = [_dp_seconds(grad, mesh, ("dp",), cluster, zero, modules=5) for zero in range(4)]
+    seconds = [dp_seconds(grad, mesh, ("dp",), cluster, zero, modules=5) for zero in range(4)]
     assert seconds[0] == pytest.approx(2 * one_pass + latency)  # all-reduce
     assert seconds[1] == pytest.approx(3 * one_pass + latency + gather)  # all-reduce, then all-gather of the shards
     assert seconds[2] == pytest.approx(2 * one_pass + latency + gather)  # reduce-scatter, all-gather
     assert seconds[3] == pytest.approx(3 * one_pass + 5 * (2 * gather + latency))  # per module: 2 gathers, 1 scatter
-    accumulated = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=5, micro_batches=4)
+    accumulated = dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=5, micro_batches=4)
     assert accumulated == pytest.approx(9 * one_pass + 5 * (8 * gather + latency))  # gathered in each micro-batch
     # parameters under the threshold stay whole: all-reduced once, never gathered
-    small = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=0, micro_batches=4, whole_bytes=grad)
+    small = dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=0, micro_batches=4, whole_bytes=grad)
     assert small == pytest.approx(seconds[0])
-    quarter = _dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=2, whole_bytes=grad / 4)
+    quarter = dp_seconds(grad, mesh, ("dp",), cluster, 3, modules=2, whole_bytes=grad / 4)
     assert quarter == pytest.approx(3 * 0.75 * one_pass + 2 * (2 * gather + latency) + 2 * 0.25 * one_pass + latency)
 
 
@@ -184,8 +185,8 @@ def test_every_gradient_bucket_pays_its_collectives_fixed_cost():
     tensors = [2**20] * 100  # the buckets the runtime cuts 100 MiB of 1 MiB gradients into, the first as large on CPU
     buckets = len(cut_buckets(tensors, [None] * len(tensors), BUCKET_BYTES, first_bucket_bytes(cluster, BUCKET_BYTES)))
     assert buckets == 4
-    assert _dp_seconds(grad, mesh, ("dp",), cluster, 0) == pytest.approx(2 * one_pass + buckets * latency)
-    assert _dp_seconds(grad, mesh, ("dp",), cluster, 2) == pytest.approx(2 * one_pass + buckets * 1.5 * latency)
+    assert dp_seconds(grad, mesh, ("dp",), cluster, 0) == pytest.approx(2 * one_pass + buckets * latency)
+    assert dp_seconds(grad, mesh, ("dp",), cluster, 2) == pytest.approx(2 * one_pass + buckets * 1.5 * latency)
 
 
 @pytest.mark.parametrize("batch,fixed", [(32, Fixed(dp=16, tp=1, zero=2)), (64, Fixed(dp=8, pp=2, zero=2)),
@@ -220,7 +221,7 @@ def test_a_bucket_whose_buffer_does_not_fit_is_not_taken(fixed, small, large):
 
 def test_on_nccl_rings_a_reduce_scatter_and_an_all_gather_cost_one_all_reduce():
     cluster, mesh, grad = Cluster.preset("8xA100-80G"), (("dp", 8),), 4e6
-    level = [_dp_seconds(grad, mesh, ("dp",), cluster, zero) for zero in range(3)]
+    level = [dp_seconds(grad, mesh, ("dp",), cluster, zero) for zero in range(3)]
     assert level[2] == pytest.approx(level[0]) and level[1] > level[0]
 
 
@@ -234,9 +235,9 @@ def test_level3_gathers_only_modules_holding_a_parameter_over_the_threshold():
 def test_gpu_data_parallel_traffic_hides_behind_backward_but_the_last_bucket():
     cluster = Cluster.preset("2x8xA100-80G")
     mesh, grad = (("dp", 16), ("tp", 1)), 4e9
-    exposed = _dp_seconds(grad, mesh, ("dp",), cluster, 0, overlap_s=0.0)
-    assert _dp_seconds(grad, mesh, ("dp",), cluster, 0, overlap_s=exposed / 2) == pytest.approx(exposed / 2)
-    tail = _dp_seconds(grad, mesh, ("dp",), cluster, 0, overlap_s=math.inf)
+    exposed = dp_seconds(grad, mesh, ("dp",), cluster, 0, overlap_s=0.0)
+    assert dp_seconds(grad, mesh, ("dp",), cluster, 0, overlap_s=exposed / 2) == pytest.approx(exposed / 2)
+    tail = dp_seconds(grad, mesh, ("dp",), cluster, 0, overlap_s=math.inf)
     assert 0 < tail < exposed / 50
 
 
