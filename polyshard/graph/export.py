@@ -31,6 +31,7 @@ from polyshard.layout import contiguous_strides
 SIGNATURE_KEY = "polyshard_call_signature"
 # Ops that only assert what export saw; they would pin the capture's device into the program.
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
         _clean_stack(node)
     _split_to_slices(graph)
     _drop_same_dtype_casts(graph)
+    _drop_contiguous(graph)
     _collapse_leaves(graph, traced, is_leaf, attrs)
     # shapes and the causal rewrite before stamping: each stamped layer copies its model layer's as they are
     batch = dict.fromkeys(_symbolic_batch(graph), rows)
@@ -111,7 +113,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     root._modules, root._parameters, root._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
     for name in [n for n in attrs if "." not in n and not hasattr(root, n)]:
         setattr(root, name, attrs[name])
-    gm = graph_module(root, graph, type(model).__name__)
+    gm = graph_module(root, _named_in_order(graph), type(model).__name__)
     gm.meta[SIGNATURE_KEY] = signature
     return gm
 
@@ -241,6 +243,34 @@ def _drop_same_dtype_casts(graph: fx.Graph) -> None:
                 and getattr(src.meta.get("val"), "dtype", None) == val.dtype):
             node.replace_all_uses_with(src)
             graph.erase_node(node)
+
+
+def _drop_contiguous(graph: fx.Graph) -> None:
+    """``.contiguous()`` is recorded only where the traced tensor was not contiguous already, which depends on the
+    device traced on (attention returns another memory layout on meta than on CPU), so a plan made on
+    meta would name nodes a run does not have. Each is dropped, and a view of it becomes a reshape, which
+    copies where the strides need it, as the pair did."""
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.contiguous.default]:
+        for user in node.users:
+            if user.op == "call_function" and user.target in _VIEWS:
+                user.target = torch.ops.aten.reshape.default
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+
+
+def _named_in_order(graph: fx.Graph) -> fx.Graph:
+    """``graph`` again, each op's nodes numbered in graph order (``mul``, ``mul_1``, ...): export numbers them as
+    it makes them, which also differs with the device traced on, and a plan names them."""
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            op = node.target if node.op == "call_method" else \
+                getattr(node.target, "_opname", None) or getattr(node.target, "__name__", "op")
+            counts[op] = counts.get(op, 0) + 1
+            node.name = op if counts[op] == 1 else f"{op}_{counts[op] - 1}"
+    named = fx.Graph()
+    named.output(named.graph_copy(graph, {}))
+    return named
 
 
 def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Module], bool], attrs: dict) -> None:

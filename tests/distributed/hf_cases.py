@@ -34,8 +34,8 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     "fp16" computes in half precision over fp32 masters, against an fp32 reference (the others: float64);
     ``optimizer``: "adamw" or "sgd" (default: AdamW in float64, SGD with momentum in half precision);
     ``table_rows``: the input embedding's rows split so over the operator axis (manual_split); ``table_columns``:
-    its features split in that many pieces (a tied head follows); ``tp_split``: the plan searched (for A100s) with
-    what each pipeline chunk's tp ranks split fixed so;
+    its features split in that many pieces (a tied head follows); ``tp_split``: the plan searched (for A100s, on a
+    meta twin of the model) with what each pipeline chunk's tp ranks split fixed so;
     ``options`` go to parallelize."""
     ps.init(mesh)
     torch.manual_seed(0)
@@ -53,10 +53,12 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     batches = [{k: v.to(ps.current_mesh().device) for k, v in hf.batch(ref, batch, seq, seed=s).items()}
                for s in range(steps)]
     rows = batch // ps.current_mesh().num_data_shards
-    if tp_split is not None:
+    if tp_split is not None:  # searched on meta, as `polyshard plan` does, and run on the mesh's device
         mesh = ps.current_mesh()
-        options["plan"], _ = search(par, {k: v[:1] for k, v in batches[0].items()}, Cluster.preset("4xA100-80G"),
-                                    batch, meshes=[mesh.axes], data_axes=mesh.data_axes,
+        meta = hf.build(family, dtype, device="meta", **depth)
+        row = {k: v[:1].to("meta") for k, v in batches[0].items()}
+        options["plan"], _ = search(meta, row, Cluster.preset("4xA100-80G"), batch, meshes=[mesh.axes],
+                                    data_axes=mesh.data_axes,
                                     fixed=Fixed(tp_split=tp_split, precision="fp32", **options))
         options = {"plan": options["plan"]}
     pm = ps.parallelize(par, example_inputs={k: v[:rows] for k, v in batches[0].items()}, **options)

@@ -59,6 +59,17 @@ def test_one_row_capture_names_nodes_as_the_full_batch_does():
     assert names[0] == names[1]  # the search plans on one row, the runtime lowers the rank's batch
 
 
+@pytest.mark.parametrize("family", sorted(hf.TINY))
+def test_a_capture_on_meta_is_the_graph_a_run_captures(family):
+    """`polyshard plan` captures on meta, a run on its device, and a plan names nodes: one graph either way, though
+    attention returns another memory layout on meta (a `.contiguous()` traced on one device only)."""
+    graphs = []
+    for device in ("meta", "cpu"):
+        model = models.build(f"hf:{family}", device=device)
+        graphs.append([(n.name, n.op, n.target) for n in capture(model, model.example_inputs(2)).graph.nodes])
+    assert graphs[0] == graphs[1]
+
+
 def test_a_call_unlike_the_capture_is_refused():
     model = hf.build("llama")
     gm = capture(model, hf.batch(model, 2, 8))
@@ -150,9 +161,11 @@ LLAMA_SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_pr
                    "embed_tokens": 0, "lm_head": 0}
 
 
-# At the real size all but the embedding follow it: split by features, the table hands its lookups on with no partial
-# sums to reduce (gathered for the first norm, an all-to-all into the sequence split for the residual).
-@pytest.mark.parametrize("size,cluster,followed", [("real", "8xA100-80G", 15), ("tiny", "cpu-gloo:4", 0)])
+# At the real size all but two follow it: the embedding, split by features, hands its lookups on with no partial
+# sums to reduce (gathered for the first norm, an all-to-all into the sequence split for the residual), and the
+# first layer's attention output projection, split by its outputs to add to that feature-split residual, moves
+# as many bytes as following would (an all-gather of its input for a reduce-scatter of its output).
+@pytest.mark.parametrize("size,cluster,followed", [("real", "8xA100-80G", 14), ("tiny", "cpu-gloo:4", 0)])
 def test_the_report_says_where_the_plan_follows_the_models_tp_plan(size, cluster, followed):
     from polyshard.cluster import Cluster
     from polyshard.planner.config import Fixed
@@ -167,7 +180,8 @@ def test_the_report_says_where_the_plan_follows_the_models_tp_plan(size, cluster
     agreement = plan.report["tp_plan"]
     assert (agreement["followed"], agreement["modules"]) == (followed, 16)  # 2 layers x 7, embedding, head
     if dims:
-        assert agreement["departures"] == [["model.embed_tokens", "embedding_rowwise", "tp=8:S(1)"]]
+        assert agreement["departures"] == [["model.embed_tokens", "embedding_rowwise", "tp=8:S(1)"],
+                                           ["model.layers.0.self_attn.o_proj", "rowwise", "tp=8:S(0)"]]
     for name, layout in plan.params.items():
         module = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and module.split(".")[-1] in LLAMA_SPLIT_DIM:
