@@ -397,6 +397,8 @@ CLI_CASES = [
     ("cost-recompute-comm-nothing-recomputed", ["cost", "--model", "gpt-tiny", "--cluster", "8xA100-80G", "--config",
                                                 "recompute=none,recompute_comm=recompute"],
      ["recompute_comm=recompute", "recomputes nothing"]),
+    ("plan-hf-seq-len-out", ["plan", "--model", "hf:llama", "--cluster", "cpu-gloo:2", "--seq-len", "16", "--out",
+                             "p.json"], ["--seq-len 16", "its own 32 tokens"]),
     ("plan-out-is-folder", ["plan", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--out", "{inputs}"],
      ["--out", "is a folder"]),
     ("plan-pin-broken", BIG_PLAN + ["--pin", "{broken.yaml}"], ["broken.yaml", "line 2"]),
