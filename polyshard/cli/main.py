@@ -18,7 +18,7 @@ from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, check_nodes, launch,
                                   under_torchrun, without_flag)
 from polyshard.cli.ps import add_parser as add_ps
 from polyshard.cli.train_args import add_config_flags, train_config
-from polyshard.errors import PolyshardError, check_output_file
+from polyshard.errors import PolyshardError, check_output_file, file_in_the_way
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,9 +422,9 @@ def _export(args) -> int:
 
     if not args.out:
         raise PolyshardError("--out '' names no folder; name the folder to write the model into")
-    existing = next(p for p in (Path(args.out), *Path(args.out).parents) if p.exists())
-    if not existing.is_dir():
-        raise PolyshardError(f"--out {args.out!r}: {str(existing)!r} is a file; name a folder")
+    blocking = file_in_the_way(args.out)
+    if blocking is not None:
+        raise PolyshardError(f"--out {args.out!r}: {str(blocking)!r} is a file; name a folder")
     out = export_hf(args.checkpoint, args.out)
     print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'} (load with transformers, or train on with "
           f"--model hf:{out})")

@@ -93,7 +93,8 @@ class Fixed:
                 raise PolyshardError(f"--config {key} must be 0 or 1; got {getattr(self, key)}")
         if self.zero is not None and self.zero not in ZERO_LEVELS:
             raise PolyshardError(f"--config zero must be one of {ZERO_LEVELS}; got {self.zero}")
-        if self.recompute_comm is not None and all(m == "none" for m in self.recompute_modes or ("full",)):
+        modes = self.recompute_modes
+        if self.recompute_comm is not None and modes is not None and all(m == "none" for m in modes):
             raise PolyshardError(f"--config recompute_comm={self.recompute_comm} applies to recomputed regions, and "
                                  f"recompute={self.recompute} recomputes nothing; leave out one of them")
         if self.v is not None and self.v > 1 and self.schedule not in (None, "interleaved"):

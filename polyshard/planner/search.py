@@ -318,7 +318,7 @@ class _Costs:
         itemsize = DTYPES[self.narrowest][1] if offload == "none" else 4
         dp = data_size(mesh, self.data_axes)
         return min(dp_seconds(itemsize * numel, mesh, self.data_axes, self.bounds, zero, overlap_s=float("inf"),
-                               bucket_bytes=size)
+                              bucket_bytes=size)
                    + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds)
                    for zero in ZERO_LEVELS for size in self.bucket_sizes)
 
@@ -340,7 +340,7 @@ class _Costs:
             work = program_s + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds)
             for size in self.bucket_sizes:
                 sync = dp_sync(numel * itemsize if zero == 0 else sharded, mesh, self.data_axes, self.bounds, zero,
-                                bucket_bytes=size)
+                               bucket_bytes=size)
                 rate = sync.hides * backward  # seconds hidden per second of the step's work
                 # the step is work + max(during - rate x work, last) + after: least at the work where it
                 # stops falling, if it falls
@@ -703,7 +703,7 @@ class _Costs:
                 level3: dict) -> DataSync:
         """:func:`dp_sync` on ``mesh``, hiding nothing where the user turned overlap off."""
         sync = dp_sync(grad_bytes, mesh, self.data_axes, self.cluster, zero, micro_batches=micro_batches,
-                        bucket_bytes=bucket_bytes, **level3)
+                       bucket_bytes=bucket_bytes, **level3)
         return sync if self.hides else dataclasses.replace(sync, hides=0.0)
 
     def level3(self, groups, precision: str, plan: Plan) -> dict:

@@ -22,7 +22,7 @@ from polyshard.api import shard
 from polyshard.cluster import parse_bytes
 from polyshard.data.images import open_images
 from polyshard.data.token_file import check_tokens, open_tokens, tokenized
-from polyshard.errors import PolyshardError
+from polyshard.errors import PolyshardError, file_in_the_way
 from polyshard.mesh import PIPELINE_AXIS, check_mesh, check_roles, parse_mesh
 from polyshard.models.vision import DEFAULT_IMAGE_SIZE, VISION, build_vision, check_image_size
 from polyshard.plan import Plan
@@ -318,9 +318,9 @@ def _check_paths(cfg: TrainConfig) -> None:
         p = Path(path)
         if p.is_dir():
             raise PolyshardError(f"{flag} {path!r} is a folder; name a file in it")
-        parent = next((a for a in p.parents if a.exists()), None)
-        if parent is not None and not parent.is_dir():
-            raise PolyshardError(f"{flag} {path!r}: {str(parent)!r} is a file, not a folder")
+        blocking = file_in_the_way(str(p.parent))
+        if blocking is not None:
+            raise PolyshardError(f"{flag} {path!r}: {str(blocking)!r} is a file, not a folder")
     if cfg.strategies and not Path(cfg.strategies).is_file():
         raise PolyshardError(f"--strategies file {cfg.strategies!r} does not exist")
     if cfg.tokenizer and not cfg.data:

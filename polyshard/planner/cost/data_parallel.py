@@ -11,15 +11,15 @@ from polyshard.transitions import wire_bytes
 
 
 def dp_seconds(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0,
-                overlap_s: float = 0.0, micro_batches: int = 1, whole_bytes: float = 0.0,
-                bucket_bytes: int = BUCKET_BYTES) -> float:
+               overlap_s: float = 0.0, micro_batches: int = 1, whole_bytes: float = 0.0,
+               bucket_bytes: int = BUCKET_BYTES) -> float:
     """Data-parallel communication per step left exposed beside ``overlap_s`` of backward (:func:`dp_sync`)."""
     return dp_sync(grad_bytes, mesh, data_axes, cluster, zero, modules, micro_batches, whole_bytes,
-                    bucket_bytes).exposed(overlap_s)
+                   bucket_bytes).exposed(overlap_s)
 
 
 def dp_sync(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0, modules: float = 0,
-             micro_batches: int = 1, whole_bytes: float = 0.0, bucket_bytes: int = BUCKET_BYTES) -> DataSync:
+            micro_batches: int = 1, whole_bytes: float = 0.0, bucket_bytes: int = BUCKET_BYTES) -> DataSync:
     """Data-parallel communication per step (alpha-beta on the outermost data axis's link), by when it runs.
 
     With B gradient bytes over n ranks, each level moves what the runtime (polyshard.runtime.zero)
