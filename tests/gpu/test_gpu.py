@@ -12,8 +12,12 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from polyshard import models
+from polyshard.graph.capture import capture
+from polyshard.models import hf
 from tests.distributed import cases, hf_cases
 
 TOL = 1e-5
@@ -66,12 +70,26 @@ def test_transformers_data_parallel(gpu_pools):
     assert all(r["loss_err"] < TOL and r["param_err"] < TOL and r["devices"] == {"cuda"} for r in results), results
 
 
-def _train(steps: int, folder, **env) -> tuple[str, list[float]]:
-    out = subprocess.run([sys.executable, "-m", "polyshard.cli.main", "train", "--nproc", "1", "--steps", str(steps),
-                          "--log-every", "1", "--metrics", str(folder / "m.jsonl")], capture_output=True, text=True,
-                         env=os.environ | {"PYTHONUNBUFFERED": "1"} | env, timeout=300)
+@pytest.mark.parametrize("family", sorted(hf.TINY))
+def test_a_capture_on_meta_is_the_graph_the_gpu_captures(family):
+    """Plans are made on meta and name graph nodes; the GPU's attention kernels must not change the graph."""
+    graphs = []
+    for device in ("meta", "cuda"):
+        model = models.build(f"hf:{family}", device=device)
+        graphs.append([(n.name, n.op, n.target) for n in capture(model, model.example_inputs(2)).graph.nodes])
+    assert graphs[0] == graphs[1]
+
+
+def _polyshard(*args: str, cwd=None, **env) -> str:
+    out = subprocess.run([sys.executable, "-m", "polyshard.cli.main", *args], capture_output=True, text=True,
+                         cwd=cwd, env=os.environ | {"PYTHONUNBUFFERED": "1"} | env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout, [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+    return out.stdout
+
+
+def _train(steps: int, folder, *args: str, **env) -> tuple[str, list[float]]:
+    text = _polyshard("train", "--nproc", "1", "--steps", str(steps), "--log-every", "1", *args, cwd=folder, **env)
+    return text, [float(x) for x in re.findall(r"loss (\d+\.\d+)", text)]
 
 
 def test_the_cli_trains_on_the_gpu_as_on_the_cpu(tmp_path):
@@ -84,3 +102,12 @@ def test_the_cli_trains_on_the_gpu_as_on_the_cpu(tmp_path):
     gap = max(abs(a - b) / b for a, b in zip(on_gpu, on_cpu))
     print(f"largest relative gap between the GPU and CPU losses over 10 steps: {gap:.2e}")
     assert gap < 1e-3, (on_gpu, on_cpu)
+
+
+def test_a_plan_made_on_meta_trains_a_transformers_model_on_the_gpu(tmp_path):
+    """``polyshard plan`` for an H200 (the model on meta) then ``train --plan`` on the GPU; ``train --auto`` too."""
+    _polyshard("plan", "--model", "hf:llama", "--cluster", "1x1xH200-141G", "--out", str(tmp_path / "p.json"))
+    text, losses = _train(3, tmp_path, "--plan", str(tmp_path / "p.json"))
+    assert "on cuda:0" in text and len(losses) == 3, text[-2000:]
+    text, losses = _train(3, tmp_path, "--auto", "--model", "hf:gpt2")
+    assert "on cuda:0" in text and len(losses) == 3, text[-2000:]
