@@ -4,7 +4,7 @@ A world of one runs on NCCL, as ``polyshard train`` does on a GPU. Data parallel
 GPU through gloo, which carries CUDA tensors for all-reduce. One GPU cannot show more: NCCL refuses two
 ranks on one device, and gloo sends no CUDA tensor point to point (pipelines) and hung on DTensor's
 collectives (operator parallel); those paths run in tests/distributed on CPU. Float64 AdamW, as in test_parity;
-transformers models as in test_hf.
+transformers models as in test_hf. Plans are made on meta: the GPU must capture the graph they name.
 """
 
 import os
