@@ -7,6 +7,7 @@ a world of one (one GPU) measures the device alone and keeps its preset's links.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -58,6 +59,10 @@ _ATTENTION_CALL_FLOPS = {"cpu": 2e7, "cuda": 2e11}
 # Copies timed for memory bandwidth, as (bytes, copies per timing): on a GPU one 64 MiB copy lasts tens of
 # microseconds, and timed alone an H200's ran at 0.58 of the rate bench_device's 512 MiB copies measure.
 _STREAM = {"cpu": (64 * 2**20, 1), "cuda": (512 * 2**20, 10)}
+# On a CPU a timing of compute lasts at least this long: a shorter one fits in the scheduler's time slice, so ranks
+# sharing cores take turns, each timing a core of its own (four ranks on two cores: attention of 524 kFLOP a head
+# came out at 0.67-0.88 of the product rate, against 0.47 for one rank alone and 0.36-0.44 timed so)
+_CPU_TIMING_S = 0.05
 
 
 class Sweep(NamedTuple):
@@ -93,7 +98,7 @@ def measure_matmul(dtype: torch.dtype, size: int, repeats: int, depth: int | Non
     flops = 2 * size * size * depth
     calls = max(1, round(_PRODUCT_CALL_FLOPS / flops))
     barrier = dist.barrier if calls > 1 else lambda: None
-    return flops / statistics.median(_times(lambda: torch.matmul(a, b), repeats, device, barrier, calls))
+    return flops / statistics.median(_compute_times(lambda: torch.matmul(a, b), repeats, device, barrier, calls))
 
 
 def timeable_matmul_size(dtype: torch.dtype, size: int) -> int:
@@ -122,7 +127,7 @@ def measure_attention_share(dtype: torch.dtype, seq: int, head_dim: int, peak: f
     def step():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-    seconds = statistics.median(_times(step, repeats, device, dist.barrier))
+    seconds = statistics.median(_compute_times(step, repeats, device))
     return min(1.0, 3 * head_flops * heads / seconds / peak)
 
 
@@ -134,7 +139,7 @@ def measure_pointwise_rate(dtype: torch.dtype, op: str, repeats: int) -> float:
     x = torch.randn(n, device=device).to(dtype).requires_grad_()
     grad = torch.randn(n, device=device).to(dtype)
     fn = getattr(torch, op, None) or getattr(torch.nn.functional, op)
-    return 3 * n / statistics.median(_times(lambda: fn(x).backward(grad), repeats, device, dist.barrier))
+    return 3 * n / statistics.median(_compute_times(lambda: fn(x).backward(grad), repeats, device))
 
 
 def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 100) -> OpOverheads:
@@ -208,7 +213,7 @@ def measure_update_overhead(repeats: int) -> float:
     for p in params:
         p.grad = torch.ones_like(p)
     opt = build_optimizer("adamw", params, lr=1e-3)  # as training builds it
-    return statistics.median(_times(opt.step, repeats, torch.device("cpu"), dist.barrier, calls=5)) / len(params)
+    return statistics.median(_compute_times(opt.step, repeats, torch.device("cpu"), calls=5)) / len(params)
 
 
 def measure_memory_bandwidth(repeats: int, host: bool = False) -> float:
@@ -220,7 +225,7 @@ def measure_memory_bandwidth(repeats: int, host: bool = False) -> float:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     nbytes, calls = _STREAM[device.type]
     src, dst = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
-    return 2 * nbytes / statistics.median(_times(lambda: dst.copy_(src), repeats, device, dist.barrier, calls))
+    return 2 * nbytes / statistics.median(_compute_times(lambda: dst.copy_(src), repeats, device, calls=calls))
 
 
 def measure_offload_bandwidths(nbytes: int = 64 * 2**20) -> tuple[float, float]:
@@ -558,6 +563,16 @@ def _collective(kind: str, x: torch.Tensor, group: dist.ProcessGroup | None) -> 
         return lambda: None
     return lambda: [w.wait() for w in (dist.isend(x, group=group, group_dst=peer),
                                        dist.irecv(out, group=group, group_src=peer))]
+
+
+def _compute_times(op: Callable[[], object], repeats: int, device: torch.device,
+                   barrier: Callable[[], object] = dist.barrier, calls: int = 1) -> list[float]:
+    """:func:`_times` of compute every rank runs at once; on a CPU each timing runs as many calls as last
+    _CPU_TIMING_S, and starts from a barrier."""
+    if device.type == "cpu":
+        one = _times(op, 1, device)[0]
+        calls, barrier = max(calls, math.ceil(_CPU_TIMING_S / max(one, 1e-9))), dist.barrier
+    return _times(op, repeats, device, barrier, calls)
 
 
 def _times(op: Callable[[], object], repeats: int, device: torch.device,

@@ -2,9 +2,12 @@
 
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
+from polyshard import calibrate
 from polyshard.cli.main import main
 from polyshard.cluster import Cluster
 
@@ -77,3 +80,23 @@ def test_bad_calibrate_flags_exit_nonzero_with_a_message(flags, needle, capsys, 
     monkeypatch.delenv("RANK", raising=False)
     assert main(["calibrate", *flags]) == 2
     assert needle in capsys.readouterr().err
+
+
+def _timed_spans(repeats: int) -> list[float]:
+    """Seconds each of ``repeats`` timings of a 5 ms op spanned on this rank, as calibration times compute."""
+    calls = []
+
+    def op():
+        calls.append(1)
+        time.sleep(0.005)
+
+    means = calibrate._compute_times(op, repeats, torch.device("cpu"))
+    per_timing = (len(calls) - 3) / repeats  # three untimed: two warm-ups and the call that sized the timings
+    return [mean * per_timing for mean in means]
+
+
+def test_a_timing_of_compute_on_a_cpu_outlasts_a_time_slice(pools):
+    """Ranks sharing cores take turns within a scheduler's time slice, each timing a core of its own; so each
+    timing runs as many calls as fill _CPU_TIMING_S."""
+    for spans in pools(2).run(_timed_spans, 3):
+        assert len(spans) == 3 and min(spans) >= calibrate._CPU_TIMING_S, spans
