@@ -26,6 +26,7 @@ from polyshard import models
 from polyshard.cluster import Cluster, Link, format_bytes
 from polyshard.graph.capture import capture
 from polyshard.optim import build_optimizer
+from polyshard.planner.workers import available_cores
 from polyshard.errors import PolyshardError
 from polyshard.transitions import wire_bytes
 
@@ -370,6 +371,9 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         notes.append("one node: inter_node is a copy of intra_node (no link between nodes to time)")
     if world > 1 and base.devices_per_node == 1:
         notes.append("one device per node: intra_node is a copy of inter_node (no link inside a node to time)")
+    shared = None if cuda else shared_cores_note(base.devices_per_node, torch.get_num_threads(), available_cores())
+    if shared:
+        notes.append(shared)
     efficiency, depths = measured_product_shares(base, matmul_sizes.get("float32", _MATMUL_SIZE[base.device_type]))
     cluster = replace(
         base,
@@ -398,6 +402,14 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
             cluster.to_yaml(out_path)
             print(f"cluster: {out_path}")
     return cluster
+
+
+def shared_cores_note(ranks: int, threads: int, cores: int) -> str | None:
+    """Where a node's ranks run more threads than it has cores, a note that every figure is timed so shared."""
+    if ranks * threads <= cores:
+        return None
+    return (f"{ranks} ranks of {threads} thread{'s' * (threads > 1)} share {cores} cores: every figure is timed as "
+            "they share them, as training on this machine does")
 
 
 def _sweeps(base: Cluster, sizes: list[int], repeats: int) -> dict[str, Sweep]:

@@ -71,3 +71,10 @@ def test_products_are_timed_at_the_largest_size_within_the_budget(budget_s, expe
     """Too slow for the budget at every size: the smallest probe; no limit: the size asked."""
     monkeypatch.setattr(calibrate, "_MATMUL_BUDGET_S", budget_s)
     assert calibrate.timeable_matmul_size(torch.float32, 128) == expected
+
+
+def test_ranks_sharing_cores_are_noted():
+    assert calibrate.shared_cores_note(4, 1, 2) == ("4 ranks of 1 thread share 2 cores: every figure is timed as they "
+                                                    "share them, as training on this machine does")
+    assert "2 ranks of 2 threads share 2 cores" in calibrate.shared_cores_note(2, 2, 2)
+    assert calibrate.shared_cores_note(2, 1, 2) is None
