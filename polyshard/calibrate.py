@@ -580,9 +580,9 @@ def _collective(kind: str, x: torch.Tensor, group: dist.ProcessGroup | None) -> 
 def _compute_times(op: Callable[[], object], repeats: int, device: torch.device,
                    barrier: Callable[[], object] = dist.barrier, calls: int = 1) -> list[float]:
     """:func:`_times` of compute every rank runs at once; on a CPU each timing runs as many calls as last
-    _CPU_TIMING_S, and starts from a barrier."""
+    _CPU_TIMING_S (sized by the fastest of three, which load slows least), and starts from a barrier."""
     if device.type == "cpu":
-        one = _times(op, 1, device)[0]
+        one = min(_times(op, 3, device))
         calls, barrier = max(calls, math.ceil(_CPU_TIMING_S / max(one, 1e-9))), dist.barrier
     return _times(op, repeats, device, barrier, calls)
 

@@ -91,12 +91,13 @@ def _timed_spans(repeats: int) -> list[float]:
         time.sleep(0.005)
 
     means = calibrate._compute_times(op, repeats, torch.device("cpu"))
-    per_timing = (len(calls) - 3) / repeats  # three untimed: two warm-ups and the call that sized the timings
+    per_timing = (len(calls) - 5) / repeats  # five untimed: two warm-ups and the three calls that sized the timings
     return [mean * per_timing for mean in means]
 
 
 def test_a_timing_of_compute_on_a_cpu_outlasts_a_time_slice(pools):
     """Ranks sharing cores take turns within a scheduler's time slice, each timing a core of its own; so each
-    timing runs as many calls as fill _CPU_TIMING_S."""
+    timing runs as many calls as fill _CPU_TIMING_S (half of it at least where load slowed the calls that sized
+    it; one call would span a tenth)."""
     for spans in pools(2).run(_timed_spans, 3):
-        assert len(spans) == 3 and min(spans) >= calibrate._CPU_TIMING_S, spans
+        assert len(spans) == 3 and min(spans) >= calibrate._CPU_TIMING_S / 2, spans
