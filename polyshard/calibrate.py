@@ -274,10 +274,13 @@ def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None, 
     return statistics.median(_all_reduce(times, dist.ReduceOp.MAX, group))
 
 
-def measure_arrival_skew(device: torch.device, repeats: int) -> float:
-    """Of the compute before a collective, how much longer the average rank waits in it than after none:
-    the slope, through the origin, of the mean rank's extra wait over ``_SKEW_WORK_S`` of products, each
-    rank running as many as it ran in that time while every rank ran them (as in a step)."""
+def measure_arrival_skew(device: torch.device, repeats: int,
+                         pairs: dist.ProcessGroup | None = None) -> tuple[float, float]:
+    """(arrival_skew, call_skew_s): how much longer the mean rank waits in a small all-reduce after
+    ``_SKEW_WORK_S`` of products than after none, each rank running as many as it ran in that time while every
+    rank ran them (as in a step). The node's all-reduce gives the share of that work (:func:`skew_fit`); where
+    ``pairs`` (this rank's group of two, smaller than the node) is given, a pair's gives the seconds a call
+    waits whatever the work before it."""
     a = torch.randn(_SKEW_SIDE, _SKEW_SIDE, device=device)
     payload = torch.ones(_SKEW_PAYLOAD // 4, device=device)
     dist.barrier()
@@ -289,7 +292,7 @@ def measure_arrival_skew(device: torch.device, repeats: int) -> float:
         count += 1
     per_s = _all_reduce([count / max(_SKEW_WORK_S)], dist.ReduceOp.MIN, None)[0]
 
-    def wait_after(work_s: float) -> float:  # this rank's median seconds in the all-reduce after the work
+    def wait_after(work_s: float, group: dist.ProcessGroup | None) -> float:  # this rank's median wait after the work
         waits = []
         for _ in range(max(repeats, _SKEW_REPEATS)):
             dist.barrier()
@@ -297,15 +300,26 @@ def measure_arrival_skew(device: torch.device, repeats: int) -> float:
                 a @ a
             _sync(device)
             start = time.perf_counter()
-            dist.all_reduce(payload)
+            dist.all_reduce(payload, group=group)
             _sync(device)
             waits.append(time.perf_counter() - start)
         return statistics.median(waits)
 
-    waits = _all_reduce([wait_after(w) for w in (0.0, *_SKEW_WORK_S)], dist.ReduceOp.SUM, None)
-    extra = np.array(waits[1:]) / dist.get_world_size() - waits[0] / dist.get_world_size()
-    work = np.array(_SKEW_WORK_S)
-    return max(0.0, float(extra @ work / (work @ work)))
+    def extra(group: dist.ProcessGroup | None) -> list[float]:  # the mean rank's, per span of work
+        waits = np.array(_all_reduce([wait_after(w, group) for w in (0.0, *_SKEW_WORK_S)], dist.ReduceOp.SUM, None))
+        return list((waits[1:] - waits[0]) / dist.get_world_size())
+
+    return skew_fit(_SKEW_WORK_S, extra(None), extra(pairs) if pairs is not None else None)
+
+
+def skew_fit(work_s: Sequence[float], node_extra: Sequence[float],
+             pair_extra: Sequence[float] | None) -> tuple[float, float]:
+    """(arrival_skew, call_skew_s) from the mean rank's extra waits after each span of work: the node's slope
+    through the origin, and the pairs' median (ranks time-sliced with the node's others reach a pair's call
+    about a slice apart, however long the work before it), each kept at 0 or more."""
+    work = np.asarray(work_s, dtype=float)
+    share = max(0.0, float(np.asarray(node_extra) @ work / (work @ work)))
+    return share, max(0.0, float(np.median(pair_extra))) if pair_extra is not None else 0.0
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float], kind: str, group_size: int) -> Link:
@@ -362,7 +376,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         host_update = _all_reduce([measure_update_overhead(repeats)], dist.ReduceOp.MAX, None)[0]
     sweeps = _sweeps(base, sizes, repeats)
     fits = _fits(sweeps, sizes)
-    skew = measure_arrival_skew(_comm_device(None), repeats) if world > 1 else 0.0
+    skew, call_skew = measure_arrival_skew(_comm_device(None), repeats, _pairs(base)) if world > 1 else (0.0, 0.0)
     intra, inter = (fits["all_reduce"], fits.get("all_reduce, all nodes", fits["all_reduce"])) if sweeps else \
         (base.intra_node, base.inter_node)
     if world == 1:
@@ -395,6 +409,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         host_memory_bandwidth_bytes_per_s=host_memory_bw,
         host_optimizer_overhead_s=host_update,
         arrival_skew=skew,
+        call_skew_s=call_skew,
     )
     if dist.get_rank() == 0:
         print(_report(cluster, sweeps, sizes, fits, notes))
@@ -486,6 +501,13 @@ def _attention_shares(device_type: str, flops: dict[str, float], repeats: int,
     return out
 
 
+def _pairs(base: Cluster) -> dist.ProcessGroup | None:
+    """This rank's group of two, where a node holds more than two ranks in pairs (every rank must call it)."""
+    if base.devices_per_node <= 2 or base.devices_per_node % 2:
+        return None
+    return dist.new_subgroups(2)[0]
+
+
 def _sweep(kind: str, sizes: list[int], group: dist.ProcessGroup | None, repeats: int) -> Sweep:
     """Every size once per round, medians over rounds: load that drifts during the sweep falls on all sizes alike."""
     n = dist.get_world_size(group)
@@ -541,7 +563,9 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
     if not sweeps:
         return "\n".join(lines + [""] + [f"note: {n}" for n in notes])
     lines += ["", f"{'arrival skew':<24} {cluster.arrival_skew:>12.3f}  (the mean rank's extra wait in a collective, "
-              "per second of compute before it)"]
+              "per second of compute before it)",
+              f"{'call skew':<24} {_si(cluster.call_skew_s, 's'):>12}  (what a collective of a group smaller than "
+              "the node waits for its ranks, whatever the compute before it)"]
     lines += ["", f"{'collective':<24} {'ranks':>5} {'message':>10} {'seconds':>10} {'bus bandwidth':>14}"]
     for label, s in sweeps.items():
         for i, size in enumerate(sizes):

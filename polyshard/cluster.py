@@ -121,7 +121,7 @@ _OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s"
 _OFFLOAD_KEYS = ("host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s", "host_memory_bandwidth_bytes_per_s",
                  "host_optimizer_overhead_s")
 _RATE_KEYS = ("memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency")
-_SKEW_KEY = "arrival_skew"
+_SKEW_KEYS = ("arrival_skew", "call_skew_s")
 
 _SPEC = re.compile(r"(?:(\d+)x)?(\d+)x(.+?)(?:-nvlink|-ib)*", re.IGNORECASE)
 _CPU_GLOO = re.compile(r"cpu-gloo(?::(\d+))?", re.IGNORECASE)
@@ -184,6 +184,10 @@ class Cluster:
     # second: ranks time-sliced on shared cores drift apart (about 0.2 with 4 processes on 2 cores); 0 where
     # every rank has its own device. A step whose ranks communicate waits this share of its compute.
     arrival_skew: float = 0.0
+    # Seconds each collective of a group smaller than the node waits for its ranks: time-sliced with the node's
+    # others, they reach it about a slice apart whatever the compute before it (about 2 ms for pairs of 4
+    # processes on 2 cores); 0 where every rank has its own device.
+    call_skew_s: float = 0.0
 
     def op_overhead_for(self, dtype: str) -> float:
         """Fixed seconds per op and micro-batch of an op computing in ``dtype``."""
@@ -235,7 +239,7 @@ class Cluster:
             positive["memory_bytes"] = self.memory_bytes
         at_least_zero = {f"{link}.latency_s": getattr(self, link).latency_s for link in ("intra_node", "inter_node")}
         at_least_zero |= {key: getattr(self, key) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS[:1] +
-                          (_SKEW_KEY,)}
+                          _SKEW_KEYS}
         at_least_zero |= {f"op_overheads_s.{dtype}": s for dtype, s in self.op_overheads_s.items()}
         positive |= {f"pointwise_rates.{dtype}.{op}": rate for dtype, rates in self.pointwise_rates.items()
                      for op, rate in rates.items()}
@@ -307,7 +311,7 @@ class Cluster:
             data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload)),
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
                     "matmul_depth_shares": [], "matmul_shares": {}, "attention_shares": {}, "op_overheads_s": {},
-                    "all_to_all": True, _SKEW_KEY: 0.0, "pointwise_rates": {},
+                    "all_to_all": True, **dict.fromkeys(_SKEW_KEYS, 0.0), "pointwise_rates": {},
                     **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         if not isinstance(data["all_to_all"], bool):
@@ -327,7 +331,7 @@ class Cluster:
                 intra_node=Link(**{k: float(v) for k, v in links["intra_node"].items()}),
                 inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
                 flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
-                **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS + (_SKEW_KEY,)},
+                **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS + _SKEW_KEYS},
                 op_overheads_s={str(k): float(v) for k, v in dict(data["op_overheads_s"] or {}).items()},
                 matmul_depth_shares=tuple((float(d), float(sh)) for d, sh in data["matmul_depth_shares"] or ()),
                 **{table: {str(k): tuple((float(f), float(sh)) for f, sh in v)

@@ -27,6 +27,7 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert cluster.inter_node == cluster.intra_node
     # how far apart ranks reach a collective after the same work: a share of that work, timed
     assert "arrival skew" in run.stdout and 0 <= cluster.arrival_skew < 1
+    assert "call skew" in run.stdout and cluster.call_skew_s == 0  # two ranks: no group smaller than the node
     # transcendental pointwise ops timed in each dtype whose products were
     assert set(cluster.pointwise_rates) == set(cluster.flops_per_s) and "pointwise ops" in run.stdout
     assert all(set(rates) == {"gelu", "silu", "tanh", "sigmoid", "exp", "erf"} and min(rates.values()) > 1e6
@@ -101,3 +102,16 @@ def test_a_timing_of_compute_on_a_cpu_outlasts_a_time_slice(pools):
     it; one call would span a tenth)."""
     for spans in pools(2).run(_timed_spans, 3):
         assert len(spans) == 3 and min(spans) >= calibrate._CPU_TIMING_S / 2, spans
+
+
+def _skews() -> tuple[float, float]:
+    return calibrate.measure_arrival_skew(torch.device("cpu"), 3, calibrate._pairs(Cluster.from_env()))
+
+
+def test_four_ranks_time_the_skew_of_their_pairs_and_agree_on_it(pools):
+    """A node of four holds pairs smaller than itself: every rank times its pair's calls and all write the
+    same figures (the mean rank's, all-reduced)."""
+    skews = pools(4).run(_skews)
+    assert len(set(skews)) == 1, skews
+    share, call_s = skews[0]
+    assert 0 <= share < 1 and 0 <= call_s < 0.1

@@ -78,3 +78,13 @@ def test_ranks_sharing_cores_are_noted():
                                                     "share them, as training on this machine does")
     assert "2 ranks of 2 threads share 2 cores" in calibrate.shared_cores_note(2, 2, 2)
     assert calibrate.shared_cores_note(2, 1, 2) is None
+
+
+def test_skew_is_the_nodes_share_of_compute_and_the_pairs_wait_per_call():
+    """A node whose mean rank waits 0.15 s a second of compute, and pairs that wait about 2 ms whatever the
+    compute (the slice they reach their call apart): share 0.15, call skew the pairs' median."""
+    work = (0.01, 0.02, 0.04)
+    node = [0.15 * w for w in work]
+    assert calibrate.skew_fit(work, node, [2.2e-3, 1.9e-3, 2.4e-3]) == pytest.approx((0.15, 2.2e-3))
+    assert calibrate.skew_fit(work, node, None) == pytest.approx((0.15, 0.0))  # no group smaller than the node
+    assert calibrate.skew_fit(work, [-1e-4] * 3, [-1e-4, -2e-4, 1e-4]) == (0.0, 0.0)  # noise below zero: none

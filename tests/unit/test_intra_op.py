@@ -240,3 +240,17 @@ def test_a_vocabulary_that_does_not_divide_splits_the_tied_table_by_features():
     ps.shard(model.wte, in_strategy=((1, 1), (1, 1)))  # the table whole: its tied head too
     whole = solve(capture(model, model.example_inputs(1)), axes, cl, 8, 2**40)
     assert whole.plan.params["wte.weight"].is_replicated and whole.cost_s > free.cost_s * 1.05
+
+
+def test_a_collective_of_a_group_smaller_than_the_node_waits_the_call_skew():
+    """Pairs of the node's ranks time-sliced on shared cores reach each call apart; the node's whole group does
+    not (its own latency, timed with every rank in it, holds that)."""
+    plain = Cluster.preset("cpu-gloo:4")
+    skewed = dataclasses.replace(plain, call_skew_s=2e-3)
+
+    def extra(axes, axis):
+        return comm_seconds({axis: 1e5}, axes, skewed)[1] - comm_seconds({axis: 1e5}, axes, plain)[1]
+
+    assert extra((("dp", 2), ("tp", 2)), "tp") == pytest.approx(2e-3)
+    assert extra((("tp", 4),), "tp") == 0.0
+    assert comm_seconds({"tp": 1e5}, (("tp", 2),), skewed)[0] == comm_seconds({"tp": 1e5}, (("tp", 2),), plain)[0]
