@@ -275,12 +275,12 @@ def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None, 
 
 
 def measure_arrival_skew(device: torch.device, repeats: int,
-                         pairs: dist.ProcessGroup | None = None) -> tuple[float, float]:
-    """(arrival_skew, call_skew_s): how much longer the mean rank waits in a small all-reduce after
-    ``_SKEW_WORK_S`` of products than after none, each rank running as many as it ran in that time while every
-    rank ran them (as in a step). The node's all-reduce gives the share of that work (:func:`skew_fit`); where
-    ``pairs`` (this rank's group of two, smaller than the node) is given, a pair's gives the seconds a call
-    waits whatever the work before it."""
+                         pairs: dist.ProcessGroup | None = None) -> tuple[float, float, float]:
+    """(arrival_skew, node_call_skew_s, call_skew_s): how much longer the mean rank waits in a small all-reduce
+    after ``_SKEW_WORK_S`` of products than after none, each rank running as many as it ran in that time while
+    every rank ran them (as in a step). The node's all-reduce gives a share of that work and a wait per call
+    (:func:`skew_fit`); where ``pairs`` (this rank's group of two, smaller than the node) is given, a pair's
+    gives the seconds its call waits whatever the work before it."""
     a = torch.randn(_SKEW_SIDE, _SKEW_SIDE, device=device)
     payload = torch.ones(_SKEW_PAYLOAD // 4, device=device)
     dist.barrier()
@@ -313,13 +313,16 @@ def measure_arrival_skew(device: torch.device, repeats: int,
 
 
 def skew_fit(work_s: Sequence[float], node_extra: Sequence[float],
-             pair_extra: Sequence[float] | None) -> tuple[float, float]:
-    """(arrival_skew, call_skew_s) from the mean rank's extra waits after each span of work: the node's slope
-    through the origin, and the pairs' median (ranks time-sliced with the node's others reach a pair's call
-    about a slice apart, however long the work before it), each kept at 0 or more."""
-    work = np.asarray(work_s, dtype=float)
-    share = max(0.0, float(np.asarray(node_extra) @ work / (work @ work)))
-    return share, max(0.0, float(np.median(pair_extra))) if pair_extra is not None else 0.0
+             pair_extra: Sequence[float] | None) -> tuple[float, float, float]:
+    """(arrival_skew, node_call_skew_s, call_skew_s) from the mean rank's extra waits after each span of work.
+    The node's least extra is what each of its calls waits once the work outlasts a time slice, and the slope
+    through the origin of what the others add to it is the share of the work. The pairs' median: ranks
+    time-sliced with the node's others reach a pair's call about a slice apart, however long the work before
+    it. Each is kept at 0 or more."""
+    work, node = np.asarray(work_s, dtype=float), np.asarray(node_extra, dtype=float)
+    floor = max(0.0, float(node.min()))
+    share = max(0.0, float((node - floor) @ work / (work @ work)))
+    return share, floor, max(0.0, float(np.median(pair_extra))) if pair_extra is not None else 0.0
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float], kind: str, group_size: int) -> Link:
@@ -376,7 +379,8 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         host_update = _all_reduce([measure_update_overhead(repeats)], dist.ReduceOp.MAX, None)[0]
     sweeps = _sweeps(base, sizes, repeats)
     fits = _fits(sweeps, sizes)
-    skew, call_skew = measure_arrival_skew(_comm_device(None), repeats, _pairs(base)) if world > 1 else (0.0, 0.0)
+    skew, node_skew, pair_skew = (measure_arrival_skew(_comm_device(None), repeats, _pairs(base)) if world > 1
+                                  else (0.0, 0.0, 0.0))
     intra, inter = (fits["all_reduce"], fits.get("all_reduce, all nodes", fits["all_reduce"])) if sweeps else \
         (base.intra_node, base.inter_node)
     if world == 1:
@@ -409,7 +413,8 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         host_memory_bandwidth_bytes_per_s=host_memory_bw,
         host_optimizer_overhead_s=host_update,
         arrival_skew=skew,
-        call_skew_s=call_skew,
+        node_call_skew_s=node_skew,
+        call_skew_s=pair_skew,
     )
     if dist.get_rank() == 0:
         print(_report(cluster, sweeps, sizes, fits, notes))
@@ -564,8 +569,10 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
         return "\n".join(lines + [""] + [f"note: {n}" for n in notes])
     lines += ["", f"{'arrival skew':<24} {cluster.arrival_skew:>12.3f}  (the mean rank's extra wait in a collective, "
               "per second of compute before it)",
-              f"{'call skew':<24} {_si(cluster.call_skew_s, 's'):>12}  (what a collective of a group smaller than "
-              "the node waits for its ranks, whatever the compute before it)"]
+              f"{'call skew, node':<24} {_si(cluster.node_call_skew_s, 's'):>12}  (what a collective of the node's "
+              "whole group waits for its ranks on top of that)",
+              f"{'call skew, pairs':<24} {_si(cluster.call_skew_s, 's'):>12}  (what a collective of a group smaller "
+              "than the node waits for its ranks, whatever the compute before it)"]
     lines += ["", f"{'collective':<24} {'ranks':>5} {'message':>10} {'seconds':>10} {'bus bandwidth':>14}"]
     for label, s in sweeps.items():
         for i, size in enumerate(sizes):

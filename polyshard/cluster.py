@@ -121,7 +121,7 @@ _OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s"
 _OFFLOAD_KEYS = ("host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s", "host_memory_bandwidth_bytes_per_s",
                  "host_optimizer_overhead_s")
 _RATE_KEYS = ("memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency")
-_SKEW_KEYS = ("arrival_skew", "call_skew_s")
+_SKEW_KEYS = ("arrival_skew", "node_call_skew_s", "call_skew_s")
 
 _SPEC = re.compile(r"(?:(\d+)x)?(\d+)x(.+?)(?:-nvlink|-ib)*", re.IGNORECASE)
 _CPU_GLOO = re.compile(r"cpu-gloo(?::(\d+))?", re.IGNORECASE)
@@ -181,13 +181,20 @@ class Cluster:
     # Whether the network runs all-to-all; without it a split moving between dims is gathered and sliced.
     all_to_all: bool = True
     # Of the compute between two collectives, how much later than the average rank the last one reaches the
-    # second: ranks time-sliced on shared cores drift apart (about 0.2 with 4 processes on 2 cores); 0 where
+    # second: ranks time-sliced on shared cores drift apart (0.02-0.2 with 4 processes on 2 cores); 0 where
     # every rank has its own device. A step whose ranks communicate waits this share of its compute.
     arrival_skew: float = 0.0
-    # Seconds each collective of a group smaller than the node waits for its ranks: time-sliced with the node's
-    # others, they reach it about a slice apart whatever the compute before it (about 2 ms for pairs of 4
-    # processes on 2 cores); 0 where every rank has its own device.
+    # Seconds each collective of the node's whole group waits for its ranks on top of that share: once the
+    # compute before it outlasts a time slice, ranks sharing cores reach it about a slice apart (about 3 ms for
+    # 4 processes on 2 cores); 0 where every rank has its own device.
+    node_call_skew_s: float = 0.0
+    # The same for each collective of a group smaller than the node (about 2 ms for pairs of 4 processes on 2
+    # cores).
     call_skew_s: float = 0.0
+
+    def call_skew_for(self, group_size: int) -> float:
+        """Seconds one collective of a group of ``group_size`` ranks waits for them to arrive."""
+        return self.call_skew_s if group_size < self.devices_per_node else self.node_call_skew_s
 
     def op_overhead_for(self, dtype: str) -> float:
         """Fixed seconds per op and micro-batch of an op computing in ``dtype``."""

@@ -82,7 +82,7 @@ def render(plan: Plan, layouts: int = 40) -> str:
                          f"{(runner['step_s'] / chosen['step_s'] - 1) * 100:.1f}% longer steps")
         if chosen.get("skew_s"):
             lines.append(f"the step waits {chosen['skew_s'] * 1e3:.1f}ms for ranks that reach its collectives apart "
-                         "(the cluster's arrival skew)")
+                         "(the cluster's arrival skew and its gradient sync's call skew)")
         lines.append(_memory_line("memory per device" + " (the fullest pipeline rank)" * ("pipeline" in chosen),
                                   chosen["memory"], rep["limit_bytes"]))
         plain = next((c for c in rep["candidates"] if c.get("split") == chosen.get("split")

@@ -355,9 +355,12 @@ class _Costs:
         threshold = ZERO_THRESHOLD_BYTES / itemsize
         return itemsize * sum(min(n, threshold) for n in self.param_numels if n / op_size < threshold)
 
-    def skew(self, compute_s: float, communicates: bool) -> float:
-        """Seconds a step waits for ranks that reach its collectives apart: none where it has none."""
-        return self.cluster.arrival_skew * compute_s if communicates else 0.0
+    def skew(self, compute_s: float, communicates: bool, dp: int) -> float:
+        """Seconds a step waits for ranks that reach its collectives apart: the arrival skew's share of its
+        compute, and the call skew of its gradient sync's group; none where it has no collective."""
+        if not communicates:
+            return 0.0
+        return self.cluster.arrival_skew * compute_s + (self.cluster.call_skew_for(dp) if dp > 1 else 0.0)
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
@@ -697,7 +700,7 @@ class _Costs:
         return Candidate(mesh, rows, compute, op_comm, dp_comm, memory, gap, recompute=plan.recompute,
                          offload=plan.offload, zero=plan.zero, precision=plan.precision, memory_floor=not exact,
                          accumulation=m, sequence=plan.sequence_parallel, bucket_bytes=plan.bucket_bytes,
-                         skew_s=self.skew(compute, op_comm > 0 or dp > 1)), plan
+                         skew_s=self.skew(compute, op_comm > 0 or dp > 1, dp)), plan
 
     def dp_sync(self, grad_bytes: float, mesh, zero: int, micro_batches: int, bucket_bytes: int,
                 level3: dict) -> DataSync:
@@ -771,7 +774,7 @@ class _Costs:
                                   zero=zero,
                                   precision=precision, pipeline=p, sequence=plan.sequence_parallel,
                                   refused_s=p.refused_s, bucket_bytes=p.bucket_bytes,
-                                  skew_s=self.skew(p.compute_s, True)), plan))
+                                  skew_s=self.skew(p.compute_s, True, dp)), plan))
             if found is not None:
                 best_s = min(best_s, out[-1][0].step_s)
         return out

@@ -80,11 +80,17 @@ def test_ranks_sharing_cores_are_noted():
     assert calibrate.shared_cores_note(2, 1, 2) is None
 
 
-def test_skew_is_the_nodes_share_of_compute_and_the_pairs_wait_per_call():
-    """A node whose mean rank waits 0.15 s a second of compute, and pairs that wait about 2 ms whatever the
-    compute (the slice they reach their call apart): share 0.15, call skew the pairs' median."""
+def test_skew_is_the_nodes_least_wait_per_call_its_growth_per_work_and_the_pairs_wait_per_call():
+    """A node whose mean rank waits 3 ms a call after 10 ms of compute and 0.05 s more per further second, and
+    pairs that wait about 2 ms whatever the compute (the slice they reach their call apart): node call skew
+    3 ms, share of what grows beyond it, pairs' call skew their median."""
     work = (0.01, 0.02, 0.04)
-    node = [0.15 * w for w in work]
-    assert calibrate.skew_fit(work, node, [2.2e-3, 1.9e-3, 2.4e-3]) == pytest.approx((0.15, 2.2e-3))
-    assert calibrate.skew_fit(work, node, None) == pytest.approx((0.15, 0.0))  # no group smaller than the node
-    assert calibrate.skew_fit(work, [-1e-4] * 3, [-1e-4, -2e-4, 1e-4]) == (0.0, 0.0)  # noise below zero: none
+    node = [3e-3 + 0.05 * (w - 0.01) for w in work]
+    share = 0.05 * (0.01 * 0.02 + 0.03 * 0.04) / (0.01**2 + 0.02**2 + 0.04**2)  # slope through the origin
+    assert calibrate.skew_fit(work, node, [2.2e-3, 1.9e-3, 2.4e-3]) == pytest.approx((share, 3e-3, 2.2e-3))
+    assert calibrate.skew_fit(work, node, None) == pytest.approx((share, 3e-3, 0.0))  # no group smaller than the node
+    above_least = (1e-3 * 0.01 + 0.5e-3 * 0.04) / 2.1e-3  # the waits beyond the least, through the origin
+    assert calibrate.skew_fit(work, [3e-3, 2e-3, 2.5e-3], None) == pytest.approx((above_least, 2e-3, 0.0))
+    assert calibrate.skew_fit(work, [-1e-4] * 3, [-1e-4, -2e-4, 1e-4]) == (0.0, 0.0, 0.0)  # noise below zero: none
+
+

@@ -69,7 +69,7 @@ def test_yaml_round_trip(tmp_path):
     assert rated.pointwise_rate("gelu", "float32") is None and rated.pointwise_rate("tanh", "bfloat16") is None
     with pytest.raises(PolyshardError, match="pointwise_rates.bfloat16.gelu must be positive"):
         dataclasses.replace(c, pointwise_rates={"bfloat16": {"gelu": 0.0}})
-    skewed = dataclasses.replace(c, arrival_skew=0.2, call_skew_s=2e-3)  # ranks that reach collectives apart
+    skewed = dataclasses.replace(c, arrival_skew=0.2, node_call_skew_s=3e-3, call_skew_s=2e-3)  # arriving apart
     skewed.to_yaml(path)
     assert Cluster.from_yaml(path) == skewed
     path.write_text(path.read_text().replace("arrival_skew: 0.2", "arrival_skew: -0.1"))
@@ -139,7 +139,7 @@ def test_yaml_written_before_overheads_takes_its_device_types(tmp_path):
     for key in ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s", "host_bandwidth_bytes_per_s",
                 "disk_bandwidth_bytes_per_s", "host_memory_bandwidth_bytes_per_s", "host_optimizer_overhead_s",
                 "memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency", "arrival_skew",
-                "call_skew_s", "pointwise_rates"):
+                "node_call_skew_s", "call_skew_s", "pointwise_rates"):
         del data[key]
     path.write_text(yaml.safe_dump(data))
     assert Cluster.from_yaml(path) == c

@@ -128,6 +128,18 @@ def test_a_step_whose_ranks_communicate_waits_the_clusters_arrival_skew(config):
     assert skewed["step_s"] == pytest.approx(even["step_s"] + skewed["skew_s"])
 
 
+@pytest.mark.parametrize("config, call_skew_s", [("dp=4", 3e-3), ("dp=2,pp=2", 2e-3)])
+def test_a_gradient_sync_waits_the_call_skew_of_its_group(config, call_skew_s):
+    """The step's gradient sync waits once for its group's ranks: the node's call skew for the whole node, the
+    pairs' for a group of two of its four ranks."""
+    late = dataclasses.replace(Cluster.preset("cpu-gloo:4"), node_call_skew_s=3e-3, call_skew_s=2e-3)
+    model, fixed = models.build("gpt-small", "meta"), Fixed.parse(config)
+    skewed, even = (chosen_row(search(model, model.example_inputs(1), cluster, 16, fixed=fixed)[0].report)
+                    for cluster in (late, Cluster.preset("cpu-gloo:4")))
+    assert skewed["skew_s"] == pytest.approx(call_skew_s) and even["skew_s"] == 0
+    assert skewed["step_s"] == pytest.approx(even["step_s"] + call_skew_s)
+
+
 def test_one_rank_waits_for_no_other():
     model = models.build("gpt-tiny", "meta")
     alone = dataclasses.replace(Cluster.preset("cpu-gloo:1"), arrival_skew=0.25)

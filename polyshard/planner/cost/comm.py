@@ -158,12 +158,12 @@ def collective_latency(link: Link, group_size: int, collective: str = "all_reduc
 
 def comm_seconds(bytes_by_axis: dict[str, float], mesh_axes: Axes, cluster: Cluster) -> tuple[float, float]:
     """Alpha-beta time of one op's collectives (one per axis, one after another): (transfer, latency), the
-    latency with the cluster's call skew where the group is smaller than a node."""
+    latency with the cluster's call skew for the group."""
     transfer = latency = 0.0
     sizes = dict(mesh_axes)
     for axis, b in bytes_by_axis.items():
         if b:
             link, size = axis_link(mesh_axes, axis, cluster), sizes.get(axis.split(":")[0], 2)
             transfer += b / link.bandwidth_bytes_per_s
-            latency += collective_latency(link, size) + cluster.call_skew_s * (size < cluster.devices_per_node)
+            latency += collective_latency(link, size) + cluster.call_skew_for(size)
     return transfer, latency
