@@ -17,7 +17,9 @@ turns in an order that rotates from round to round, so machine noise hits all of
 configuration's settings at a time: they are freed before the next configuration's are built). A
 setting's measured step time is the median over rounds of (seconds between barriers) / steps.
 
-Rank 0 prints, per configuration, the predicted and measured step times and ranks; the Spearman
+Rank 0 prints the fp32 product rate timed again after each configuration's rounds, as a share of the
+calibration's (where the run calibrates: how far the machine's speed moved); per configuration, the predicted
+and measured step times and ranks; the Spearman
 rank correlation of predicted vs measured (per configuration, per model, and pooled over every
 point); each prediction's error; whether the planner's pick is the measured fastest or within 5% of it; on GPUs,
 each setting's predicted memory against its allocator peak (the other settings' resident bytes left out); a breakdown
@@ -45,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import polyshard as ps  # noqa: E402
 from bench_core import NUM_BATCHES, make_batches  # noqa: E402
 from polyshard import models  # noqa: E402
-from polyshard.calibrate import calibrate, message_sizes  # noqa: E402
+from polyshard.calibrate import MATMUL_SIZE, calibrate, measure_matmul, message_sizes  # noqa: E402
 from polyshard.cluster import Cluster, format_bytes  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
@@ -193,6 +195,15 @@ def settle() -> None:
         torch.cuda.synchronize()
 
 
+def product_rate() -> float:
+    """fp32 FLOP/s of the calibration's products timed again, every rank at once (the slowest rank's): beside
+    the calibration's figure, how far the machine's speed moved while the settings ran."""
+    rate = torch.tensor([measure_matmul(torch.float32, MATMUL_SIZE["cuda" if ON_GPU else "cpu"], repeats=3)],
+                        dtype=torch.float64, device="cuda" if ON_GPU else "cpu")
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return rate.item()
+
+
 class Run:
     """One configuration under one setting: ``step(i)`` trains on global batch ``i`` (this rank's rows)."""
 
@@ -318,7 +329,7 @@ def main(argv=None) -> None:
     # configuration's (a GPU holds one configuration's models at a time)
     runs: list[Run] = []
     first_loss: dict[tuple[str, int], dict[str, float]] = {}
-    detail = {}
+    detail, speed = {}, {}
     for model, batch in configs:
         batches = make_batches(models.CONFIGS[model], batch, NUM_BATCHES)
         group = []
@@ -342,6 +353,8 @@ def main(argv=None) -> None:
                 detail[(run.model, run.batch, run.label)] = run.breakdown(args.profile_steps, start)
         for run in group:
             run.close()
+        if args.cluster == "calibrate":
+            speed[(model, batch)] = product_rate() / cluster.flops_per_s["float32"]
         runs.extend(group)
         gc.collect()
         if ON_GPU:
@@ -355,9 +368,12 @@ def main(argv=None) -> None:
             spread = (max(vals) - min(vals)) / abs(vals[0])
             print(f"{key[0]} batch {key[1]}: first loss under every setting " + ", ".join(
                 f"{m} {v:.6f}" for m, v in by_mesh.items()) + f" (rel spread {spread:.1e})", flush=True)
+        if speed:
+            print("fp32 products timed again after each configuration's rounds, against the calibration: " +
+                  ", ".join(f"{m}:{b} {ratio:.2f}x" for (m, b), ratio in speed.items()), flush=True)
 
     if lead:
-        report(args, cluster, configs, runs, predicted, picks, detail, first_loss)
+        report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed)
 
     del runs
     gc.collect()
@@ -365,7 +381,7 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
-def report(args, cluster, configs, runs, predicted, picks, detail, first_loss) -> None:
+def report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed) -> None:
     rows, per_config, per_model_pts, pooled = [], {}, {}, []
     print()
     print("| model | batch | setting | rows/dev | predicted ms | measured ms | error | predicted rank | measured rank |")
@@ -464,6 +480,7 @@ def report(args, cluster, configs, runs, predicted, picks, detail, first_loss) -
         "spearman_pooled": round(pooled_rho, 4), "spearman_pooled_normalised": round(normed_rho, 4),
         "picks_within_5pct": picks_ok, "within_25pct": within, "picks_fastest": picks_best,
         "first_loss": {f"{m}:{b}": v for (m, b), v in first_loss.items()},
+        "product_rate_vs_calibration": {f"{m}:{b}": round(v, 3) for (m, b), v in speed.items()},
         "torch": torch.__version__,
     }, default=lambda v: v.item()), flush=True)  # numpy scalars
 

@@ -35,7 +35,7 @@ MIN_BYTES = 4 * 2**10
 # Small messages are timed in batches of calls moving this many bytes, so the mean outlasts timer and barrier skew.
 _BATCH_BYTES = 256 * 2**10
 # Large enough to run at full rate, small enough to take well under a second per product.
-_MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
+MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
 # Pointwise ops with a transcendental function, timed on this many elements: on CPUs their arithmetic, not the
 # bytes they move, bounds them (bf16 GELU at about a third of a billion elements per second per core).
 POINTWISE_OPS = ("gelu", "silu", "tanh", "sigmoid", "exp", "erf")
@@ -392,7 +392,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     shared = None if cuda else shared_cores_note(base.devices_per_node, torch.get_num_threads(), available_cores())
     if shared:
         notes.append(shared)
-    efficiency, depths = measured_product_shares(base, matmul_sizes.get("float32", _MATMUL_SIZE[base.device_type]))
+    efficiency, depths = measured_product_shares(base, matmul_sizes.get("float32", MATMUL_SIZE[base.device_type]))
     cluster = replace(
         base,
         device_name=torch.cuda.get_device_name() if cuda else "cpu",
@@ -460,7 +460,7 @@ def _flops(device_type: str, repeats: int) -> tuple[dict[str, float], dict[str, 
     for name in ("float32", "bfloat16", "float16"):
         dtype = getattr(torch, name)
         try:
-            size = int(_all_reduce([timeable_matmul_size(dtype, _MATMUL_SIZE[device_type])], dist.ReduceOp.MIN,
+            size = int(_all_reduce([timeable_matmul_size(dtype, MATMUL_SIZE[device_type])], dist.ReduceOp.MIN,
                                    None)[0])
             rate = measure_matmul(dtype, size, repeats)
         except RuntimeError as e:
@@ -468,8 +468,8 @@ def _flops(device_type: str, repeats: int) -> tuple[dict[str, float], dict[str, 
             continue
         flops[name] = _all_reduce([rate], dist.ReduceOp.MIN, None)[0]
         sizes[name] = size
-        if size < _MATMUL_SIZE[device_type]:
-            notes.append(f"{name}: timed on {size} x {size} products (one of {_MATMUL_SIZE[device_type]} would "
+        if size < MATMUL_SIZE[device_type]:
+            notes.append(f"{name}: timed on {size} x {size} products (one of {MATMUL_SIZE[device_type]} would "
                          f"take over {_MATMUL_BUDGET_S} s)")
     return flops, sizes, notes
 
@@ -481,7 +481,7 @@ def _matmul_shares(device_type: str, flops: dict[str, float], sizes: dict[str, i
     out = {}
     for name, peak in flops.items():
         depths = _MATMUL_DEPTHS[device_type]
-        if not depths or sizes[name] < _MATMUL_SIZE[device_type]:
+        if not depths or sizes[name] < MATMUL_SIZE[device_type]:
             continue
         rates = [measure_matmul(getattr(torch, name), _MATMUL_SIDE, repeats, depth) for depth in depths]
         shares = _all_reduce([min(1.0, rate / peak) for rate in rates], dist.ReduceOp.MIN, None)
