@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import polyshard as ps  # noqa: E402
 from bench_core import NUM_BATCHES, make_batches  # noqa: E402
 from polyshard import models  # noqa: E402
-from polyshard.calibrate import MATMUL_SIZE, calibrate, measure_matmul, message_sizes  # noqa: E402
+from polyshard.calibrate import MATMUL_SIZE, calibrate, message_sizes, slowest_matmul_rate  # noqa: E402
 from polyshard.cluster import Cluster, format_bytes  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
@@ -193,15 +193,6 @@ def settle() -> None:
     dist.barrier()
     if ON_GPU:
         torch.cuda.synchronize()
-
-
-def product_rate() -> float:
-    """fp32 FLOP/s of the calibration's products timed again, every rank at once (the slowest rank's): beside
-    the calibration's figure, how far the machine's speed moved while the settings ran."""
-    rate = torch.tensor([measure_matmul(torch.float32, MATMUL_SIZE["cuda" if ON_GPU else "cpu"], repeats=3)],
-                        dtype=torch.float64, device="cuda" if ON_GPU else "cpu")
-    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
-    return rate.item()
 
 
 class Run:
@@ -354,7 +345,9 @@ def main(argv=None) -> None:
         for run in group:
             run.close()
         if args.cluster == "calibrate":
-            speed[(model, batch)] = product_rate() / cluster.flops_per_s["float32"]
+            # the calibration's fp32 products timed again: how far the machine's speed moved during the rounds
+            rate = slowest_matmul_rate(torch.float32, MATMUL_SIZE["cuda" if ON_GPU else "cpu"], repeats=3)
+            speed[(model, batch)] = rate / cluster.flops_per_s["float32"]
         runs.extend(group)
         gc.collect()
         if ON_GPU:

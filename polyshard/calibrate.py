@@ -102,6 +102,11 @@ def measure_matmul(dtype: torch.dtype, size: int, repeats: int, depth: int | Non
     return flops / statistics.median(_compute_times(lambda: torch.matmul(a, b), repeats, device, barrier, calls))
 
 
+def slowest_matmul_rate(dtype: torch.dtype, size: int, repeats: int) -> float:
+    """:func:`measure_matmul` on every rank at once, as in training: the slowest rank's FLOP/s."""
+    return _all_reduce([measure_matmul(dtype, size, repeats)], dist.ReduceOp.MIN, None)[0]
+
+
 def timeable_matmul_size(dtype: torch.dtype, size: int) -> int:
     """The largest n of ``size`` / 8, / 4, / 2 and ``size`` whose (n x n) @ (n x n) product on this rank's
     device takes no more than _MATMUL_BUDGET_S (each doubling costs eight times the last)."""
@@ -462,11 +467,10 @@ def _flops(device_type: str, repeats: int) -> tuple[dict[str, float], dict[str, 
         try:
             size = int(_all_reduce([timeable_matmul_size(dtype, MATMUL_SIZE[device_type])], dist.ReduceOp.MIN,
                                    None)[0])
-            rate = measure_matmul(dtype, size, repeats)
+            flops[name] = slowest_matmul_rate(dtype, size, repeats)
         except RuntimeError as e:
             notes.append(f"{name}: skipped, this device cannot multiply it ({str(e).splitlines()[0]})")
             continue
-        flops[name] = _all_reduce([rate], dist.ReduceOp.MIN, None)[0]
         sizes[name] = size
         if size < MATMUL_SIZE[device_type]:
             notes.append(f"{name}: timed on {size} x {size} products (one of {MATMUL_SIZE[device_type]} would "
