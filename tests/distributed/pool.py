@@ -48,7 +48,10 @@ class RankPool:
     A case that fails leaves the pool ``broken``: its ranks may sit in a collective the others left."""
 
     def __init__(self, world: int, one_device: bool = False):
-        ctx = mp.get_context("spawn")
+        # ranks forked from a server that imported torch once: a fresh interpreter per rank (spawn) spends
+        # seconds of a shared core importing it again; the server runs nothing, so no thread or CUDA state forks
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "polyshard"])
         self.world = world
         self.broken = False
         self.tasks = [ctx.Queue() for _ in range(world)]
