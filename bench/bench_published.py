@@ -5,8 +5,9 @@
     python bench/bench_published.py --rows 1T --repeats 3   # planning time: the fastest of three
 
 Per row: the published configuration priced by polyshard's cost model (its dp / tp / pp, global
-batch, full recompute that issues a layer's collectives again as Megatron-LM's does, its optimizer
-sharding, the gradient reduction after backward where DeepSpeed's pipeline engine ran it; the
+batch, its tensor parallel as Megatron-LM ran it before sequence parallel (the values between split
+products whole on each rank, sums all-reduced), full recompute that issues a layer's collectives again
+as Megatron-LM's does, its optimizer sharding, the gradient reduction after backward where DeepSpeed's pipeline engine ran it; the
 micro-batch count and schedule left to the search, as the papers do not all give them; a
 transformers row keeps its dp / tp / pp only), the planner's own pick with nothing fixed, and the
 reported throughput. TFLOP/s per GPU are counted each paper's way (Narayanan et al. 2021, eq. 3: 96
@@ -93,9 +94,12 @@ class Run:
         """The published configuration as the search must keep it."""
         if self.hf:
             return Fixed(dp=self.dp, tp=self.tp, pp=self.pp)
-        return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, sp=0 if self.tp > 1 else None, mbs=self.mbs, zero=self.zero,
+        return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, zero=self.zero,
+                     # before sequence parallel (2022), Megatron-LM's layers kept every value between the split
+                     # products whole on each rank and all-reduced the row-parallel products' sums
+                     tp_comm="all_reduce" if self.tp > 1 else None,
                      recompute="full", recompute_comm="recompute",  # Megatron-LM reruns a layer's all-reduces
-                     precision="bf16", schedule=self.schedule,  # and had no sequence parallel before 2022;
+                     precision="bf16", schedule=self.schedule,
                      cuts="even",  # equal layers per stage (Megatron-DeepSpeed: partition_method type:transformer)
                      overlap=0 if self.reduce_after_backward else None)
 

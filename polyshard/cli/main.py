@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "limit.")
     _planning_flags(pl)
     pl.add_argument("--config", default="", help="settings the plan must keep, the rest searched: e.g. "
-                    "'tp=8,pp=16' (keys: dp tp pp sp mbs m schedule v zero recompute recompute_comm precision offload cuts)")
+                    "'tp=8,pp=16' (keys: dp tp pp h w sp mbs m schedule v zero recompute recompute_comm "
+                    "precision offload cuts overlap bucket tp_split tp_comm)")
     pl.add_argument("--out", default="", help="write the plan here as JSON")
     pl.set_defaults(handler=_plan)
 
@@ -72,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                     "recompute=full,precision=bf16'; recompute=full/none gives each pipeline chunk its own mode; "
                     "cuts=even places equal block counts on the stages, as Megatron-LM does; tp_split=rows/ops "
                     "says what each pipeline chunk's tp ranks split (rows: the chunk's weights whole, each rank a "
-                    "share of every micro-batch)")
+                    "share of every micro-batch); tp_comm=all_reduce keeps every value between the split products "
+                    "whole on each rank, all-reduced (Megatron-LM's tensor parallel before sequence parallel)")
     co.add_argument("--out", default="", help="write the priced plan here as JSON")
     co.add_argument("--compare", action="store_true", help="also search with nothing fixed and show the pick beside "
                     "this configuration, term by term")

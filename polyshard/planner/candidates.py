@@ -21,6 +21,7 @@ from polyshard.layout import Axes, Layout
 from polyshard.plan import NodePlan
 from polyshard.planner.rules import RuleContext, decide_all
 from polyshard.planner.rules.base import INPUT_LAYOUTS
+from polyshard.transitions import common_axes, plan_transition
 
 
 MAX_COMBOS = 64  # input-layout combinations tried per op
@@ -121,6 +122,7 @@ class Enumeration:
     seconds: dict = field(default_factory=dict)
     moves: dict = field(default_factory=dict)
     forward: dict = field(default_factory=dict)
+    gathers: dict = field(default_factory=dict)  # all_to_all -> :func:`gathering_pairs`
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,36 @@ def _representatives(nodes: list[fx.Node], block_nodes: dict[str, list[fx.Node]]
 
 def _shape_key(decisions: list[NodePlan]) -> list[str]:
     return [repr((d.impl, list(d.inputs.values()), d.output, d.params)) for d in decisions]
+
+
+def gathering_pairs(gm: fx.GraphModule, found: Enumeration,
+                    all_to_all: bool) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+    """Pairs of neighbours' picks whose move between them takes a collective other than an all-reduce: a gather,
+    a scatter, an all-to-all, or a slice of a value that needs a gradient (the gradient is gathered back).
+    Ruling them out leaves Megatron-LM's tensor parallel before sequence parallel: every value between the
+    split products whole on each rank, each product's partial sums all-reduced. Weights and inputs slice freely."""
+    if all_to_all not in found.gathers:
+        options, rep, pairs, seen = found.options, found.rep, set(), set()
+        for n in gm.graph.nodes:
+            for k, u in enumerate(n.all_input_nodes):
+                key = (rep[u.name], rep[n.name], k)  # the edges of twin blocks alike: walked once
+                if u.op in ("get_attr", "placeholder") or n.op == "output" or key in seen:
+                    continue
+                seen.add(key)
+                grad = getattr(u.meta.get("tensor_meta"), "requires_grad", True)
+                for i, o in enumerate(options[u.name]):
+                    for j, d in enumerate(options[n.name]):
+                        if _gathers(o.output, d.inputs.get(u.name), grad, all_to_all):
+                            pairs.add(((key[0], i), (key[1], j)))
+        found.gathers[all_to_all] = sorted(pairs)
+    return found.gathers[all_to_all]
+
+
+def _gathers(src, dst, grad: bool, all_to_all: bool) -> bool:
+    if not isinstance(src, Layout) or not isinstance(dst, Layout) or src == dst:
+        return False
+    allowed = ("all_reduce", "slice") if not grad else ("all_reduce",)
+    return any(step.collective not in allowed for step in plan_transition(*common_axes(src, dst), all_to_all))
 
 
 def _shared_param_conflicts(nodes, options, rep, modules):

@@ -32,7 +32,9 @@ class Fixed:
     engine does): a pricing choice only, for comparing with runs of other systems; bucket: MiB of
     gradients per data-parallel collective; tp_split: what a pipeline chunk's tp ranks split, "ops" (its
     operators) or "rows" (its micro-batch's rows, every weight of the chunk whole), for every chunk or one per
-    chunk joined by "/"."""
+    chunk joined by "/"; tp_comm: the collectives that move values between split ops, "any" (the default) or
+    "all_reduce" (every value between the split products whole on each rank, their partial sums all-reduced:
+    Megatron-LM's tensor parallel before sequence parallel, for comparing with its runs)."""
 
     dp: int | None = None
     tp: int | None = None
@@ -53,6 +55,7 @@ class Fixed:
     overlap: int | None = None
     bucket: int | None = None
     tp_split: str | None = None
+    tp_comm: str | None = None
 
     @staticmethod
     def parse(text: str) -> Fixed:
@@ -97,6 +100,9 @@ class Fixed:
         if self.recompute_comm is not None and modes is not None and all(m == "none" for m in modes):
             raise PolyshardError(f"--config recompute_comm={self.recompute_comm} applies to recomputed regions, and "
                                  f"recompute={self.recompute} recomputes nothing; leave out one of them")
+        if self.tp_comm == "all_reduce" and self.sp:
+            raise PolyshardError("--config sp=1 reduce-scatters along the sequence, and tp_comm=all_reduce allows "
+                                 "all-reduces alone; leave out one of them")
         if self.v is not None and self.v > 1 and self.schedule not in (None, "interleaved"):
             raise PolyshardError(f"--config v={self.v} needs schedule=interleaved, not {self.schedule!r}")
 
@@ -147,8 +153,9 @@ class Fixed:
 
 
 CUTS = ("balanced", "even")
+TP_COMMS = ("any", "all_reduce")
 _CHOICES = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "recompute_comm": RECOMPUTE_COMMS,
-            "precision": PRECISIONS, "offload": OFFLOADS, "cuts": CUTS, "tp_split": TP_SPLITS}
+            "precision": PRECISIONS, "offload": OFFLOADS, "cuts": CUTS, "tp_split": TP_SPLITS, "tp_comm": TP_COMMS}
 
 
 def _positive(key: str, value: str) -> int:

@@ -27,7 +27,8 @@ from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
 from polyshard.graph.twins import twins
 from polyshard.layout import Axes, Layout
-from polyshard.planner.candidates import Enumeration, Repeat, enumerated, layouts_taken, shares_params
+from polyshard.planner.candidates import (Enumeration, Repeat, enumerated, gathering_pairs, layouts_taken,
+                                          shares_params)
 from polyshard.planner.cost.comm import comm_seconds, own_bytes, weight_sum_seconds
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes
@@ -178,9 +179,12 @@ def build_program(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rows: int
 
 
 def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recomputed = Recomputed(),
-                  offload: str = "none", precision: str = "fp32", sequence: bool | None = None) -> Terms:
-    """:func:`build_program`'s data with rows left open; ``sequence``: see :class:`RuleContext`."""
+                  offload: str = "none", precision: str = "fp32", sequence: bool | None = None,
+                  all_reduce_only: bool = False) -> Terms:
+    """:func:`build_program`'s data with rows left open; ``sequence``: see :class:`RuleContext`;
+    ``all_reduce_only``: values move between ops by all-reduces alone (:func:`gathering_pairs`)."""
     found = enumerated(gm, op_axes, sequence)
+    conflicts = found.conflicts + (gathering_pairs(gm, found, cluster.all_to_all) if all_reduce_only else [])
     var_of: dict[tuple[str, int], int] = {}
     for name, stand_in in found.rep.items():
         if stand_in == name:
@@ -192,7 +196,7 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
     totals = _node_terms(gm, found, var_of, repeated, op_axes, cluster, rc, offload, precision)
     edges, shared = _edge_terms(gm, found, repeated, op_axes, cluster, rc, precision)
     return Terms(found.options, found.rep, var_of, (totals[:, 0, 0], totals[:, 0, 1]),
-                 (totals[:, 1, 0], totals[:, 1, 1]), edges, found.conflicts, shared)
+                 (totals[:, 1, 0], totals[:, 1, 1]), edges, conflicts, shared)
 
 
 def _node_terms(gm: fx.GraphModule, found: Enumeration, var_of: dict[tuple[str, int], int],

@@ -222,7 +222,8 @@ class _Costs:
         self.param_numels = tuple(p.numel() for p in gm.parameters())
         self.numel = sum(self.param_numels)
         self.recompute_comm = fixed.recompute_comm or "keep"
-        self.sequence = None if fixed.sp is None else bool(fixed.sp)
+        self.all_reduce_only = fixed.tp_comm == "all_reduce"  # then no product reduce-scatters its sums either
+        self.sequence = False if self.all_reduce_only else None if fixed.sp is None else bool(fixed.sp)
         self.hides = float(fixed.overlap != 0)  # of backward, the share gradient communication may run beside
         self._solved: dict[tuple, IntraOpResult] = {}
         self._sending: dict[tuple, IntraOpResult] = {}
@@ -595,7 +596,7 @@ class _Costs:
             cluster, dtype = self.priced(precision)
             self._terms[key] = program_terms(self.gm, op_axes, cluster,
                                              self.recomputed(recompute, self.recompute_comm), offload,
-                                             dtype, self.sequence)
+                                             dtype, self.sequence, self.all_reduce_only)
         return self._terms[key]
 
     def units(self, plan: Plan, mesh, precision: str, recompute: str | None = None, split_rows: int = 0) -> Units:

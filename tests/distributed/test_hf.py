@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="the [hf] extra (part of [dev]) is not installed")
 
+from polyshard.models import hf  # noqa: E402
 from tests.distributed import hf_cases  # noqa: E402
 
 TOL = 1e-5
@@ -51,6 +52,21 @@ def test_a_stage_whose_tp_ranks_split_rows(pools, family):
     results = pools(4).run(partial(hf_cases.hf_parity, tp_split="rows/ops", m=2), "pp=2,tp=2", family)
     _check(results)
     assert results[0]["tp_split"] == ("rows", "ops")
+
+
+def test_llama_split_by_all_reduces_alone_as_megatron_before_sequence_parallel(pools):
+    """A plan searched with tp_comm=all_reduce where splitting every product pays (the free search there picks
+    sequence parallel): the ranks' steps run no collective but all-reduces, besides gathering the logits the model
+    returns (each rank's 2 rows x 8 positions x half the vocabulary, in float64), and train as one device does."""
+    results = pools(4).run(partial(hf_cases.hf_parity, tp_comm="all_reduce", collectives=True), "dp=2,tp=2", "llama")
+    _check(results)
+    logits = 2 * 8 * hf.build("llama").config.vocab_size // 2 * 8
+    for r in results:
+        assert {kind for kind, _ in r["collectives"]} == {"all_reduce", "all_gather"}, r["collectives"]
+        assert [b for kind, b in r["collectives"] if kind == "all_gather"] == [logits] * 3, r["collectives"]
+    layouts = results[0]["layouts"]
+    assert layouts["model.layers.0.self_attn.q_proj.weight"] == layouts["model.layers.0.mlp.up_proj.weight"] == "S(0)"
+    assert layouts["model.layers.0.self_attn.o_proj.weight"] == layouts["model.layers.0.mlp.down_proj.weight"] == "S(1)"
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -89,6 +89,8 @@ def test_explain_shows_a_plan_beside_another_term_by_term(capsys, tmp_path):
     (("--model", "unet-small", "--image-size", "30"), "use a multiple of 4"),
     (("--model", "unet-small", "--config", "tp=2"), "over dp, h and w only"),
     (("--config", "h=2"), "h and w split images"),
+    (("--config", "tp=8,tp_comm=gather"), "tp_comm must be one of"),
+    (("--config", "tp=8,sp=1,tp_comm=all_reduce"), "allows all-reduces alone"),
 ])
 def test_bad_planning_input_is_one_clear_error(capsys, args, needle):
     base = {"--model": SHAPE, "--cluster": "8xA100-80G", "--global-batch": "16"}

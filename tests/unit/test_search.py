@@ -14,6 +14,7 @@ from polyshard.planner.propagate import propagate
 from polyshard.planner.report import render
 from polyshard.planner.config import Fixed
 from polyshard.planner.search import search
+from polyshard.transitions import common_axes, plan_transition
 
 
 def _search(limit=None, batch=8):
@@ -190,3 +191,47 @@ def test_a_transformer_written_elsewhere_is_planned_like_polyshards_own():
     for layer in range(4):
         assert layouts[f"layers.{layer}.up.weight"] == layouts[f"layers.{layer}.mix.query.weight"] == "tp=8:S(0)"
         assert layouts[f"layers.{layer}.down.weight"] == layouts[f"layers.{layer}.mix.out.weight"] == "tp=8:S(1)"
+
+
+def _collectives_between_ops(gm, plan: Plan) -> set[str]:
+    """The collectives a plan's moves of values between ops take (weights, inputs and returned values aside; a
+    row-parallel product that hands on its sums reduced runs its all-reduce itself)."""
+    kinds = set()
+    for n in gm.graph.nodes:
+        for u in n.all_input_nodes:
+            src, dst = plan.nodes[u.name].output, plan.nodes[n.name].inputs.get(u.name)
+            if u.op not in ("get_attr", "placeholder") and n.op != "output" and src != dst and dst is not None:
+                kinds |= {step.collective for step in plan_transition(*common_axes(src, dst))}
+    return kinds
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_all_reduce_only_splits_as_megatron_before_sequence_parallel(family):
+    """tp_comm=all_reduce, where splitting every product pays: values move between ops by all-reduces alone (the
+    free search gathers and scatters), at a cost no lower. GPT-2's fused q/k/v product is cut along its output, which
+    q, k and v split again: its attention stays whole, its MLP splits column- then row-parallel."""
+    pytest.importorskip("transformers")
+    from polyshard.models import hf
+    from tests.distributed.hf_cases import products_slow_against_links
+
+    model = hf.build(family, device="meta")
+    row = {k: v[:1].to("meta") for k, v in hf.batch(hf.build(family), 4, 8, seed=0).items()}
+    gm, cluster, mesh = capture(model, row), products_slow_against_links(), [(("dp", 2), ("tp", 2))]
+    steps, kinds, plans = [], [], []
+    for fixed in (Fixed(precision="fp32"), Fixed(precision="fp32", tp_comm="all_reduce")):
+        plan, ranked = search(model, row, cluster, 4, meshes=mesh, fixed=fixed, graph=gm)
+        steps.append(next(c.step_s for c in ranked if c.describe() == plan.report["chosen"]))
+        kinds.append(_collectives_between_ops(gm, plan))
+        plans.append({name: layout.describe() for name, layout in plan.params.items()})
+    assert kinds[0] - {"all_reduce"} and kinds[1] <= {"all_reduce"}, kinds  # a row-parallel op may sum its own
+    assert steps[1] >= steps[0]
+    layouts = plans[1]
+    if family == "llama":
+        column, row = (f"model.layers.0.{m}.weight" for m in ("self_attn.q_proj", "mlp.up_proj")), \
+            (f"model.layers.0.{m}.weight" for m in ("self_attn.o_proj", "mlp.down_proj"))
+        assert {layouts[p] for p in column} == {"tp=2:S(0)"} and {layouts[p] for p in row} == {"tp=2:S(1)"}
+    else:  # Conv1D weights are (in, out)
+        block = "transformer.h.0"
+        assert layouts[f"{block}.attn.c_attn.weight"] == layouts[f"{block}.attn.c_proj.weight"] == "tp=2:R"
+        mlp = (layouts[f"{block}.mlp.c_fc.weight"], layouts[f"{block}.mlp.c_proj.weight"])
+        assert mlp == ("tp=2:S(1)", "tp=2:S(0)")
