@@ -187,6 +187,7 @@ def main(argv=None) -> None:
         pub_tflops, pick_tflops = flops / published["step_s"], flops / pick["step_s"]
         err = pub_tflops / run.tflops - 1
         row = {"run": run.name, "source": run.source, "gpus": run.gpus, "reported_tflops": run.tflops,
+               "published_fixed": run.published().text(),  # `polyshard cost --config` prices the row from it
                "published_config": published["config"], "published_tflops": round(pub_tflops, 1),
                "published_error": round(err, 3), "pick_config": pick["config"], "pick_tflops": round(pick_tflops, 1),
                "pick_speedup": round(published["step_s"] / pick["step_s"], 3), "why": why_faster(pick, published),
