@@ -7,10 +7,10 @@
 Per row: the published configuration priced by polyshard's cost model (its dp / tp / pp, global
 batch, its tensor parallel as Megatron-LM ran it before sequence parallel (the values between split
 products whole on each rank, sums all-reduced), full recompute that issues a layer's collectives again
-as Megatron-LM's does, its optimizer sharding, the gradient reduction after backward where DeepSpeed's pipeline engine ran it; the
-micro-batch count and schedule left to the search, as the papers do not all give them; a
-transformers row keeps its dp / tp / pp only), the planner's own pick with nothing fixed, and the
-reported throughput. TFLOP/s per GPU are counted each paper's way (Narayanan et al. 2021, eq. 3: 96
+as Megatron-LM's does, its optimizer sharding, the gradient reduction after backward where DeepSpeed's
+pipeline engine ran it; the micro-batch count and schedule left to the search, as the papers do not all
+give them; a transformers row keeps its dp / tp / pp only), the planner's own pick with nothing fixed,
+and the reported throughput. TFLOP/s per GPU are counted each paper's way (Narayanan et al. 2021, eq. 3: 96
 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward included; Llama 3's model FLOPs), so a row's
 three figures compare step times. Goals: the pick costs no more than the published configuration;
 the published configuration's prediction is within 15% of the reported figure; each row plans in
