@@ -17,10 +17,10 @@ turns in an order that rotates from round to round, so machine noise hits all of
 configuration's settings at a time: they are freed before the next configuration's are built). A
 setting's measured step time is the median over rounds of (seconds between barriers) / steps.
 
-Rank 0 prints the fp32 product rate timed again after each configuration's rounds, as a share of the
-calibration's (where the run calibrates: how far the machine's speed moved); per configuration, the predicted
-and measured step times and ranks; the Spearman
-rank correlation of predicted vs measured (per configuration, per model, and pooled over every
+Where the run calibrates, rank 0 prints how far the machine's speed moved: the fp32 product rate timed again
+after each configuration's rounds, as a share of the calibration's, and on CPU the fixed cost per op likewise
+(above 1: slower than calibrated). Then per configuration, the predicted and measured step times and ranks;
+the Spearman rank correlation of predicted vs measured (per configuration, per model, and pooled over every
 point); each prediction's error; whether the planner's pick is the measured fastest or within 5% of it; on GPUs,
 each setting's predicted memory against its allocator peak (the other settings' resident bytes left out); a breakdown
 of one profiled block per mesh (time the main thread waits for operator collectives and for the
@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import polyshard as ps  # noqa: E402
 from bench_core import NUM_BATCHES, make_batches  # noqa: E402
 from polyshard import models  # noqa: E402
-from polyshard.calibrate import MATMUL_SIZE, calibrate, message_sizes, slowest_matmul_rate  # noqa: E402
+from polyshard.calibrate import (MATMUL_SIZE, calibrate, message_sizes, slowest_matmul_rate,  # noqa: E402
+                                 slowest_step_overhead)
 from polyshard.cluster import Cluster, format_bytes  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
@@ -320,7 +321,7 @@ def main(argv=None) -> None:
     # configuration's (a GPU holds one configuration's models at a time)
     runs: list[Run] = []
     first_loss: dict[tuple[str, int], dict[str, float]] = {}
-    detail, speed = {}, {}
+    detail, speed, overhead = {}, {}, {}
     for model, batch in configs:
         batches = make_batches(models.CONFIGS[model], batch, NUM_BATCHES)
         group = []
@@ -348,6 +349,8 @@ def main(argv=None) -> None:
             # the calibration's fp32 products timed again: how far the machine's speed moved during the rounds
             rate = slowest_matmul_rate(torch.float32, MATMUL_SIZE["cuda" if ON_GPU else "cpu"], repeats=3)
             speed[(model, batch)] = rate / cluster.flops_per_s["float32"]
+            if not ON_GPU:  # and the fixed cost per op (a GPU's calibration times launches, not steps)
+                overhead[(model, batch)] = slowest_step_overhead(repeats=3) / cluster.op_overhead_s
         runs.extend(group)
         gc.collect()
         if ON_GPU:
@@ -364,9 +367,13 @@ def main(argv=None) -> None:
         if speed:
             print("fp32 products timed again after each configuration's rounds, against the calibration: " +
                   ", ".join(f"{m}:{b} {ratio:.2f}x" for (m, b), ratio in speed.items()), flush=True)
+        if overhead:
+            print("fixed cost per op timed again after each configuration's rounds, against the calibration "
+                  "(above 1: slower): " +
+                  ", ".join(f"{m}:{b} {ratio:.2f}x" for (m, b), ratio in overhead.items()), flush=True)
 
     if lead:
-        report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed)
+        report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed, overhead)
 
     del runs
     gc.collect()
@@ -374,7 +381,7 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
-def report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed) -> None:
+def report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed, overhead) -> None:
     rows, per_config, per_model_pts, pooled = [], {}, {}, []
     print()
     print("| model | batch | setting | rows/dev | predicted ms | measured ms | error | predicted rank | measured rank |")
@@ -474,6 +481,7 @@ def report(args, cluster, configs, runs, predicted, picks, detail, first_loss, s
         "picks_within_5pct": picks_ok, "within_25pct": within, "picks_fastest": picks_best,
         "first_loss": {f"{m}:{b}": v for (m, b), v in first_loss.items()},
         "product_rate_vs_calibration": {f"{m}:{b}": round(v, 3) for (m, b), v in speed.items()},
+        "op_overhead_vs_calibration": {f"{m}:{b}": round(v, 3) for (m, b), v in overhead.items()},
         "torch": torch.__version__,
     }, default=lambda v: v.item()), flush=True)  # numpy scalars
 

@@ -213,6 +213,12 @@ def measure_step_overheads(dtypes: Sequence[str], repeats: int, calls: int = 20)
     return [statistics.median(t) for t in times]
 
 
+def slowest_step_overhead(repeats: int) -> float:
+    """A CPU's float32 fixed cost per op (:func:`measure_step_overheads`) on every rank at once: the slowest rank's,
+    the figure :func:`calibrate` keeps as ``op_overhead_s``."""
+    return _all_reduce(measure_step_overheads(("float32",), repeats), dist.ReduceOp.MAX, None)[0]
+
+
 def measure_update_overhead(repeats: int) -> float:
     """Seconds per parameter tensor of the AdamW step training runs on that GPT, every rank at once from a barrier."""
     params = list(models.build("gpt-tiny", seed=0).parameters())
