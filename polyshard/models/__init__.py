@@ -40,8 +40,10 @@ def config(name: str, seq_len: int | None = None) -> GPTConfig:
     elif name in CONFIGS:
         cfg = CONFIGS[name]
     else:
-        raise PolyshardError(f"unknown model {name!r}; known: {', '.join(CONFIGS)}, or a shape such as "
-                             "'gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200'")
+        raise PolyshardError(f"unknown model {name!r}; known: {', '.join(CONFIGS)}, a transformers model as "
+                             "hf:FAMILY or hf:CONFIG.json, or a shape such as "
+                             "'gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200' (`polyshard models` lists "
+                             "them all)")
     if seq_len is not None:
         if seq_len < 1:
             raise PolyshardError(f"sequence length must be at least 1, got {seq_len}")

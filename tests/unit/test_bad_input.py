@@ -356,6 +356,8 @@ CLI_CASES = [
     ("plan-global-batch-zero", BIG_PLAN + ["--global-batch", "0"], ["--global-batch", "got 0"]),
     ("plan-image-size-zero", ["plan", "--model", "unet-small", "--cluster", "8xA100-80G", "--image-size", "0"],
      ["--image-size", "got 0"]),
+    ("plan-model-unknown", ["plan", "--model", "gpt-huge", "--cluster", "8xA100-80G"],
+     ["gpt-huge", "gpt3-175b", "hf:FAMILY", "gpt:layers=", "polyshard models"]),
     ("plan-seq-len", BIG_PLAN + ["--seq-len", "0"], ["sequence length", "0"]),
     ("plan-memory-tiny", BIG_PLAN + ["--memory-limit", "1MiB"], ["1 MiB", "--memory-reserve"]),
     ("plan-reserve", BIG_PLAN + ["--memory-limit", "10GiB", "--memory-reserve", "20GiB"],
