@@ -12,7 +12,8 @@ import inspect
 import operator
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -25,6 +26,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.causal import run_causal_attention_unmasked
 from polyshard.graph.saved import KEPT_INSIDE, kept_inside
 from polyshard.graph.stamp import find_stack, first_layers, stamp
+from polyshard.graph.structure import structure_key
 from polyshard.graph.upcast import PROBED, may_upcast, probe
 from polyshard.layout import contiguous_strides
 
@@ -65,7 +67,57 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
     ``gm.meta[SIGNATURE_KEY]``. The batch dim stays symbolic where the code allows, so one graph runs any
     batch (each rank's, each micro-batch, a one-row capture for the search); shapes are recorded at the
     example's batch. A stack of identical layers is exported with two of them and the rest stamped
-    (``stamped=False``: every layer exported)."""
+    (``stamped=False``: every layer exported). A model of a structure this process exported before
+    (:mod:`polyshard.graph.structure`) gets that graph again, over its own modules."""
+    rows = _rows(args, kwargs)
+    key = structure_key(model, args, kwargs, is_leaf, batched=rows > 0) if stamped else None
+    if key is not None and (kept := _KEPT.get(key)) is not None:
+        graph = _copy(kept.graph) if rows == kept.rows else _graph_at_rows(kept.graph, rows)
+        if graph is not None:  # (None: the code fixed the batch at other rows)
+            _KEPT.move_to_end(key)
+            return _over(model, graph, kept.extras, kept.signature)
+    graph, extras, signature = _export(model, args, kwargs, is_leaf, stamped)
+    if key is not None:
+        _KEPT[key] = _Kept(_copy(graph), extras, signature, rows)
+        while len(_KEPT) > _KEEP:
+            _KEPT.popitem(last=False)
+    return _over(model, graph, extras, signature)
+
+
+class _Kept(NamedTuple):
+    """An export, apart from the model it was exported from: its graph at ``rows`` rows, export's own attributes
+    (constants, bodies of higher-order ops) and the call signature."""
+
+    graph: fx.Graph
+    extras: dict[str, Any]
+    signature: CallSignature
+    rows: int
+
+
+_KEPT: OrderedDict[tuple, _Kept] = OrderedDict()  # by structure key, the most recently used last
+_KEEP = 4
+
+
+def _over(model: nn.Module, graph: fx.Graph, extras: dict[str, Any], signature: CallSignature) -> fx.GraphModule:
+    """``graph`` over the model's own children plus export's extras, without touching the model."""
+    root = _root(model)
+    for name, value in extras.items():
+        setattr(root, name, value)
+    gm = graph_module(root, graph, type(model).__name__)
+    gm.meta[SIGNATURE_KEY] = signature
+    return gm
+
+
+def _root(model: nn.Module) -> nn.Module:
+    """A module holding ``model``'s own children, parameters and buffers, and nothing else of it."""
+    root = nn.Module()
+    root._modules, root._parameters, root._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
+    return root
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[[nn.Module], bool],
+            stamped: bool = True) -> tuple[fx.Graph, dict[str, Any], CallSignature]:
+    """:func:`export_graph`'s graph, extras and signature, from export itself."""
     stack = find_stack(model) if stamped else None
     traced = first_layers(model, stack) if stack else model
     rows, dynamic = _batch_dims(traced, args, kwargs)
@@ -105,17 +157,13 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[
         _set_tensor_meta(node, batch, node in grads)
     run_causal_attention_unmasked(graph)
     if stack is not None and not stamp(graph, stack, model, attrs):  # the layers' graphs differ after all
-        return export_graph(model, args, kwargs, is_leaf, stamped=False)
+        return _export(model, args, kwargs, is_leaf, stamped=False)
     for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:  # a collapsed leaf's own state
         graph.erase_node(node)
         attrs.pop(node.target, None)
-    root = nn.Module()  # the model's own children, plus export's extras, without touching the model
-    root._modules, root._parameters, root._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
-    for name in [n for n in attrs if "." not in n and not hasattr(root, n)]:
-        setattr(root, name, attrs[name])
-    gm = graph_module(root, _named_in_order(graph), type(model).__name__)
-    gm.meta[SIGNATURE_KEY] = signature
-    return gm
+    own = _root(model)  # the names the model's own children and state take
+    extras = {n: attrs[n] for n in attrs if "." not in n and not hasattr(own, n)}
+    return _named_in_order(graph), extras, signature
 
 
 def graph_module(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
@@ -127,20 +175,34 @@ def graph_module(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphM
 def at_rows(gm: fx.GraphModule, rows: int) -> fx.GraphModule | None:
     """An exported ``gm`` whose shapes are recorded at ``rows`` rows: the same graph, which export kept symbolic in
     the batch; None where the code fixed the batch."""
-    batch = dict.fromkeys(_symbolic_batch(gm.graph), rows)
+    graph = _graph_at_rows(gm.graph, rows)
+    if graph is None:
+        return None
+    wider = graph_module(gm, graph, type(gm).__name__)
+    wider.meta.update(gm.meta)
+    return wider
+
+
+def _graph_at_rows(graph: fx.Graph, rows: int) -> fx.Graph | None:
+    """A copy of an exported graph with its shapes recorded at ``rows`` rows; None where the code fixed the batch."""
+    batch = dict.fromkeys(_symbolic_batch(graph), rows)
     if not batch:
         return None
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for old, new in zip(gm.graph.nodes, graph.nodes):
+    out = _copy(graph)
+    for old, new in zip(graph.nodes, out.nodes):
         meta, val = old.meta.get("tensor_meta"), old.meta.get("val")
         if isinstance(meta, TensorMetadata):
             new.meta["tensor_meta"] = _meta_at(meta, val, batch)
         elif isinstance(meta, tuple):
             new.meta["tensor_meta"] = tuple(_meta_at(m, v, batch) for m, v in zip(meta, val))
-    wider = graph_module(gm, graph, type(gm).__name__)
-    wider.meta.update(gm.meta)
-    return wider
+    return out
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    """Another graph of the same nodes (names, targets, meta), which passes may change without touching this one."""
+    out = fx.Graph()
+    out.output(out.graph_copy(graph, {})).meta = dict(graph.output_node().meta)
+    return out
 
 
 def _drop_asserts(graph: fx.Graph) -> None:
@@ -322,15 +384,20 @@ def _leaf_of(node: fx.Node, model: nn.Module, is_leaf) -> tuple | None:
     return None
 
 
+def _rows(args, kwargs) -> int:
+    """The example's rows: its tensor inputs' common leading size (0 where they have none)."""
+    rows = {t.size(0) for t in tree_leaves((tuple(args), dict(kwargs))) if isinstance(t, torch.Tensor) and t.dim()}
+    return rows.pop() if len(rows) == 1 else 0
+
+
 def _batch_dims(model: nn.Module, args, kwargs) -> tuple[int, Any]:
     """The example's rows, and export's dynamic_shapes marking every tensor input's dim 0 as the batch."""
-    tensors = [t for t in tree_leaves((tuple(args), dict(kwargs))) if isinstance(t, torch.Tensor)]
-    rows = {t.size(0) for t in tensors if t.dim()}
-    if len(rows) != 1:  # no common leading dim: shapes stay as given
+    rows = _rows(args, kwargs)
+    if not rows:  # no common leading dim: shapes stay as given
         return 0, None
     mark = lambda t: {0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() else None  # noqa: E731
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    return rows.pop(), {name: tree_map(mark, value) for name, value in bound.items()}
+    return rows, {name: tree_map(mark, value) for name, value in bound.items()}
 
 
 def _symbolic_batch(graph: fx.Graph) -> set:
