@@ -50,6 +50,7 @@ from polyshard import models  # noqa: E402
 from polyshard.calibrate import (MATMUL_SIZE, calibrate, message_sizes, slowest_matmul_rate,  # noqa: E402
                                  slowest_step_overhead)
 from polyshard.cluster import Cluster, format_bytes  # noqa: E402
+from polyshard.errors import PolyshardError  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
 from polyshard.plan import Plan  # noqa: E402
@@ -67,7 +68,8 @@ ERROR_GOAL = 0.25  # each prediction within 25% of the measured step
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt-tiny,gpt-small",
-                   help="comma-separated model names (each gets its own meshes); known: " + ", ".join(models.CONFIGS))
+                   help="comma-separated model names (each gets its own meshes): " + ", ".join(models.CONFIGS) +
+                        ", or a transformers model as hf:FAMILY (hf:gpt2, hf:llama, ...)")
     p.add_argument("--batch", default="8", help="comma-separated global batches (sequences per step)")
     p.add_argument("--extra", action="append", default=[], metavar="MODEL:BATCH",
                    help="one more configuration, e.g. gpt-small:16 (repeatable)")
@@ -102,8 +104,10 @@ def configurations(args) -> list[tuple[str, int]]:
         name, _, batch = e.partition(":")
         out.append((name.strip(), int(batch)))
     for name, _ in out:
-        if name not in models.CONFIGS:
-            raise SystemExit(f"unknown model {name!r}; known: {', '.join(models.CONFIGS)}")
+        try:
+            models.config(name)
+        except PolyshardError as e:
+            raise SystemExit(str(e)) from None
     return list(dict.fromkeys(out))
 
 
@@ -323,7 +327,7 @@ def main(argv=None) -> None:
     first_loss: dict[tuple[str, int], dict[str, float]] = {}
     detail, speed, overhead = {}, {}, {}
     for model, batch in configs:
-        batches = make_batches(models.CONFIGS[model], batch, NUM_BATCHES)
+        batches = make_batches(models.config(model), batch, NUM_BATCHES)
         group = []
         for label, figures in predicted[(model, batch)]["settings"].items():
             plan = Plan.from_json(figures["plan"]) if args.plan == "search" else None
