@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 bench/bench_cost_model.py                       # gpt-tiny and gpt-small, batch 8
     torchrun --nproc-per-node 4 bench/bench_cost_model.py --model gpt-small --batch 8,16
+    torchrun --nproc-per-node 4 bench/bench_cost_model.py --model hf:gpt2,hf:llama --batch 16  # transformers' own
     torchrun --nproc-per-node 4 bench/bench_cost_model.py --settings "dp=4;dp=2,pp=2,m=4;dp=4,zero=3"
     torchrun --nproc-per-node 1 bench/bench_cost_model.py --model gpt-125m --batch 16 \
         --settings "precision=bf16,m=2;precision=bf16,recompute=full;precision=fp32"   # one GPU
@@ -303,10 +304,10 @@ def main(argv=None) -> None:
     lead = dist.get_rank() == 0
     if min(args.warmup, args.steps, args.rounds) < 1:
         raise SystemExit("--warmup, --steps and --rounds must be at least 1")
+    configs = configurations(args)  # a bad model name fails before the calibration
     cluster = load_cluster(args.cluster)
     if cluster.num_devices != world:
         raise SystemExit(f"cluster {args.cluster!r} has {cluster.num_devices} devices; the world has {world}")
-    configs = configurations(args)
 
     # ---- predictions, on rank 0 and sent to the others (every rank then builds the same meshes in
     # the same order): one search over every split per configuration (the pick and its figures),
