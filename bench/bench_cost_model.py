@@ -369,13 +369,11 @@ def main(argv=None) -> None:
             spread = (max(vals) - min(vals)) / abs(vals[0])
             print(f"{key[0]} batch {key[1]}: first loss under every setting " + ", ".join(
                 f"{m} {v:.6f}" for m, v in by_mesh.items()) + f" (rel spread {spread:.1e})", flush=True)
-        if speed:
-            print("fp32 products timed again after each configuration's rounds, against the calibration: " +
-                  ", ".join(f"{m}:{b} {ratio:.2f}x" for (m, b), ratio in speed.items()), flush=True)
-        if overhead:
-            print("fixed cost per op timed again after each configuration's rounds, against the calibration "
-                  "(above 1: slower): " +
-                  ", ".join(f"{m}:{b} {ratio:.2f}x" for (m, b), ratio in overhead.items()), flush=True)
+        for what, ratios in (("fp32 products", speed), ("fixed cost per op", overhead)):
+            if ratios:
+                print(f"{what} timed again after each configuration's rounds, against the calibration"
+                      f"{' (above 1: slower)' if ratios is overhead else ''}: " +
+                      ", ".join(f"{m}:{b} {ratio:.2f}x" for (m, b), ratio in ratios.items()), flush=True)
 
     if lead:
         report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed, overhead)
