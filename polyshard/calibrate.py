@@ -191,21 +191,24 @@ class OpOverheads(NamedTuple):
     optimizer_overhead_s: float
 
 
-def measure_step_overheads(dtypes: Sequence[str], repeats: int, calls: int = 20) -> list[float]:
-    """Seconds per graph op of a forward and backward in each of ``dtypes`` of a GPT so small that its FLOPs are
-    under 1% of the step (on CPU), every rank at once from a barrier, as training's collectives start them. The
-    dtypes take turns batch by batch, so a change in the machine's load falls on all of them alike."""
+def measure_step_overheads(dtypes: Sequence[str], repeats: int, calls: int = 20,
+                           names: Sequence[str] = ("gpt-tiny",)) -> list[float]:
+    """Seconds per graph op of a forward and backward of each model in ``names`` (by default a GPT so small that
+    its FLOPs are under 1% of the step on CPU) in each of ``dtypes``, every rank at once from a barrier, as
+    training's collectives start them; one figure per (model, dtype), models outer. The runs take turns batch by
+    batch, so a change in the machine's load falls on all of them alike."""
     runs = []
-    for name in dtypes:
-        model = models.build("gpt-tiny", seed=0).to(getattr(torch, name))
-        batch = model.example_inputs(1)
-        ops = sum(n.op.startswith("call_") for n in capture(model, batch).graph.nodes)
+    for name in names:
+        for dtype in dtypes:
+            model = models.build(name, seed=0).to(getattr(torch, dtype))
+            batch = model.example_inputs(1)
+            ops = sum(n.op.startswith("call_") for n in capture(model, batch).graph.nodes)
 
-        def forward_backward(model=model, batch=batch):
-            model.zero_grad(set_to_none=True)
-            model(*batch).backward()
+            def forward_backward(model=model, batch=batch):
+                model.zero_grad(set_to_none=True)
+                model(*batch).backward()
 
-        runs.append((forward_backward, ops))
+            runs.append((forward_backward, ops))
     times = [[] for _ in runs]
     for _ in range(repeats):
         for (run, ops), mine in zip(runs, times):
