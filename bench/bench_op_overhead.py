@@ -6,8 +6,9 @@
 On a CPU a small model's step is almost all fixed costs, which the planner prices as one calibrated figure per op
 it charges. Every model here is timed as the calibration times gpt-tiny (forward and backward of one tiny batch,
 every rank at once from a barrier, the models taking turns batch by batch; the slowest rank's median), and its
-step time is divided by the ops the cost model charges for its captured graph. Rank 0 prints each model's figure
-and its ratio to gpt-tiny's, the baseline measured in the same run: near 1, the calibration transfers.
+step time is divided by the ops of its captured graph, each of which the cost model charges that figure. Rank 0
+prints each model's figure and its ratio to gpt-tiny's, the baseline measured in the same run: near 1, the
+calibration transfers.
 """
 
 from __future__ import annotations
@@ -20,16 +21,14 @@ import torch.distributed as dist
 from polyshard import models
 from polyshard.calibrate import measure_step_overheads
 from polyshard.graph.capture import capture
-from polyshard.graph.ops import calls_of
 
 BASELINE = "gpt-tiny"
 
 
-def charged_ops(name: str) -> tuple[int, int]:
-    """(graph ops, ops the cost model charges a fixed cost for) of ``name``'s captured graph."""
+def graph_ops(name: str) -> int:
+    """Ops of ``name``'s captured graph: module calls (a Linear, a norm) and functions alike."""
     model = models.build(name, seed=0)
-    calls = [n for n in capture(model, model.example_inputs(1)).graph.nodes if n.op.startswith("call_")]
-    return len(calls), sum(calls_of(n) for n in calls)
+    return sum(n.op.startswith("call_") for n in capture(model, model.example_inputs(1)).graph.nodes)
 
 
 def main() -> None:
@@ -44,20 +43,14 @@ def main() -> None:
     per_graph_op = torch.tensor(measure_step_overheads(("float32",), args.repeats, names=names), dtype=torch.float64)
     dist.all_reduce(per_graph_op, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        rows = []
+        base = per_graph_op[0].item()
+        print(f"{dist.get_world_size()} ranks, torch {torch.__version__}; fixed cost per op against {BASELINE}'s "
+              "(the calibration's figure)")
+        print("| model | graph ops | step ms | us per op | vs gpt-tiny |")
+        print("|---|---:|---:|---:|---:|")
         for name, per_op in zip(names, per_graph_op.tolist()):
-            graph_ops, charged = charged_ops(name)
-            rows.append((name, graph_ops, charged, per_op * graph_ops, per_op * graph_ops / charged))
-        base_graph, base = rows[0][3] / rows[0][1], rows[0][4]
-        print(f"{dist.get_world_size()} ranks, torch {torch.__version__}; fixed cost per charged op against "
-              f"{BASELINE}'s (the calibration's figure)")
-        print("| model | graph ops | ops charged | step ms | us per graph op | vs gpt-tiny | us per charged op | "
-              "vs gpt-tiny |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for name, graph_ops, charged, step, per_charged in rows:
-            per_graph = step / graph_ops
-            print(f"| {name} | {graph_ops} | {charged} | {step * 1e3:.2f} | {per_graph * 1e6:.1f} | "
-                  f"{per_graph / base_graph:.2f} | {per_charged * 1e6:.1f} | {per_charged / base:.2f} |")
+            ops = graph_ops(name)
+            print(f"| {name} | {ops} | {per_op * ops * 1e3:.2f} | {per_op * 1e6:.1f} | {per_op / base:.2f} |")
     dist.destroy_process_group()
 
 

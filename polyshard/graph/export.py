@@ -24,7 +24,6 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, t
 
 from polyshard.errors import PolyshardError
 from polyshard.graph.causal import run_causal_attention_unmasked
-from polyshard.graph.ops import CALLS_INSIDE
 from polyshard.graph.saved import KEPT_INSIDE, kept_inside
 from polyshard.graph.stamp import find_stack, first_layers, stamp
 from polyshard.graph.structure import structure_key
@@ -35,7 +34,6 @@ SIGNATURE_KEY = "polyshard_call_signature"
 # Ops that only assert what export saw; they would pin the capture's device into the program.
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
-_SHAPE_QUERIES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
 
 
 @dataclass(frozen=True)
@@ -360,9 +358,7 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         attrs[path] = module
         with graph.inserting_before(nodes[0]):
             call = graph.call_module(path, (inputs[0],))
-        dispatched = sum(isinstance(n.target, torch._ops.OpOverload) and n.target not in _SHAPE_QUERIES for n in nodes)
-        call.meta = dict(outputs[0].meta) | {KEPT_INSIDE: kept_inside(nodes, outputs[0]),
-                                             CALLS_INSIDE: max(dispatched, 1)}
+        call.meta = dict(outputs[0].meta) | {KEPT_INSIDE: kept_inside(nodes, outputs[0])}
         if may_upcast(module) and (probed := probe(module, tuple(inputs[0].meta["val"].shape[-1:]))):
             call.meta[PROBED] = probed
         outputs[0].replace_all_uses_with(call)

@@ -17,16 +17,6 @@ SHAPE_OPS = {"view", "reshape", "transpose", "permute", "size", "expand", "unsqu
              "alias", "slice", "select", "split", "getitem", "getattr"}
 
 
-# meta of a leaf module's call: the ops it ran in the capture (a norm written in Python runs several, each with
-# its own fixed cost); any other call is one op
-CALLS_INSIDE = "calls_inside"
-
-
-def calls_of(node: fx.Node) -> int:
-    """How many ops ``node`` runs (dispatches, each with a fixed cost)."""
-    return node.meta.get(CALLS_INSIDE, 1)
-
-
 def op_key(node: fx.Node):
     """What a node computes, one name for both captures: a torch function or method name for fx's nodes,
     and for an aten op (``aten.view.default``) its name ("view") or its torch function."""

@@ -494,7 +494,7 @@ def _op_seconds(node, d: NodePlan, forward: float, modules, axes, cluster, dtype
     """(seconds per row, fixed seconds) of one op, whose forward takes ``forward`` seconds per row."""
     compute_passes, comm_passes = passes(node.name, rc)
     transfer, latency = comm_seconds(own_bytes(node, d, modules, itemsize, cluster.backend), axes, cluster)
-    overhead = op_overhead(node, d, cluster, compute_passes, dtype) if node.op.startswith("call_") else 0.0
+    overhead = op_overhead(d, cluster, compute_passes, dtype) if node.op.startswith("call_") else 0.0
     summed = weight_sum_seconds(node, d, modules, itemsize, axes, cluster)
     return compute_passes * forward + comm_passes * transfer, comm_passes * latency + overhead + summed
 

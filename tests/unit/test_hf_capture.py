@@ -10,13 +10,10 @@ from polyshard.cluster import Cluster  # noqa: E402
 from polyshard.errors import PolyshardError  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.graph.export import SIGNATURE_KEY  # noqa: E402
-from polyshard.graph.ops import calls_of  # noqa: E402
 from polyshard import models  # noqa: E402
 from polyshard.models import hf  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
-from polyshard.plan import NodePlan  # noqa: E402
 from polyshard.planner.cost.comm import node_comm_bytes  # noqa: E402
-from polyshard.planner.cost.compute import op_overhead  # noqa: E402
 from polyshard.planner.propagate import propagate  # noqa: E402
 from polyshard.planner.report import render  # noqa: E402
 from polyshard.planner.search import search  # noqa: E402
@@ -71,22 +68,6 @@ def test_a_capture_on_meta_is_the_graph_a_run_captures(family):
         model = models.build(f"hf:{family}", device=device)
         graphs.append([(n.name, n.op, n.target) for n in capture(model, model.example_inputs(2)).graph.nodes])
     assert graphs[0] == graphs[1]
-
-
-def test_a_leaf_module_pays_the_fixed_cost_of_each_op_it_runs():
-    """Llama's norm is written in Python: captured as one call, it still runs an op per line, each with a fixed
-    cost; a Linear runs one. The count is what torch.export traces for the module on its own."""
-    model = hf.build("llama")
-    gm = capture(model, hf.batch(model, 2, 8))
-    calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
-    norm, linear = calls["model.layers.0.input_layernorm"], calls["model.layers.0.mlp.up_proj"]
-    x = torch.randn(2, 8, model.config.hidden_size)
-    alone = torch.export.export(gm.get_submodule(norm.target), (x,)).graph
-    aten = [n for n in alone.nodes if n.op == "call_function" and not n.target.__name__.startswith(("_assert", "to."))]
-    assert calls_of(norm) == len(aten) == 6 and calls_of(linear) == 1  # pow, mean, add, rsqrt, mul, mul
-    cluster = Cluster.preset("cpu-gloo:2")
-    plan = NodePlan("local", {}, None)
-    assert op_overhead(norm, plan, cluster) == pytest.approx(6 * op_overhead(linear, plan, cluster))
 
 
 def test_a_call_unlike_the_capture_is_refused():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from polyshard.graph.capture import linear_dims, shape_of
-from polyshard.graph.ops import calls_of, is_shape_op, op_key, op_name
+from polyshard.graph.ops import is_shape_op, op_key, op_name
 from polyshard.graph.upcast import moved_bytes
 from polyshard.layout import Layout
 from polyshard.cluster import Cluster
@@ -175,10 +175,10 @@ def passes(name: str, recomputed: Recomputed) -> tuple[int, int]:
     return TRAIN_FLOPS_PER_FORWARD + again, 2 + (again and recomputed.comm == "recompute")
 
 
-def op_overhead(node: fx.Node, entry: NodePlan, cluster: Cluster, compute_passes: int = TRAIN_FLOPS_PER_FORWARD,
+def op_overhead(entry: NodePlan, cluster: Cluster, compute_passes: int = TRAIN_FLOPS_PER_FORWARD,
                 dtype: str = "float32") -> float:
-    """Fixed cost of a node per training step in ``dtype``, however small, for each op it runs (a leaf module
-    may run several): more when it runs on split tensors (DTensor's Python dispatch), except on GPUs, where the
-    host dispatches ahead of the device (kernels launch asynchronously) and only the launches cost device time."""
+    """Fixed cost of one op per training step in ``dtype``, however small: more when it runs on split tensors
+    (DTensor's Python dispatch), except on GPUs, where the host dispatches ahead of the device
+    (kernels launch asynchronously) and only the launches cost device time."""
     split = cluster.split_op_overhead_s if entry.impl != "local" and cluster.device_type != "cuda" else 0.0
-    return calls_of(node) * (cluster.op_overhead_for(dtype) + split) * compute_passes / TRAIN_FLOPS_PER_FORWARD
+    return (cluster.op_overhead_for(dtype) + split) * compute_passes / TRAIN_FLOPS_PER_FORWARD

@@ -62,7 +62,7 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
         summed = weight_sum_seconds(node, plan.nodes[node.name], modules, itemsize, plan.mesh or plan.op_axes, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
         by_name[node.name] = OpCost(seconds, comm_passes * transfer, comm_passes * latency + summed,
-                                    op_overhead(node, plan.nodes[node.name], cluster, compute_passes, dtype))
+                                    op_overhead(plan.nodes[node.name], cluster, compute_passes, dtype))
         out.append(by_name[node.name])
     output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
     if out and output is not None and output.name in plan.nodes:  # e.g. split logits gathered whole
