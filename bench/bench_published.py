@@ -9,9 +9,10 @@ batch, its tensor parallel as Megatron-LM ran it before sequence parallel (the v
 products whole on each rank, sums all-reduced), full recompute that issues a layer's collectives again
 as Megatron-LM's does, its optimizer sharding, the gradient reduction after backward where DeepSpeed's
 pipeline engine ran it; the micro-batch count and schedule left to the search, as the papers do not all
-give them; a transformers row keeps its dp / tp / pp only), the planner's own pick with nothing fixed,
-and the reported throughput. TFLOP/s per GPU are counted each paper's way (Narayanan et al. 2021, eq. 3: 96
-B s l h^2 (1 + s/6h + V/16lh), the recomputed forward included; Llama 3's model FLOPs), so a row's
+give them; a transformers row keeps its dp / tp / pp in bf16, and what else its source gives), the
+planner's own pick with nothing fixed, and the reported throughput. TFLOP/s per GPU are counted each
+paper's way (Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward
+included; a transformers row's model FLOPs, as Llama 3's paper and torchtitan count them), so a row's
 three figures compare step times. Goals: the pick costs no more than the published configuration;
 the published configuration's prediction is within 15% of the reported figure; each row plans in
 under 10 s.
@@ -45,7 +46,8 @@ class Run:
     micro-batch size when the source gives it, ZeRO level, reported TFLOP/s per GPU, and its dropout (0.1 on
     attention probabilities and residual branches, as Megatron-LM's defaults). ``hf``: a shipped transformers
     config trained instead of Megatron-LM's GPT (its TFLOP/s counted as its source counts them, PaLM's model
-    FLOPs, no recompute; only its dp x tp x pp fixed, as the source gives nothing more)."""
+    FLOPs, no recompute; fixed: its dp x tp x pp in bf16, and its micro-batch size, ZeRO level and recompute where
+    the source gives them)."""
 
     name: str
     source: str
@@ -68,6 +70,7 @@ class Run:
     # (Megatron-DeepSpeed, which trained MT-NLG and BLOOM) runs its ReduceGrads step after the schedule
     reduce_after_backward: bool = False
     hf: str = ""
+    recompute: str | None = None  # a transformers row's, where the source gives it (Megatron-LM's rows: full)
     gpu: str = "A100-80G"
 
     @property
@@ -93,7 +96,8 @@ class Run:
     def published(self) -> Fixed:
         """The published configuration as the search must keep it."""
         if self.hf:
-            return Fixed(dp=self.dp, tp=self.tp, pp=self.pp)
+            return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, zero=self.zero or None,
+                         recompute=self.recompute, precision="bf16")
         return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, zero=self.zero,
                      # before sequence parallel (2022), Megatron-LM's layers kept every value between the split
                      # products whole on each rank and all-reduced the row-parallel products' sums
@@ -108,6 +112,9 @@ _SC21 = "Megatron-LM, Narayanan et al. SC'21, Table 1"
 _SC21_T2 = "Megatron-LM, Narayanan et al. SC'21, Table 2 (PTD-P)"
 _MTNLG = "MT-NLG 530B, Smith et al. 2022 (iteration 60.1 / 50.2 / 44.4 s)"
 _LLAMA3 = "Llama 3 405B, Dubey et al. 2024, Table 4 (BF16 MFU 43% / 41% of 989 TFLOP/s)"
+# FSDP2 (ZeRO 3) over 64 A100-80G, one 8192-token sequence per GPU: 2973 and 331 tokens/s per GPU, which times
+# PaLM's FLOPs per token (all parameters, as torchtitan counts them) is its MFU, 58.2% and 51.7% of 312 TFLOP/s
+_TITAN = "torchtitan, docs/performance.md, Llama 3 on 64 A100 (2973 / 331 tokens/s per GPU)"
 RUNS = (
     Run("1.7B", _SC21, 24, 2304, 24, 32, 512, 1, 1, 137),
     Run("3.6B", _SC21, 30, 3072, 32, 64, 512, 2, 1, 138),
@@ -139,6 +146,11 @@ RUNS = (
         hf="llama-3.1-405b", gpu="H100-80G"),
     Run("Llama-3-405B@16384", _LLAMA3, 126, 16384, 128, 16384, 2048, 8, 16, 400, vocab=128256, seq=8192,
         hf="llama-3.1-405b", gpu="H100-80G"),
+    # torchtitan's "selective op" checkpointing keeps products' outputs, as polyshard's selective recompute does
+    Run("Llama-3-8B@64", _TITAN, 32, 4096, 32, 64, 64, 1, 1, 181.6, vocab=128256, seq=8192, mbs=1, zero=3,
+        recompute="selective", hf="llama-3-8b"),
+    Run("Llama-3-70B@64", _TITAN, 80, 8192, 64, 64, 64, 1, 1, 161.4, vocab=128256, seq=8192, mbs=1, zero=3,
+        recompute="full", hf="llama-3-70b"),
 )
 
 
