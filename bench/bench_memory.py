@@ -3,7 +3,7 @@
     python bench/bench_memory.py                          # gpt-tiny and gpt-small, batch 8
     python bench/bench_memory.py --model gpt-small --batch 16
 
-One process. For each model and each setting (recompute none/selective/full, optimizer-state
+One process. For each model and each setting (recompute none/selective/pointwise/full, optimizer-state
 offload none/host/disk) it builds the model with polyshard.parallelize, takes one untracked step,
 then measures one step with torch's MemTracker (polyshard.runtime.memory_probe): parameters,
 gradients, optimizer state, activations and temporaries at the peak. With offload, the optimizer
@@ -33,8 +33,8 @@ from polyshard.planner.search import search
 from polyshard.runtime.memory_probe import step_peak_bytes
 from polyshard.train.trainer import make_optimizer
 
-SETTINGS = [("none", "none"), ("selective", "none"), ("full", "none"), ("none", "host"), ("none", "disk"),
-            ("full", "disk")]
+SETTINGS = [("none", "none"), ("selective", "none"), ("pointwise", "none"), ("full", "none"), ("none", "host"),
+            ("none", "disk"), ("full", "disk")]
 LIMIT_SHARE = 0.75
 
 

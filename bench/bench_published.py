@@ -149,9 +149,9 @@ RUNS = (
     Run("Llama-3-405B@16384", _LLAMA3, 126, 16384, 128, 16384, 2048, 8, 16, 400, vocab=128256, seq=8192,
         hf="llama-3.1-405b", gpu="H100-80G"),
     # torchtitan's "selective op" checkpointing reruns the pointwise ops and every second product, keeping the
-    # attention's output; polyshard's selective reruns the attention core: the nearest setting, a little cheaper
+    # attention's output; polyshard's pointwise keeps every product's: the nearest setting, a little cheaper
     Run("Llama-3-8B@64", _TITAN, 32, 4096, 32, 64, 64, 1, 1, 181.6, vocab=128256, seq=8192, mbs=1, zero=3,
-        recompute="selective", hf="llama-3-8b"),
+        recompute="pointwise", hf="llama-3-8b"),
     Run("Llama-3-70B@64", _TITAN, 80, 8192, 64, 64, 64, 1, 1, 161.4, vocab=128256, seq=8192, mbs=1, zero=3,
         recompute="full", hf="llama-3-70b"),
     Run("Llama-2-13B@64", _TITAN2, 40, 5120, 40, 64, 128, 1, 1, 190.6, vocab=32000, seq=4096, mbs=2, zero=3,

@@ -22,9 +22,10 @@ class Choice(str, Enum):
 
 
 class Recompute(Choice):
-    """Activations run again in backward instead of kept: none; the attention cores; every block."""
+    """Activations run again in backward instead of kept: none; the attention cores; every block's ops but its
+    products and attention; every block."""
 
-    NONE, SELECTIVE, FULL = "none", "selective", "full"
+    NONE, SELECTIVE, POINTWISE, FULL = "none", "selective", "pointwise", "full"
 
 
 class RecomputeComm(Choice):
@@ -112,7 +113,9 @@ class Plan:
     nodes: per graph node, how it runs; mesh/data_axes: the whole mesh it was made for;
     copies: how many interleaved slices each batch runs as (multi-copy parallel);
     recompute: activations run again in backward instead of stored ("none"; "selective": attention
-      cores, cheap to run and large to store; "full": every block, keeping only block inputs);
+      cores, cheap to run and large to store; "pointwise": each block's ops but its products and attention,
+      norms and activation functions among them, keeping the products' and attention's outputs; "full":
+      every block, keeping only block inputs);
     recompute_comm: in recomputed regions, "keep" the results of collectives or "recompute" them
       (communicating again in backward, for less memory);
     stage_recompute: a pipeline's own mode per chunk, in chunk order, instead of ``recompute``'s (early

@@ -2,7 +2,8 @@
 
 Time for memory, as MindSpore's ``recompute``: each region of the lowered program is outlined into a
 sub-module called through ``torch.utils.checkpoint``, so only its inputs (and, with ``comm="keep"``,
-the results of its collectives) stay alive between forward and backward.
+the results of its collectives; in a region that keeps its products, the outputs of its matrix products
+and attention, as torchtitan's selective op checkpointing) stay alive between forward and backward.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 import operator
 from typing import Callable, Mapping, TypeVar
 
+import torch
 from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
@@ -21,17 +23,35 @@ from polyshard.plan import RECOMPUTE_COMMS, check_choice
 Target = TypeVar("Target", bound=Callable)
 
 
-def _save_collectives(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Collectives' results (and their waits) are saved, so backward does not talk again; the rest reruns."""
-    return CheckpointPolicy.MUST_SAVE if op.namespace == "_c10d_functional" else CheckpointPolicy.PREFER_RECOMPUTE
+# The aten ops a region that keeps its products saves: what polyshard.graph.regions.Region.kept names in the
+# captured graph (a Linear runs mm or addmm, a batched product bmm, fused attention one of these kernels).
+_PRODUCT_OPS = frozenset(op for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                                         "_scaled_dot_product_flash_attention_for_cpu",
+                                         "_scaled_dot_product_efficient_attention",
+                                         "_scaled_dot_product_cudnn_attention",
+                                         "_scaled_dot_product_fused_attention_overrideable")
+                         if (op := getattr(torch.ops.aten, name, None)) is not None)
 
 
-_CONTEXT_FNS = {"keep": functools.partial(create_selective_checkpoint_contexts, _save_collectives),
-                "recompute": noop_context_fn}
+def _saving(collectives: bool, products: bool) -> Callable:
+    """A checkpoint policy: collectives' results saved (backward does not talk again) and / or products' and
+    attention's outputs saved; the rest reruns."""
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        saved = (collectives and op.namespace == "_c10d_functional"
+                 or products and getattr(op, "overloadpacket", None) in _PRODUCT_OPS)
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
 
 
-def _checkpointed(fn: Callable, comm: str, *args, **kwargs):
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=_CONTEXT_FNS[comm], **kwargs)
+@functools.cache
+def _context_fn(comm: str, keeps_products: bool = False) -> Callable:
+    if comm == "recompute" and not keeps_products:
+        return noop_context_fn
+    return functools.partial(create_selective_checkpoint_contexts, _saving(comm == "keep", keeps_products))
+
+
+def _checkpointed(fn: Callable, context_fn: Callable, *args, **kwargs):
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def recompute(target: Target, *, comm: str = "keep") -> Target:
@@ -50,7 +70,7 @@ def recompute(target: Target, *, comm: str = "keep") -> Target:
 
     @functools.wraps(target)
     def run(*args, **kwargs):
-        return _checkpointed(target, comm, *args, **kwargs)
+        return _checkpointed(target, _context_fn(comm), *args, **kwargs)
 
     return run
 
@@ -58,12 +78,12 @@ def recompute(target: Target, *, comm: str = "keep") -> Target:
 class Recomputed(nn.Module):
     """A region of the program, run under checkpoint (its modules are the program's own: same parameters)."""
 
-    def __init__(self, region: fx.GraphModule, comm: str):
+    def __init__(self, region: fx.GraphModule, comm: str, keeps_products: bool = False):
         super().__init__()
-        self.region, self.comm = region, comm
+        self.region, self.comm, self.keeps_products = region, comm, keeps_products
 
     def forward(self, *args):
-        return _checkpointed(self.region, self.comm, *args)
+        return _checkpointed(self.region, _context_fn(self.comm, self.keeps_products), *args)
 
 
 def apply_recompute(gm: fx.GraphModule, mode: str, comm: str,
@@ -89,12 +109,12 @@ def _outline(gm: fx.GraphModule, regions: list[Region], collectives: bool = True
     inside = {n for r in regions for n in r.nodes}
     for node in gm.graph.nodes:
         if node in ends:
-            nodes, comm, label = ends[node].nodes, ends[node].comm, ends[node].label
+            nodes, comm, label, keeps = ends[node].nodes, ends[node].comm, ends[node].label, ends[node].keeps_products
             members = set(nodes)
             inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in members))
             outputs = [n for n in nodes if any(u not in members for u in n.users)]
             name = f"recompute_{len(modules)}_{label.replace('.', '_')}"
-            modules[name] = Recomputed(_region(gm, nodes, inputs, outputs), comm if collectives else "recompute")
+            modules[name] = Recomputed(_region(gm, nodes, inputs, outputs), comm if collectives else "recompute", keeps)
             call = graph.call_module(name, tuple(env[i] for i in inputs))
             for k, out in enumerate(outputs):
                 env[out] = graph.call_function(operator.getitem, (call, k))

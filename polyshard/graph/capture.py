@@ -9,11 +9,13 @@ whole (one node each); everything else is traced through.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from functools import partial
 from typing import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_aggregate
@@ -23,8 +25,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from polyshard.errors import PolyshardError
 from polyshard.graph.export import SIGNATURE_KEY, export_graph, graph_module
 from polyshard.graph.export import at_rows as exported_at_rows
+from polyshard.graph.ops import op_key
 
 LEAF_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm)
+_PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.baddbmm, torch.addmm, F.linear, "matmul", "bmm")
 PIN_ATTR = "_polyshard_pin"
 
 
@@ -44,6 +48,13 @@ def is_rms_norm(m: nn.Module) -> bool:
 def linear_dims(m: nn.Module) -> tuple[int, int] | None:
     """Which weight dims hold (outputs, inputs) for a Linear-like module (Linear: (0, 1), Conv1D: (1, 0))."""
     return (0, 1) if isinstance(m, nn.Linear) else (1, 0) if is_conv1d(m) else None
+
+
+def is_product(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
+    """Whether ``node`` multiplies matrices: a Linear-like module's call, or a matmul / bmm / mm / addmm."""
+    if node.op == "call_module":
+        return linear_dims(modules[node.target]) is not None
+    return op_key(node) in _PRODUCTS
 
 
 def is_leaf(m: nn.Module) -> bool:

@@ -14,6 +14,7 @@ from typing import Mapping
 import torch.nn.functional as F
 from torch import fx, nn
 
+from polyshard.graph.capture import is_product
 from polyshard.graph.ops import op_key
 from polyshard.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, check_choice
 
@@ -23,11 +24,19 @@ _VIEWS = {"view", "transpose", "reshape", "permute", "contiguous"}
 
 @dataclass(frozen=True)
 class Region:
-    """Consecutive nodes recomputed together; ``comm``: "keep" or "recompute" their collectives."""
+    """Consecutive nodes recomputed together; ``comm``: "keep" or "recompute" their collectives;
+    ``keeps_products``: the outputs of its products and attention are kept, the rest runs again."""
 
     nodes: list[fx.Node]
     comm: str
     label: str
+    keeps_products: bool = False
+
+    def kept(self, modules: Mapping[str, nn.Module]) -> set[fx.Node]:
+        """The nodes whose outputs this region keeps rather than runs again."""
+        if not self.keeps_products:
+            return set()
+        return {n for n in self.nodes if is_product(n, modules) or op_key(n) is F.scaled_dot_product_attention}
 
 
 def marked_modules(model: nn.Module) -> dict[str, str]:
@@ -39,9 +48,10 @@ def recompute_regions(gm: fx.GraphModule, mode: str, comm: str,
                       marked_paths: Mapping[str, str] | None = None) -> list[Region]:
     """The regions of ``gm`` to recompute.
 
-    ``mode``: "full" recomputes every block (each child of a repeated ModuleList), "selective" every
-    attention core (scaled_dot_product_attention and the views feeding it), "none" nothing; each
-    module path in ``marked_paths`` is recomputed too, with its own ``comm``.
+    ``mode``: "full" recomputes every block (each child of a repeated ModuleList), "pointwise" every block but
+    its products' and attention's outputs, which it keeps, "selective" every attention core
+    (scaled_dot_product_attention and the views feeding it), "none" nothing; each module path in
+    ``marked_paths`` is recomputed too, whole, with its own ``comm``.
     """
     check_choice("recompute", mode, RECOMPUTE_MODES)
     check_choice("recompute_comm", comm, RECOMPUTE_COMMS)
@@ -50,17 +60,20 @@ def recompute_regions(gm: fx.GraphModule, mode: str, comm: str,
         return []
     paths = {path for node in gm.graph.nodes for path, _ in node.meta.get("nn_module_stack", {}).values()}
     # blocks: children of a ModuleList (or Sequential), whose last name is their index
-    blocks = {path for path in paths if path.rpartition(".")[2].isdigit()} if mode == "full" else set()
+    blocked = mode in ("full", "pointwise")
+    blocks = {path for path in paths if path.rpartition(".")[2].isdigit()} if blocked else set()
     comms = dict.fromkeys(blocks, comm) | marked
     runs = _module_runs(gm.graph, comms)
-    regions = [Region(nodes, comms[path], path) for path, nodes in runs]
+    # a block holding a module the user marked runs again whole, that module's products included
+    regions = [Region(nodes, comms[path], path, mode == "pointwise" and not any(
+        m == path or m.startswith(path + ".") for m in marked)) for path, nodes in runs]
     cores = _attention_cores(gm.graph, {n for _, nodes in runs for n in nodes}) if mode == "selective" else []
     regions += [Region(nodes, comm, nodes[-1].name) for nodes in cores]
     for path in sorted(set(marked) - paths):
         warnings.warn(f"polyshard: recompute() marks `{path or type(gm).__name__}`, which runs no op of "
                       "its own in the captured graph; mark one of its submodules", stacklevel=3)
     if mode != "none" and not (blocks or cores):
-        what = "blocks (children of a ModuleList)" if mode == "full" else "scaled_dot_product_attention call"
+        what = "blocks (children of a ModuleList)" if blocked else "scaled_dot_product_attention call"
         warnings.warn(f"polyshard: recompute={mode!r} finds no {what} to recompute in {type(gm).__name__}",
                       stacklevel=3)
     return regions
@@ -108,13 +121,15 @@ def _attention_cores(graph: fx.Graph, taken: set[fx.Node]) -> list[list[fx.Node]
 @dataclass(frozen=True)
 class Recomputed:
     """What a recompute mode does to a graph, by node name: ``rerun`` (forward again in backward),
-    ``freed`` (outputs not kept for backward), and per region in graph order the outputs it frees,
-    which are alive again while that region's backward runs."""
+    ``freed`` (outputs not kept for backward), per region in graph order the outputs it frees, which are
+    alive again while that region's backward runs, and ``cached``: outputs a region keeps for its rerun
+    whether or not a backward reads them (a pointwise region's products and attention)."""
 
     rerun: frozenset[str] = frozenset()
     freed: frozenset[str] = frozenset()
     regions: tuple[frozenset[str], ...] = ()
     comm: str = "keep"
+    cached: frozenset[str] = frozenset()
 
     @cached_property
     def held(self) -> frozenset[str]:
@@ -127,7 +142,10 @@ def recomputed(gm: fx.GraphModule, mode: str, comm: str = "keep") -> Recomputed:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         regions = recompute_regions(gm, mode, comm, marked_modules(gm))
-    inner = tuple(frozenset(n.name for n in r.nodes if all(u in members for u in n.users))
-                  for r in regions for members in [set(r.nodes)])
-    rerun = frozenset(n.name for r in regions for n in r.nodes)
-    return Recomputed(rerun, frozenset().union(*inner), inner, comm)
+    modules = dict(gm.named_modules())
+    kept = [r.kept(modules) for r in regions]
+    inner = tuple(frozenset(n.name for n in r.nodes if n not in keep and all(u in members for u in n.users))
+                  for r, keep in zip(regions, kept) for members in [set(r.nodes)])
+    rerun = frozenset(n.name for r, keep in zip(regions, kept) for n in r.nodes if n not in keep)
+    cached = frozenset(n.name for keep in kept for n in keep)
+    return Recomputed(rerun, frozenset().union(*inner), inner, comm, cached)

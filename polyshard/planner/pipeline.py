@@ -26,7 +26,7 @@ from polyshard.layout import Layout
 from polyshard.planner.cost.comm import DataSync
 from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD
 from polyshard.planner.cost.memory import (STATES, MemoryEstimate, gradient_transients, kept_copies, local_numel,
-                                           param_numel)
+                                           param_numel, with_cached)
 from polyshard.planner.cost.overlap import OpCost
 from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
@@ -108,7 +108,7 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
     groups: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
     model_groups = []
     for node, u, shape, reach, copies_by_precision in facts.values:
-        copies = copies_by_precision[itemsize < 4]
+        copies = with_cached(copies_by_precision[itemsize < 4], node.name, rc)
         out = plan.nodes[node.name].output
         if isinstance(out, Layout):
             size = local_numel(shape, out) * itemsize

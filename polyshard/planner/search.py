@@ -271,10 +271,14 @@ class _Costs:
         fastest that fits."""
         out = _Tried([], {}, [])
         for mesh in meshes:
-            hopeless: set[str] = set()  # offloads whose time bound already lost on this split
+            # settings that cannot win on this split: (what their recompute reruns, their offload, "" for any);
+            # a setting that reruns as much and offloads as much costs no less
+            lost: list[tuple[frozenset[str], str]] = []
             floors: dict[str, dict[tuple, float]] = {}  # offload -> (level, precision) -> what recompute cannot beat
             for setting in SETTINGS:
-                if not self.fixed.allows(recompute=setting[0], offload=setting[1]) or setting[1] in hopeless:
+                rerun = self.recomputed(setting[0], self.recompute_comm).rerun
+                if not self.fixed.allows(recompute=setting[0], offload=setting[1]) or any(
+                        gone <= rerun and offload in ("", setting[1]) for gone, offload in lost):
                     continue
                 try:
                     found = self.split(mesh, setting, best.value, floors)
@@ -291,15 +295,13 @@ class _Costs:
                             _floor(candidate, self.limit)
                 if found and all(c.pruned for c, _ in found):
                     # recompute only adds time, and so does offload: what lost without them loses with them
-                    if setting[1] == "none":
-                        break
-                    hopeless.add(setting[1])
+                    lost.append((rerun, "" if setting[1] == "none" else setting[1]))
                     continue
                 # recompute and offload only buy memory, at the price of time: once memory refused no option
-                # of this setting that could beat the best, the settings after it cannot win here
+                # of this setting that could beat the best, the settings rerunning more cannot win here
                 variants = len(_variants(data_size(mesh, self.data_axes), "none", self.cluster, self.fixed))
                 if setting[1] == "none" and _nothing_to_free(found, variants, best.value, self.limit):
-                    break
+                    lost.append((rerun, ""))
         return out
 
     def worth(self, recompute: str) -> bool:

@@ -26,6 +26,7 @@ MODES = {
     "zero3": ("dp=4", {"zero": 3}),
     "recompute_full": ("tp=4", {"recompute": "full"}),
     "recompute_selective": ("dp=2,tp=2", {"recompute": "selective"}),
+    "recompute_pointwise": ("dp=2,tp=2", {"recompute": "pointwise"}),
     "multi_copy": ("tp=4", {"copies": 2}),
     "sequence_parallel": ("dp=2,tp=2", {"sequence_parallel": True}),
 }

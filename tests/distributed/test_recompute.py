@@ -15,7 +15,7 @@ def _check(results):
         assert len(r["regions"]) == 2, r["regions"]  # one per block, or attention core; shared by copies
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "pointwise"])
 def test_tp2(pools, mode):
     _check(pools(2).run(recompute_parity, "tp=2", mode))
 
@@ -28,9 +28,10 @@ def test_fp32_sgd(pools):
     _check(pools(2).run(recompute_parity, "tp=2", "full", "keep", torch.float32, "sgd"))
 
 
-def test_kept_collectives_are_not_issued_again(pools):
+@pytest.mark.parametrize("mode", ["full", "pointwise"])
+def test_kept_collectives_are_not_issued_again(pools, mode):
     plain, keep, again = (pools(2).run(recompute_parity, "tp=2", mode, comm)
-                          for mode, comm in (("none", "keep"), ("full", "keep"), ("full", "recompute")))
+                          for mode, comm in (("none", "keep"), (mode, "keep"), (mode, "recompute")))
     _check(keep)
     _check(again)
     for p, k, a in zip(plain, keep, again):

@@ -47,13 +47,21 @@ def _estimate_at(plan, rows):
     return estimate_memory(capture(meta, meta.example_inputs(1)), plan, rows=rows)
 
 
-@pytest.mark.parametrize("recompute,offload", [("none", "none"), ("selective", "none"), ("full", "none"),
+@pytest.mark.parametrize("recompute,offload", [("none", "none"), ("selective", "none"), ("pointwise", "none"),
+                                               ("full", "none"),
                                                ("none", "host"), ("none", "disk"), ("full", "disk")])
 def test_estimate_is_within_15_percent_of_the_measured_peak(recompute, offload):
     measured, plan = _measure(recompute=recompute, offload=offload)
     estimate = _estimate(plan)
     assert abs(estimate.total_bytes / measured["total"] - 1) <= 0.15, (estimate, measured)
     assert (measured["optstate"] == 0) == (offload != "none") == (estimate.optimizer_bytes == 0)
+
+
+@pytest.mark.parametrize("recompute", ["none", "pointwise"])
+def test_activations_estimate_is_within_5_percent_of_the_measured_peak(recompute):
+    # pointwise recompute keeps the products' and attention's outputs: what that frees must show in both
+    measured, plan = _measure(recompute=recompute)
+    assert abs(_estimate(plan).activations_bytes / measured["activation"] - 1) <= 0.05, measured
 
 
 def test_full_recompute_keeps_at_most_40_percent_of_the_activations():

@@ -13,6 +13,7 @@ import polyshard as ps
 from polyshard import models
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
+from polyshard.graph.regions import recomputed
 from polyshard.plan import Plan
 from polyshard.compiler.recompute import apply_recompute
 
@@ -23,7 +24,7 @@ def _batch(seed: int, rows: int = 4):
 
 
 @pytest.mark.parametrize("mode, marked, num_regions", [
-    ("none", None, 0), ("selective", None, 2), ("full", None, 2),
+    ("none", None, 0), ("selective", None, 2), ("pointwise", None, 2), ("full", None, 2),
     ("none", "blocks.1.mlp", 1), ("selective", "blocks.0", 2),  # block 0 holds its own attention core
 ])
 def test_training_matches_the_eager_model(mode, marked, num_regions):
@@ -78,9 +79,24 @@ def _activation_bytes(mode: str) -> int:
 
 
 def test_recompute_keeps_less_for_backward():
-    none, selective, full = (_activation_bytes(mode) for mode in ("none", "selective", "full"))
+    none, selective, pointwise, full = (_activation_bytes(mode) for mode in ("none", "selective", "pointwise", "full"))
     assert full <= 0.4 * none, (none, full)
     assert selective < none, (none, selective)
+    assert full < pointwise < none, (none, pointwise, full)
+
+
+def test_pointwise_recompute_keeps_each_blocks_products_and_attention_and_reruns_the_rest():
+    gm = capture(models.build("gpt-tiny"), _batch(0))
+    modules = dict(gm.named_modules())
+    in_block = [n for n in gm.graph.nodes if any(path.startswith("blocks.")
+                                                for path, _ in (n.meta.get("nn_module_stack") or {}).values())]
+    kept = {n.name for n in in_block if isinstance(modules.get(n.target), torch.nn.Linear)
+            or n.target is torch.nn.functional.scaled_dot_product_attention}
+    rc = recomputed(gm, "pointwise")
+    assert len(kept) == 2 * 7 and rc.cached == kept  # q, k, v, output and two MLP products, attention; 2 blocks
+    assert rc.rerun == {n.name for n in in_block} - kept
+    assert {type(modules[n.target]) for n in in_block if n.op == "call_module" and n.name in rc.rerun} == {
+        torch.nn.LayerNorm}
 
 
 def test_regions_watch_for_collectives_only_where_ops_may_communicate():
@@ -115,7 +131,8 @@ def test_recompute_marks_and_returns_a_module():
 
 def test_bad_settings_are_clear_errors():
     model = models.build("gpt-tiny")
-    with pytest.raises(PolyshardError, match="recompute must be one of 'none', 'selective', 'full'; got 'all'"):
+    with pytest.raises(PolyshardError,
+                       match="recompute must be one of 'none', 'selective', 'pointwise', 'full'; got 'all'"):
         ps.parallelize(model, _batch(0), recompute="all")
     with pytest.raises(PolyshardError, match="recompute_comm must be one of 'keep', 'recompute'; got 'drop'"):
         ps.parallelize(model, _batch(0), recompute_comm="drop")

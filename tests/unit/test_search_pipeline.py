@@ -272,8 +272,8 @@ def test_only_the_stages_that_need_it_recompute():
     limit, pp4 = 6 * MiB, [(("pp", 4), ("dp", 1), ("tp", 1))]
     _, (plan, ranked) = _gpt_search(limit, pp4)
     chosen = next(c for c in ranked if c.describe() == plan.report["chosen"])
-    assert plan.stage_recompute == chosen.pipeline.recompute and plan.stage_recompute[0] == "full"
-    assert plan.stage_recompute[-1] == "none" and plan.recompute == "full"
+    assert plan.stage_recompute == chosen.pipeline.recompute and plan.stage_recompute[0] in ("pointwise", "full")
+    assert plan.stage_recompute[-1] == "none" and plan.recompute in ("pointwise", "full")
     assert all(s.memory.total_bytes <= limit for s in chosen.pipeline.stages)
     _, (_, everywhere) = _gpt_search(limit, pp4, fixed=Fixed(recompute="full"))
     fitting = [c for c in everywhere if not c.pruned and c.memory.total_bytes <= limit]

@@ -280,7 +280,7 @@ def test_the_free_pick_is_no_slower_than_any_setting_fixed(cluster, limit_mib):
     usable = limit - default_reserve_bytes(Cluster.preset(cluster))
     free, ranked = _search("gpt-small", cluster, 64, limit=limit)
     best = min(c.step_s for c in ranked if c.describe() == free.report["chosen"])
-    for recompute in ("none", "selective", "full"):
+    for recompute in ("none", "selective", "pointwise", "full"):
         for offload in ("none", "host"):
             try:
                 _, alone = _search("gpt-small", cluster, 64, Fixed(recompute=recompute, offload=offload), limit)
@@ -295,13 +295,14 @@ def test_recompute_that_frees_nothing_is_priced_only_when_asked():
     # gpt-small's attention is one fused call: recomputing it and its views frees no activation autograd keeps
     limit = 6.5 * 2**20
     _, free = _search("gpt-small", "cpu-gloo:4", 64, limit=limit)
-    assert {c.recompute for c in free} == {"none", "full"}  # memory is tight enough that recompute is tried
+    # memory is tight enough that recompute is tried: each mode that frees something
+    assert {c.recompute for c in free} == {"none", "pointwise", "full"}
     _, asked = _search("gpt-small", "cpu-gloo:4", 64, Fixed(recompute="selective"), limit)
     assert asked and all(c.recompute == "selective" for c in asked)
 
 
 def test_offload_that_fits_with_room_does_not_stop_recompute_being_tried():
-    # host copies at 1 MB/s: offload fits with room but takes seconds; full recompute fits and is fast
+    # host copies at 1 MB/s: offload fits with room but takes seconds; recompute fits and is fast
     model = models.build("gpt-small", "meta")
     slow = dataclasses.replace(Cluster.preset("cpu-gloo:1"), host_bandwidth_bytes_per_s=1e6)
     _, plain = search(model, model.example_inputs(1), slow, 4, fixed=Fixed(m=1))
@@ -309,7 +310,7 @@ def test_offload_that_fits_with_room_does_not_stop_recompute_being_tried():
     plan, ranked = search(model, model.example_inputs(1), slow, 4, limit, fixed=Fixed(m=1))
     hosted = [c for c in ranked if c.offload == "host" and not c.pruned]
     assert hosted and min(c.memory.total_bytes for c in hosted) <= 0.9 * limit  # offload alone fits, with room
-    assert (plan.recompute, plan.offload) == ("full", "none")
+    assert plan.offload == "none" and plan.recompute in ("pointwise", "full"), (plan.recompute, plan.offload)
 
 
 def test_offload_on_a_cpu_pays_the_plain_step_and_the_copies():

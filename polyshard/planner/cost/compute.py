@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from polyshard.graph.capture import linear_dims, shape_of
+from polyshard.graph.capture import is_product, linear_dims, shape_of
 from polyshard.graph.ops import is_shape_op, op_key, op_name
 from polyshard.graph.upcast import moved_bytes
 from polyshard.layout import Layout
@@ -31,8 +31,6 @@ from polyshard.graph.regions import Recomputed
 from polyshard.plan import NodePlan
 
 TRAIN_FLOPS_PER_FORWARD = 3
-_PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.baddbmm,
-             torch.addmm, F.linear, "matmul", "bmm")
 _POINTWISE_MODULES = {nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
 
 
@@ -74,7 +72,7 @@ def forward_seconds(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module
     if op_key(node) is F.scaled_dot_product_attention:
         q, k = (shape_of(n) for n in node.args[:2])
         peak *= cluster.attention_share(dtype, 4 * q[-2] * k[-2] * q[-1])  # by one head's slice
-    elif _is_product(node, modules):
+    elif is_product(node, modules):
         peak *= cluster.matmul_share(*_product_dims(node, entry, modules, flops), dtype)
     bandwidth = cluster.memory_bandwidth_bytes_per_s
     moved = forward_bytes(node, entry, modules, itemsize) if bandwidth else 0.0
@@ -147,12 +145,6 @@ def _pointwise_name(node: fx.Node, modules: dict[str, nn.Module]) -> str:
     if node.op == "call_module":
         return _POINTWISE_MODULES.get(type(modules[node.target]), "")
     return op_name(node)
-
-
-def _is_product(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    if node.op == "call_module":
-        return linear_dims(modules[node.target]) is not None
-    return op_key(node) in _PRODUCTS
 
 
 def _split(entry: NodePlan, arg: fx.Node, dim: int) -> int:

@@ -61,11 +61,16 @@ def param_numel(plan: Plan, name: str, shape) -> float:
 
 def kept_copies(node: fx.Node, rc: Recomputed, itemsize: int = 4) -> float:
     """How many tensors of ``node``'s output size (at ``itemsize`` bytes an element) autograd keeps for it:
-    its output if a backward reads it, plus what a module captured as one op keeps inside; none where
-    recompute frees them (the largest region holds its own again)."""
+    its output if a backward reads it (or a recompute region keeps it for its rerun), plus what a module captured
+    as one op keeps inside; none where recompute frees them (the largest region holds its own again)."""
     if node.name in rc.freed and node.name not in rc.held:
         return 0.0
-    return _kept(node, itemsize)
+    return with_cached(_kept(node, itemsize), node.name, rc)
+
+
+def with_cached(copies: float, name: str, rc: Recomputed) -> float:
+    """``copies`` kept of ``name``'s output, at least one where a recompute region keeps it for its rerun."""
+    return max(copies, 1.0) if name in rc.cached else copies
 
 
 def frees_activations(gm: fx.GraphModule, rc: Recomputed) -> bool:
@@ -151,8 +156,8 @@ def backward_peaks(gm: fx.GraphModule, plan: Plan, rc: Recomputed, rows: int = 1
     size, grads, seen = {}, {}, set()
     kept = graph.kept[itemsize < 4]
     for name in graph.order:
-        if name in kept:
-            size[name] = held(name) * kept[name]
+        if copies := with_cached(kept.get(name, 0.0), name, rc):
+            size[name] = held(name) * copies
         for pname, p in graph.params.get(name, ()):
             if id(p) not in seen and pname in plan.params:
                 seen.add(id(p))
