@@ -7,6 +7,7 @@ a world of one (one GPU) measures the device alone and keeps its preset's links.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -24,7 +25,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from polyshard import models
 from polyshard.cluster import Cluster, Link, format_bytes
+from polyshard.compiler.recompute import apply_recompute
 from polyshard.graph.capture import capture
+from polyshard.graph.regions import recomputed
 from polyshard.optim import build_optimizer
 from polyshard.planner.workers import available_cores
 from polyshard.errors import PolyshardError
@@ -176,9 +179,11 @@ def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 10
     timed = ("float32", *dtypes) if device.type == "cpu" else ()
     steps = measure_step_overheads(timed, repeats)
     update = measure_update_overhead(repeats) if device.type == "cpu" else 0.0
-    plain, split, update, *steps = _all_reduce([plain, split, update, *steps], dist.ReduceOp.MAX, None)
+    rerun, watched = measure_recompute_overheads(repeats) if device.type == "cpu" else (0.0, 0.0)
+    plain, split, update, rerun, watched, *steps = _all_reduce([plain, split, update, rerun, watched, *steps],
+                                                               dist.ReduceOp.MAX, None)
     by_dtype = dict(zip(timed, steps))
-    return OpOverheads(by_dtype.pop("float32", plain), by_dtype, max(split - plain, 0.0), update)
+    return OpOverheads(by_dtype.pop("float32", plain), by_dtype, max(split - plain, 0.0), update, rerun, watched)
 
 
 class OpOverheads(NamedTuple):
@@ -189,6 +194,8 @@ class OpOverheads(NamedTuple):
     op_overheads_s: dict[str, float]
     split_op_overhead_s: float
     optimizer_overhead_s: float
+    recompute_op_overhead_s: float = 0.0
+    watched_op_overhead_s: float = 0.0
 
 
 def measure_step_overheads(dtypes: Sequence[str], repeats: int, calls: int = 20,
@@ -214,6 +221,32 @@ def measure_step_overheads(dtypes: Sequence[str], repeats: int, calls: int = 20,
         for (run, ops), mine in zip(runs, times):
             mine.append(_times(run, 1, torch.device("cpu"), dist.barrier, calls)[0] / ops)
     return [statistics.median(t) for t in times]
+
+
+def measure_recompute_overheads(repeats: int, calls: int = 20) -> tuple[float, float]:
+    """What checkpointing adds per op it reruns, beyond the rerun's own fixed cost (a third of a forward and
+    backward's), and what a policy watching every op adds per op of its region: gpt-tiny's forward and backward
+    with no recompute, with every block checkpointed plainly, and with every block under a policy, taking turns
+    batch by batch, every rank at once from a barrier."""
+    model = models.build("gpt-tiny", seed=0)
+    batch = model.example_inputs(1)
+    gm = capture(model, batch)
+    ops = sum(n.op.startswith("call_") for n in gm.graph.nodes)
+    region_ops = len(recomputed(gm, "full").rerun)
+    programs = (gm, apply_recompute(gm, "full", "recompute", collectives=False),
+                apply_recompute(gm, "full", "keep", collectives=True))
+
+    def forward_backward(program):
+        model.zero_grad(set_to_none=True)
+        program(*batch).backward()
+
+    times = [[] for _ in programs]
+    for _ in range(repeats):
+        for program, mine in zip(programs, times):
+            mine.append(_times(functools.partial(forward_backward, program), 1, torch.device("cpu"), dist.barrier,
+                               calls)[0])
+    plain, rerun, watched = (statistics.median(t) for t in times)
+    return max((rerun - plain) / region_ops - plain / ops / 3, 0.0), max((watched - rerun) / region_ops, 0.0)
 
 
 def slowest_step_overhead(repeats: int) -> float:
@@ -571,6 +604,10 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
               f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}"]
     lines += [f"{'plain, ' + name:<24} {_si(s, 's'):>12}" for name, s in cluster.op_overheads_s.items()]
     lines += [f"{'split (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}",
+              f"{'recomputed, extra':<24} {_si(cluster.recompute_op_overhead_s, 's'):>12}  (checkpointing, per op "
+              "run again)",
+              f"{'watched, extra':<24} {_si(cluster.watched_op_overhead_s, 's'):>12}  (a checkpoint policy, per op "
+              "of its region)",
               f"{'optimizer, per tensor':<24} {_si(cluster.optimizer_overhead_s, 's'):>12}",
               "", f"{'memory (read + write)':<24} {_si(cluster.memory_bandwidth_bytes_per_s, 'B/s'):>12}",
               "", "offload copies",

@@ -118,6 +118,7 @@ _DEVICES: dict[str, _Device] = {
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s")
+_RECOMPUTE_KEYS = ("recompute_op_overhead_s", "watched_op_overhead_s")
 _OFFLOAD_KEYS = ("host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s", "host_memory_bandwidth_bytes_per_s",
                  "host_optimizer_overhead_s")
 _RATE_KEYS = ("memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency")
@@ -147,6 +148,11 @@ class Cluster:
     op_overheads_s: dict[str, float] = field(default_factory=dict, hash=False)
     # What an op run on split tensors (DTensor) pays on top of op_overhead_s.
     split_op_overhead_s: float = 0.0
+    # On hosts that run the device's work (CPUs), what checkpointing adds per op it runs again, beyond the op's own
+    # fixed cost (saved-tensor hooks, unpacking, the rerun's dispatch), and what a selective checkpoint policy adds
+    # per op of a region it watches (a Python call per op, in forward and again in the rerun); 0: unmeasured.
+    recompute_op_overhead_s: float = 0.0
+    watched_op_overhead_s: float = 0.0
     # Fixed seconds per tensor an optimizer step walks, once per step whatever the micro-batches.
     optimizer_overhead_s: float = 0.0
     # Copies between a device and its host's memory, and between host memory and local disk (offload).
@@ -318,7 +324,7 @@ class Cluster:
             data = {**dict(zip(_OVERHEAD_KEYS, like.overheads)), **dict(zip(_OFFLOAD_KEYS, like.offload)),
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
                     "matmul_depth_shares": [], "matmul_shares": {}, "attention_shares": {}, "op_overheads_s": {},
-                    "all_to_all": True, **dict.fromkeys(_SKEW_KEYS, 0.0), "pointwise_rates": {},
+                    "all_to_all": True, **dict.fromkeys(_SKEW_KEYS + _RECOMPUTE_KEYS, 0.0), "pointwise_rates": {},
                     **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         if not isinstance(data["all_to_all"], bool):
@@ -338,7 +344,8 @@ class Cluster:
                 intra_node=Link(**{k: float(v) for k, v in links["intra_node"].items()}),
                 inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
                 flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
-                **{key: float(data[key]) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS + _SKEW_KEYS},
+                **{key: float(data[key])
+                   for key in _OVERHEAD_KEYS + _RECOMPUTE_KEYS + _OFFLOAD_KEYS + _RATE_KEYS + _SKEW_KEYS},
                 op_overheads_s={str(k): float(v) for k, v in dict(data["op_overheads_s"] or {}).items()},
                 matmul_depth_shares=tuple((float(d), float(sh)) for d, sh in data["matmul_depth_shares"] or ()),
                 **{table: {str(k): tuple((float(f), float(sh)) for f, sh in v)

@@ -122,14 +122,18 @@ def _attention_cores(graph: fx.Graph, taken: set[fx.Node]) -> list[list[fx.Node]
 class Recomputed:
     """What a recompute mode does to a graph, by node name: ``rerun`` (forward again in backward),
     ``freed`` (outputs not kept for backward), per region in graph order the outputs it frees, which are
-    alive again while that region's backward runs, and ``cached``: outputs a region keeps for its rerun
-    whether or not a backward reads them (a pointwise region's products and attention)."""
+    alive again while that region's backward runs, ``cached``: outputs a region keeps for its rerun
+    whether or not a backward reads them (a pointwise region's products and attention), and the nodes of regions
+    whose checkpoint policy watches every op: ``watched`` always (a pointwise region's), ``watched_if_split`` where
+    the program splits operators (a region keeping its collectives' results)."""
 
     rerun: frozenset[str] = frozenset()
     freed: frozenset[str] = frozenset()
     regions: tuple[frozenset[str], ...] = ()
     comm: str = "keep"
     cached: frozenset[str] = frozenset()
+    watched: frozenset[str] = frozenset()
+    watched_if_split: frozenset[str] = frozenset()
 
     @cached_property
     def held(self) -> frozenset[str]:
@@ -148,4 +152,6 @@ def recomputed(gm: fx.GraphModule, mode: str, comm: str = "keep") -> Recomputed:
                   for r, keep in zip(regions, kept) for members in [set(r.nodes)])
     rerun = frozenset(n.name for r, keep in zip(regions, kept) for n in r.nodes if n not in keep)
     cached = frozenset(n.name for keep in kept for n in keep)
-    return Recomputed(rerun, frozenset().union(*inner), inner, comm, cached)
+    watched = frozenset(n.name for r in regions if r.keeps_products for n in r.nodes)
+    keeping = frozenset(n.name for r in regions if r.comm == "keep" for n in r.nodes)
+    return Recomputed(rerun, frozenset().union(*inner), inner, comm, cached, watched, keeping - watched)

@@ -31,7 +31,7 @@ from polyshard.planner.candidates import (Enumeration, Repeat, enumerated, gathe
                                           shares_params)
 from polyshard.planner.cost.comm import comm_seconds, own_bytes, weight_sum_seconds
 from polyshard.graph.regions import Recomputed, recomputed
-from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes
+from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes, recompute_overhead
 from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
 from polyshard.plan import DTYPES, NodePlan, Plan
@@ -373,10 +373,11 @@ def _forwards(found: Enumeration, node: fx.Node, cluster: Cluster, precision: st
 
 
 def _recomputed_alike(rc: Recomputed, name: str, twin: str) -> bool:
-    """Whether recompute treats a node as its twin: both run again or neither, and both outputs are freed
-    or kept alike (a module marked for recompute in one layer only differs from its twin)."""
-    return (name in rc.rerun) == (twin in rc.rerun) and (name in rc.freed) == (twin in rc.freed) and \
-        (name in rc.held) == (twin in rc.held)
+    """Whether recompute treats a node as its twin: both run again or neither, both outputs are freed, held or
+    cached alike, and both are watched alike (a module marked for recompute in one layer only differs from its
+    twin)."""
+    return all((name in names) == (twin in names) for names in (rc.rerun, rc.freed, rc.held, rc.cached, rc.watched,
+                                                                rc.watched_if_split))
 
 
 def _source(name: str, copied: dict[str, str], per_node: dict[str, np.ndarray]) -> str:
@@ -494,7 +495,9 @@ def _op_seconds(node, d: NodePlan, forward: float, modules, axes, cluster, dtype
     """(seconds per row, fixed seconds) of one op, whose forward takes ``forward`` seconds per row."""
     compute_passes, comm_passes = passes(node.name, rc)
     transfer, latency = comm_seconds(own_bytes(node, d, modules, itemsize, cluster.backend), axes, cluster)
-    overhead = op_overhead(d, cluster, compute_passes, dtype) if node.op.startswith("call_") else 0.0
+    splits = any(size > 1 for _, size in axes)
+    overhead = op_overhead(d, cluster, compute_passes, dtype) + recompute_overhead(node.name, rc, cluster, splits) \
+        if node.op.startswith("call_") else 0.0
     summed = weight_sum_seconds(node, d, modules, itemsize, axes, cluster)
     return compute_passes * forward + comm_passes * transfer, comm_passes * latency + overhead + summed
 

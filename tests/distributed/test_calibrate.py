@@ -36,6 +36,9 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     # microseconds per tensor
     assert 1e-7 < cluster.op_overhead_s < 1e-2 and 0 < cluster.split_op_overhead_s < 1e-1
     assert 1e-7 < cluster.optimizer_overhead_s < 1e-2 and "optimizer, per tensor" in run.stdout
+    # checkpointing costs a CPU microseconds per op it reruns, and a policy watching each op more
+    assert 1e-7 < cluster.recompute_op_overhead_s < 1e-2 and "recomputed, extra" in run.stdout
+    assert 1e-7 < cluster.watched_op_overhead_s < 1e-2 and "watched, extra" in run.stdout
     # a CPU's half-precision kernels are timed on their own step: each dtype whose products were timed
     assert set(cluster.op_overheads_s) == set(cluster.flops_per_s) - {"float32"}
     assert all(1e-7 < s < 1e-2 for s in cluster.op_overheads_s.values()) and "plain, bfloat16" in run.stdout

@@ -1,5 +1,6 @@
 """Recompute in one process: the same training as the eager model, less memory kept for backward."""
 
+import dataclasses
 import json
 import warnings
 
@@ -165,3 +166,25 @@ def test_plan_json_round_trips_recompute_and_old_plans_load():
     assert (loaded.recompute, loaded.recompute_comm) == ("none", "keep")
     with pytest.raises(PolyshardError, match="recompute must be one of"):
         Plan.from_json(json.dumps(old | {"recompute": "sometimes"}))
+
+
+def test_a_cpu_pays_checkpointings_bookkeeping_and_a_watching_policy_per_op_and_a_gpu_does_not():
+    """On a CPU the host runs the work: each op run again pays checkpoint's bookkeeping, each op of a region whose
+    policy watches ops (pointwise, or keeping collectives' results where operators are split) pays the policy."""
+    from polyshard.cluster import Cluster
+    from polyshard.planner.cost.overlap import op_costs
+    from polyshard.planner.propagate import propagate
+
+    model = models.build("gpt-tiny", "meta")
+    gm = capture(model, model.example_inputs(1))
+    extra = dict(recompute_op_overhead_s=1e-3, watched_op_overhead_s=1e-2)
+    for mode, comm, tp in (("pointwise", "recompute", 1), ("full", "keep", 1), ("full", "keep", 2)):
+        plan = dataclasses.replace(propagate(gm, (("tp", tp),), lambda _: None), recompute=mode, recompute_comm=comm)
+        rc = recomputed(gm, mode, comm)
+        watched = len(rc.watched) + (tp > 1) * len(rc.watched_if_split)
+        for name, expected in (("cpu-gloo:2", 1e-3 * len(rc.rerun) + 1e-2 * watched), ("1x2xA100-80G", 0.0)):
+            base = Cluster.preset(name)
+            fixed = [sum(cost.overhead_s for cost in op_costs(gm, plan, cluster))
+                     for cluster in (base, dataclasses.replace(base, **extra))]
+            assert fixed[1] - fixed[0] == pytest.approx(expected, rel=1e-9, abs=1e-12), (mode, comm, tp, name)
+    assert len(recomputed(gm, "pointwise", "recompute").watched) > 0

@@ -174,3 +174,14 @@ def op_overhead(entry: NodePlan, cluster: Cluster, compute_passes: int = TRAIN_F
     (kernels launch asynchronously) and only the launches cost device time."""
     split = cluster.split_op_overhead_s if entry.impl != "local" and cluster.device_type != "cuda" else 0.0
     return (cluster.op_overhead_for(dtype) + split) * compute_passes / TRAIN_FLOPS_PER_FORWARD
+
+
+def recompute_overhead(name: str, recomputed: Recomputed, cluster: Cluster, splits: bool) -> float:
+    """What checkpointing adds to node ``name`` per training step beyond its rerun's own cost, where the host runs
+    the device's work (GPUs' hosts run ahead of their kernels): its bookkeeping, if the node runs again, and the
+    policy's call, if its region's policy watches ops (``splits``: the program splits operators, so a region
+    keeping its collectives' results watches for them)."""
+    if cluster.device_type == "cuda":
+        return 0.0
+    watched = name in recomputed.watched or splits and name in recomputed.watched_if_split
+    return (name in recomputed.rerun) * cluster.recompute_op_overhead_s + watched * cluster.watched_op_overhead_s

@@ -21,7 +21,7 @@ from polyshard.buckets import FIRST_BUCKET_BYTES
 from polyshard.cluster import Cluster
 from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes, weight_sum_seconds
 from polyshard.graph.regions import Recomputed, recomputed
-from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes
+from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes, recompute_overhead
 from polyshard.planner.cost.repeat import costed_as
 from polyshard.plan import Plan
 
@@ -61,8 +61,9 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
         transfer, latency = _collectives_seconds(node, plan, modules, itemsize, cluster)
         summed = weight_sum_seconds(node, plan.nodes[node.name], modules, itemsize, plan.mesh or plan.op_axes, cluster)
         # backward sends what forward sends: each collective's gradient is its reverse
-        by_name[node.name] = OpCost(seconds, comm_passes * transfer, comm_passes * latency + summed,
-                                    op_overhead(plan.nodes[node.name], cluster, compute_passes, dtype))
+        fixed = op_overhead(plan.nodes[node.name], cluster, compute_passes, dtype) + \
+            recompute_overhead(node.name, rc, cluster, plan.splits_operators)
+        by_name[node.name] = OpCost(seconds, comm_passes * transfer, comm_passes * latency + summed, fixed)
         out.append(by_name[node.name])
     output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
     if out and output is not None and output.name in plan.nodes:  # e.g. split logits gathered whole
