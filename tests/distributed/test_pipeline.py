@@ -99,7 +99,7 @@ def test_interleaved_two_virtual_stages(pools):
     assert "blocks.2.ln1.weight" in results[0]["params"] and "blocks.1.ln1.weight" in results[1]["params"]
 
 
-@pytest.mark.parametrize("schedule,modes", [("1f1b", ("full", "none")),
+@pytest.mark.parametrize("schedule,modes", [("1f1b", ("full", "none")), ("1f1b", ("pointwise", "none")),
                                              ("interleaved", ("full", "selective", "none", "full"))])
 def test_a_recompute_mode_per_stage(pools, schedule, modes):
     v = len(modes) // 2
@@ -107,8 +107,8 @@ def test_a_recompute_mode_per_stage(pools, schedule, modes):
                            modes)
     _check(results)
     regions = {c: names for r in results for c, names in r["recomputed"].items()}
-    kind = {"none": "", "selective": "scaled_dot_product_attention", "full": "blocks"}
-    for c, mode in enumerate(modes):  # whole blocks, or only attention's core, or nothing
+    kind = {"none": "", "selective": "scaled_dot_product_attention", "pointwise": "blocks", "full": "blocks"}
+    for c, mode in enumerate(modes):  # blocks (whole, or keeping their products), or only attention's core, or nothing
         assert bool(regions[c]) == (mode != "none") and all(kind[mode] in name for name in regions[c]), (c, regions)
 
 
