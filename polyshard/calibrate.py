@@ -179,7 +179,9 @@ def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 10
     timed = ("float32", *dtypes) if device.type == "cpu" else ()
     steps = measure_step_overheads(timed, repeats)
     update = measure_update_overhead(repeats) if device.type == "cpu" else 0.0
-    rerun, watched = measure_recompute_overheads(repeats) if device.type == "cpu" else (0.0, 0.0)
+    # each a difference of two timings, which needs more of them to settle (at 5, the policy's figure moved from
+    # 130 to 330 us between runs on 4 ranks sharing 2 cores; at 15, from 143 to 152)
+    rerun, watched = measure_recompute_overheads(3 * repeats) if device.type == "cpu" else (0.0, 0.0)
     plain, split, update, rerun, watched, *steps = _all_reduce([plain, split, update, rerun, watched, *steps],
                                                                dist.ReduceOp.MAX, None)
     by_dtype = dict(zip(timed, steps))
