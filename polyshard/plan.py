@@ -107,6 +107,11 @@ class NodePlan:
     shape_divisors: dict[int, int] = field(default_factory=dict)
 
 
+def splits_operators(op_axes) -> bool:
+    """Whether an operator axis of ``op_axes`` ((name, size), ...) has 2 ranks or more, so ops may communicate."""
+    return any(size > 1 for _, size in op_axes)
+
+
 @dataclass(frozen=True)
 class Plan:
     """op_axes: the device matrix operators split over; params: layout per parameter name;
@@ -165,7 +170,7 @@ class Plan:
     @property
     def splits_operators(self) -> bool:
         """Whether an operator axis has 2 ranks or more, so ops may communicate."""
-        return any(size > 1 for _, size in self.op_axes)
+        return splits_operators(self.op_axes)
 
     @property
     def sequence_parallel(self) -> bool:

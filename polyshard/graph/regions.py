@@ -135,6 +135,13 @@ class Recomputed:
     watched: frozenset[str] = frozenset()
     watched_if_split: frozenset[str] = frozenset()
 
+    def alike(self, name: str, twin: str) -> bool:
+        """Whether recompute treats a node as its twin: both run again or neither, both outputs are freed, held or
+        cached alike, and both are watched alike (a module marked for recompute in one layer only differs from its
+        twin)."""
+        return all((name in names) == (twin in names) for names in (self.rerun, self.freed, self.held, self.cached,
+                                                                    self.watched, self.watched_if_split))
+
     @cached_property
     def held(self) -> frozenset[str]:
         """The largest region's freed outputs: what is alive again at the worst moment of backward."""

@@ -34,7 +34,7 @@ from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes, recompute_overhead
 from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
-from polyshard.plan import DTYPES, NodePlan, Plan
+from polyshard.plan import DTYPES, NodePlan, Plan, splits_operators
 from polyshard.planner.rules import row_splits
 from polyshard.transitions import transition_bytes
 
@@ -192,7 +192,7 @@ def program_terms(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, rc: Recom
                 var_of[(name, i)] = len(var_of)
     # a repeat that recompute treats as its twin block is counted as that block, in bulk
     repeated = [r for r in found.repeats if not (rc.rerun or rc.freed) or
-                all(_recomputed_alike(rc, m, t) for m, t in zip(r.members, r.twins))]
+                all(rc.alike(m, t) for m, t in zip(r.members, r.twins))]
     totals = _node_terms(gm, found, var_of, repeated, op_axes, cluster, rc, offload, precision)
     edges, shared = _edge_terms(gm, found, repeated, op_axes, cluster, rc, precision)
     return Terms(found.options, found.rep, var_of, (totals[:, 0, 0], totals[:, 0, 1]),
@@ -213,7 +213,7 @@ def _node_terms(gm: fx.GraphModule, found: Enumeration, var_of: dict[tuple[str, 
     for n in gm.graph.nodes:
         if n.name in skipped:
             pass
-        elif n.name in copied and _recomputed_alike(rc, n.name, copied[n.name]) and \
+        elif n.name in copied and rc.alike(n.name, copied[n.name]) and \
                 not shares_params(n, owned, seen_params):
             per_node[n.name] = per_node[copied[n.name]]
             node_uses[(rep[n.name], _source(n.name, copied, per_node))] += 1
@@ -258,7 +258,7 @@ def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], 
         if n.name in skipped and n.name not in boundary:
             continue
         twin = twin_of.get(n.name) if n.name in copied else None
-        twin_inputs = twin.all_input_nodes if twin is not None and _recomputed_alike(rc, n.name, twin.name) else ()
+        twin_inputs = twin.all_input_nodes if twin is not None and rc.alike(n.name, twin.name) else ()
         for k, u in enumerate(n.all_input_nodes):
             if n.name in skipped and k not in boundary[n.name]:
                 continue
@@ -370,14 +370,6 @@ def _forwards(found: Enumeration, node: fx.Node, cluster: Cluster, precision: st
         table[node.name] = np.array([forward_seconds(node, d, found.modules, cluster, dtype, itemsize)
                                      for d in found.options[node.name]])
     return table[node.name]
-
-
-def _recomputed_alike(rc: Recomputed, name: str, twin: str) -> bool:
-    """Whether recompute treats a node as its twin: both run again or neither, both outputs are freed, held or
-    cached alike, and both are watched alike (a module marked for recompute in one layer only differs from its
-    twin)."""
-    return all((name in names) == (twin in names) for names in (rc.rerun, rc.freed, rc.held, rc.cached, rc.watched,
-                                                                rc.watched_if_split))
 
 
 def _source(name: str, copied: dict[str, str], per_node: dict[str, np.ndarray]) -> str:
@@ -495,9 +487,8 @@ def _op_seconds(node, d: NodePlan, forward: float, modules, axes, cluster, dtype
     """(seconds per row, fixed seconds) of one op, whose forward takes ``forward`` seconds per row."""
     compute_passes, comm_passes = passes(node.name, rc)
     transfer, latency = comm_seconds(own_bytes(node, d, modules, itemsize, cluster.backend), axes, cluster)
-    splits = any(size > 1 for _, size in axes)
-    overhead = op_overhead(d, cluster, compute_passes, dtype) + recompute_overhead(node.name, rc, cluster, splits) \
-        if node.op.startswith("call_") else 0.0
+    overhead = op_overhead(d, cluster, compute_passes, dtype) + \
+        recompute_overhead(node.name, rc, cluster, splits_operators(axes)) if node.op.startswith("call_") else 0.0
     summed = weight_sum_seconds(node, d, modules, itemsize, axes, cluster)
     return compute_passes * forward + comm_passes * transfer, comm_passes * latency + overhead + summed
 

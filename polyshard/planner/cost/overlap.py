@@ -54,7 +54,7 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
             continue
         compute_passes, comm_passes = passes(node.name, rc)
         twin = same.get(node.name)
-        if twin is not None and passes(twin, rc) == (compute_passes, comm_passes):
+        if twin is not None and rc.alike(node.name, twin):
             out.append(by_name.setdefault(node.name, by_name[twin]))
             continue
         seconds = compute_passes * forward_seconds(node, plan.nodes[node.name], modules, cluster, dtype, itemsize)
