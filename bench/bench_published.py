@@ -115,8 +115,9 @@ _LLAMA3 = "Llama 3 405B, Dubey et al. 2024, Table 4 (BF16 MFU 43% / 41% of 989 T
 # FSDP2 (ZeRO 3) over 64 A100-80G, one 8192-token sequence per GPU: 2973 and 331 tokens/s per GPU, which times
 # PaLM's FLOPs per token (all parameters, as torchtitan counts them) is its MFU, 58.2% and 51.7% of 312 TFLOP/s
 _TITAN = "torchtitan, docs/performance.md, Llama 3 on 64 A100 (2973 / 331 tokens/s per GPU)"
-# the same page's Llama 2 runs: 4096-token sequences, two a GPU; 2162 and 353 tokens/s per GPU (MFU 61.1%, 50.5%)
-_TITAN2 = "torchtitan, docs/performance.md, Llama 2 on 64 A100 (2162 / 353 tokens/s per GPU)"
+# the same page's Llama 2 runs: 4096-token sequences, two a GPU; 2162 and 1904 tokens/s per GPU for 13B with no and
+# selective op checkpointing (MFU 61.1%, 53.8%), 353 for 70B with full (50.5%); one a GPU, selective op: 355 (50.8%)
+_TITAN2 = "torchtitan, docs/performance.md, Llama 2 on 64 A100 (2162 / 1904 / 353 / 355 tokens/s per GPU)"
 RUNS = (
     Run("1.7B", _SC21, 24, 2304, 24, 32, 512, 1, 1, 137),
     Run("3.6B", _SC21, 30, 3072, 32, 64, 512, 2, 1, 138),
@@ -148,16 +149,20 @@ RUNS = (
         hf="llama-3.1-405b", gpu="H100-80G"),
     Run("Llama-3-405B@16384", _LLAMA3, 126, 16384, 128, 16384, 2048, 8, 16, 400, vocab=128256, seq=8192,
         hf="llama-3.1-405b", gpu="H100-80G"),
-    # torchtitan's "selective op" checkpointing reruns the pointwise ops and every second product, keeping the
-    # attention's output; polyshard's pointwise keeps every product's: the nearest setting, a little cheaper
+    # torchtitan's "selective op" checkpointing reruns the pointwise ops and every second product by a weight,
+    # keeping the attention's output: polyshard's alternate
     Run("Llama-3-8B@64", _TITAN, 32, 4096, 32, 64, 64, 1, 1, 181.6, vocab=128256, seq=8192, mbs=1, zero=3,
-        recompute="pointwise", hf="llama-3-8b"),
+        recompute="alternate", hf="llama-3-8b"),
     Run("Llama-3-70B@64", _TITAN, 80, 8192, 64, 64, 64, 1, 1, 161.4, vocab=128256, seq=8192, mbs=1, zero=3,
         recompute="full", hf="llama-3-70b"),
     Run("Llama-2-13B@64", _TITAN2, 40, 5120, 40, 64, 128, 1, 1, 190.6, vocab=32000, seq=4096, mbs=2, zero=3,
         recompute="none", hf="llama-2-13b"),
+    Run("Llama-2-13B-op@64", _TITAN2, 40, 5120, 40, 64, 128, 1, 1, 167.9, vocab=32000, seq=4096, mbs=2, zero=3,
+        recompute="alternate", hf="llama-2-13b"),
     Run("Llama-2-70B@64", _TITAN2, 80, 8192, 64, 64, 128, 1, 1, 157.5, vocab=32000, seq=4096, mbs=2, zero=3,
         recompute="full", hf="llama-2-70b"),
+    Run("Llama-2-70B-op@64", _TITAN2, 80, 8192, 64, 64, 64, 1, 1, 158.5, vocab=32000, seq=4096, mbs=1, zero=3,
+        recompute="alternate", hf="llama-2-70b"),
 )
 
 

@@ -23,9 +23,9 @@ class Choice(str, Enum):
 
 class Recompute(Choice):
     """Activations run again in backward instead of kept: none; the attention cores; every block's ops but its
-    products and attention; every block."""
+    products and attention; those and every second of its weight products; every block."""
 
-    NONE, SELECTIVE, POINTWISE, FULL = "none", "selective", "pointwise", "full"
+    NONE, SELECTIVE, POINTWISE, ALTERNATE, FULL = "none", "selective", "pointwise", "alternate", "full"
 
 
 class RecomputeComm(Choice):
@@ -119,7 +119,9 @@ class Plan:
     copies: how many interleaved slices each batch runs as (multi-copy parallel);
     recompute: activations run again in backward instead of stored ("none"; "selective": attention
       cores, cheap to run and large to store; "pointwise": each block's ops but its products and attention,
-      norms and activation functions among them, keeping the products' and attention's outputs; "full":
+      norms and activation functions among them, keeping the products' and attention's outputs; "alternate":
+      those and every second product by a weight in a block (the second, fourth, ...), as torchtitan's selective
+      op checkpointing; "full":
       every block, keeping only block inputs);
     recompute_comm: in recomputed regions, "keep" the results of collectives or "recompute" them
       (communicating again in backward, for less memory);

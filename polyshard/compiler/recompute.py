@@ -3,7 +3,8 @@
 Time for memory, as MindSpore's ``recompute``: each region of the lowered program is outlined into a
 sub-module called through ``torch.utils.checkpoint``, so only its inputs (and, with ``comm="keep"``,
 the results of its collectives; in a region that keeps its products, the outputs of its matrix products
-and attention, as torchtitan's selective op checkpointing) stay alive between forward and backward.
+and attention, or of every second product by a weight, as torchtitan's selective op checkpointing) stay alive
+between forward and backward.
 """
 
 from __future__ import annotations
@@ -24,30 +25,37 @@ Target = TypeVar("Target", bound=Callable)
 
 
 # The aten ops a region that keeps its products saves: what polyshard.graph.regions.Region.kept names in the
-# captured graph (a Linear runs mm or addmm, a batched product bmm, fused attention one of these kernels).
-_PRODUCT_OPS = frozenset(op for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-                                         "_scaled_dot_product_flash_attention_for_cpu",
-                                         "_scaled_dot_product_efficient_attention",
-                                         "_scaled_dot_product_cudnn_attention",
-                                         "_scaled_dot_product_fused_attention_overrideable")
-                         if (op := getattr(torch.ops.aten, name, None)) is not None)
+# captured graph (a product by a weight runs mm or addmm, a batched product bmm, fused attention one of these).
+_WEIGHT_PRODUCT_OPS = frozenset((torch.ops.aten.mm, torch.ops.aten.addmm))
+_PRODUCT_OPS = _WEIGHT_PRODUCT_OPS | frozenset(
+    op for name in ("bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable")
+    if (op := getattr(torch.ops.aten, name, None)) is not None)
 
 
-def _saving(collectives: bool, products: bool) -> Callable:
-    """A checkpoint policy: collectives' results saved (backward does not talk again) and / or products' and
-    attention's outputs saved; the rest reruns."""
+def _saving(collectives: bool, every: int) -> Callable:
+    """A checkpoint policy for one region's call: collectives' results saved (backward does not talk again) and /
+    or (``every`` > 0) attention's and batched products' outputs and every ``every``-th weight product's, counted
+    apart in forward and in the rerun so both pick the same; the rest reruns."""
+    weighted = {False: 0, True: 0}
+
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        packet = getattr(op, "overloadpacket", None)
+        if packet in _WEIGHT_PRODUCT_OPS:
+            weighted[ctx.is_recompute] += 1
         saved = (collectives and op.namespace == "_c10d_functional"
-                 or products and getattr(op, "overloadpacket", None) in _PRODUCT_OPS)
+                 or every and packet in _PRODUCT_OPS
+                 and (packet not in _WEIGHT_PRODUCT_OPS or weighted[ctx.is_recompute] % every == 1 % every))
         return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
     return policy
 
 
 @functools.cache
-def _context_fn(comm: str, keeps_products: bool = False) -> Callable:
-    if comm == "recompute" and not keeps_products:
+def _context_fn(comm: str, keeps_every: int = 0) -> Callable:
+    if comm == "recompute" and not keeps_every:
         return noop_context_fn
-    return functools.partial(create_selective_checkpoint_contexts, _saving(comm == "keep", keeps_products))
+    return lambda: create_selective_checkpoint_contexts(_saving(comm == "keep", keeps_every))
 
 
 def _checkpointed(fn: Callable, context_fn: Callable, *args, **kwargs):
@@ -78,12 +86,12 @@ def recompute(target: Target, *, comm: str = "keep") -> Target:
 class Recomputed(nn.Module):
     """A region of the program, run under checkpoint (its modules are the program's own: same parameters)."""
 
-    def __init__(self, region: fx.GraphModule, comm: str, keeps_products: bool = False):
+    def __init__(self, region: fx.GraphModule, comm: str, keeps_every: int = 0):
         super().__init__()
-        self.region, self.comm, self.keeps_products = region, comm, keeps_products
+        self.region, self.comm, self.keeps_every = region, comm, keeps_every
 
     def forward(self, *args):
-        return _checkpointed(self.region, _context_fn(self.comm, self.keeps_products), *args)
+        return _checkpointed(self.region, _context_fn(self.comm, self.keeps_every), *args)
 
 
 def apply_recompute(gm: fx.GraphModule, mode: str, comm: str,
@@ -109,7 +117,7 @@ def _outline(gm: fx.GraphModule, regions: list[Region], collectives: bool = True
     inside = {n for r in regions for n in r.nodes}
     for node in gm.graph.nodes:
         if node in ends:
-            nodes, comm, label, keeps = ends[node].nodes, ends[node].comm, ends[node].label, ends[node].keeps_products
+            nodes, comm, label, keeps = ends[node].nodes, ends[node].comm, ends[node].label, ends[node].keeps_every
             members = set(nodes)
             inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in members))
             outputs = [n for n in nodes if any(u not in members for u in n.users)]

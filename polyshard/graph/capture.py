@@ -28,7 +28,8 @@ from polyshard.graph.export import at_rows as exported_at_rows
 from polyshard.graph.ops import op_key
 
 LEAF_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm)
-_PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.baddbmm, torch.addmm, F.linear, "matmul", "bmm")
+_MATMULS = (torch.matmul, operator.matmul, "matmul")
+_PRODUCTS = (*_MATMULS, torch.bmm, torch.mm, torch.baddbmm, torch.addmm, F.linear, "bmm")
 PIN_ATTR = "_polyshard_pin"
 
 
@@ -55,6 +56,17 @@ def is_product(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
     if node.op == "call_module":
         return linear_dims(modules[node.target]) is not None
     return op_key(node) in _PRODUCTS
+
+
+def is_weight_product(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
+    """Whether ``node`` multiplies by one matrix (a weight): a product that runs as one mm or addmm, not as a
+    batch of products (attention's scores and weighted sum run bmm)."""
+    if not is_product(node, modules):
+        return False
+    if node.op == "call_module" or op_key(node) in (F.linear, torch.mm, torch.addmm):
+        return True
+    right = node.args[1] if len(node.args) > 1 and op_key(node) in _MATMULS else None
+    return isinstance(right, fx.Node) and len(shape_of(right) or ()) == 2
 
 
 def is_leaf(m: nn.Module) -> bool:

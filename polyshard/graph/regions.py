@@ -14,7 +14,7 @@ from typing import Mapping
 import torch.nn.functional as F
 from torch import fx, nn
 
-from polyshard.graph.capture import is_product
+from polyshard.graph.capture import is_product, is_weight_product
 from polyshard.graph.ops import op_key
 from polyshard.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, check_choice
 
@@ -25,18 +25,22 @@ _VIEWS = {"view", "transpose", "reshape", "permute", "contiguous"}
 @dataclass(frozen=True)
 class Region:
     """Consecutive nodes recomputed together; ``comm``: "keep" or "recompute" their collectives;
-    ``keeps_products``: the outputs of its products and attention are kept, the rest runs again."""
+    ``keeps_every``: 0 keeps no output; n keeps attention's, batched products' and every n-th weight product's
+    (the first, the n+1-th, ...: as a checkpoint policy counting mm and addmm sees them), the rest runs again."""
 
     nodes: list[fx.Node]
     comm: str
     label: str
-    keeps_products: bool = False
+    keeps_every: int = 0
 
     def kept(self, modules: Mapping[str, nn.Module]) -> set[fx.Node]:
         """The nodes whose outputs this region keeps rather than runs again."""
-        if not self.keeps_products:
+        if not self.keeps_every:
             return set()
-        return {n for n in self.nodes if is_product(n, modules) or op_key(n) is F.scaled_dot_product_attention}
+        weighted = [n for n in self.nodes if is_weight_product(n, modules)]
+        dropped = set(weighted) - set(weighted[::self.keeps_every])
+        return {n for n in self.nodes if n not in dropped and (
+            is_product(n, modules) or op_key(n) is F.scaled_dot_product_attention)}
 
 
 def marked_modules(model: nn.Module) -> dict[str, str]:
@@ -49,7 +53,8 @@ def recompute_regions(gm: fx.GraphModule, mode: str, comm: str,
     """The regions of ``gm`` to recompute.
 
     ``mode``: "full" recomputes every block (each child of a repeated ModuleList), "pointwise" every block but
-    its products' and attention's outputs, which it keeps, "selective" every attention core
+    its products' and attention's outputs, which it keeps, "alternate" those too but every second product by a
+    weight, "selective" every attention core
     (scaled_dot_product_attention and the views feeding it), "none" nothing; each module path in
     ``marked_paths`` is recomputed too, whole, with its own ``comm``.
     """
@@ -60,13 +65,14 @@ def recompute_regions(gm: fx.GraphModule, mode: str, comm: str,
         return []
     paths = {path for node in gm.graph.nodes for path, _ in node.meta.get("nn_module_stack", {}).values()}
     # blocks: children of a ModuleList (or Sequential), whose last name is their index
-    blocked = mode in ("full", "pointwise")
+    blocked = mode in ("full", "pointwise", "alternate")
+    every = {"pointwise": 1, "alternate": 2}.get(mode, 0)
     blocks = {path for path in paths if path.rpartition(".")[2].isdigit()} if blocked else set()
     comms = dict.fromkeys(blocks, comm) | marked
     runs = _module_runs(gm.graph, comms)
     # a block holding a module the user marked runs again whole, that module's products included
-    regions = [Region(nodes, comms[path], path, mode == "pointwise" and not any(
-        m == path or m.startswith(path + ".") for m in marked)) for path, nodes in runs]
+    regions = [Region(nodes, comms[path], path, 0 if any(m == path or m.startswith(path + ".") for m in marked)
+                      else every) for path, nodes in runs]
     cores = _attention_cores(gm.graph, {n for _, nodes in runs for n in nodes}) if mode == "selective" else []
     regions += [Region(nodes, comm, nodes[-1].name) for nodes in cores]
     for path in sorted(set(marked) - paths):
@@ -123,8 +129,8 @@ class Recomputed:
     """What a recompute mode does to a graph, by node name: ``rerun`` (forward again in backward),
     ``freed`` (outputs not kept for backward), per region in graph order the outputs it frees, which are
     alive again while that region's backward runs, ``cached``: outputs a region keeps for its rerun
-    whether or not a backward reads them (a pointwise region's products and attention), and the nodes of regions
-    whose checkpoint policy watches every op: ``watched`` always (a pointwise region's), ``watched_if_split`` where
+    whether or not a backward reads them (a region's kept products and attention), and the nodes of regions
+    whose checkpoint policy watches every op: ``watched`` always (a region keeping products), ``watched_if_split`` where
     the program splits operators (a region keeping its collectives' results)."""
 
     rerun: frozenset[str] = frozenset()
@@ -159,6 +165,6 @@ def recomputed(gm: fx.GraphModule, mode: str, comm: str = "keep") -> Recomputed:
                   for r, keep in zip(regions, kept) for members in [set(r.nodes)])
     rerun = frozenset(n.name for r, keep in zip(regions, kept) for n in r.nodes if n not in keep)
     cached = frozenset(n.name for keep in kept for n in keep)
-    watched = frozenset(n.name for r in regions if r.keeps_products for n in r.nodes)
+    watched = frozenset(n.name for r in regions if r.keeps_every for n in r.nodes)
     keeping = frozenset(n.name for r in regions if r.comm == "keep" for n in r.nodes)
     return Recomputed(rerun, frozenset().union(*inner), inner, comm, cached, watched, keeping - watched)

@@ -15,7 +15,7 @@ def _check(results):
         assert len(r["regions"]) == 2, r["regions"]  # one per block, or attention core; shared by copies
 
 
-@pytest.mark.parametrize("mode", ["full", "selective", "pointwise"])
+@pytest.mark.parametrize("mode", ["full", "selective", "pointwise", "alternate"])
 def test_tp2(pools, mode):
     _check(pools(2).run(recompute_parity, "tp=2", mode))
 

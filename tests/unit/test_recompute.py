@@ -15,7 +15,7 @@ from polyshard import models
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.graph.regions import recomputed
-from polyshard.plan import Plan
+from polyshard.plan import RECOMPUTE_MODES, Plan
 from polyshard.compiler.recompute import apply_recompute
 
 
@@ -25,7 +25,7 @@ def _batch(seed: int, rows: int = 4):
 
 
 @pytest.mark.parametrize("mode, marked, num_regions", [
-    ("none", None, 0), ("selective", None, 2), ("pointwise", None, 2), ("full", None, 2),
+    ("none", None, 0), ("selective", None, 2), ("pointwise", None, 2), ("alternate", None, 2), ("full", None, 2),
     ("none", "blocks.1.mlp", 1), ("selective", "blocks.0", 2),  # block 0 holds its own attention core
 ])
 def test_training_matches_the_eager_model(mode, marked, num_regions):
@@ -80,10 +80,10 @@ def _activation_bytes(mode: str) -> int:
 
 
 def test_recompute_keeps_less_for_backward():
-    none, selective, pointwise, full = (_activation_bytes(mode) for mode in ("none", "selective", "pointwise", "full"))
+    none, selective, pointwise, alternate, full = (_activation_bytes(mode) for mode in RECOMPUTE_MODES)
     assert full <= 0.4 * none, (none, full)
     assert selective < none, (none, selective)
-    assert full < pointwise < none, (none, pointwise, full)
+    assert full < alternate < pointwise < none, (none, pointwise, alternate, full)
 
 
 def test_pointwise_recompute_keeps_each_blocks_products_and_attention_and_reruns_the_rest():
@@ -98,6 +98,18 @@ def test_pointwise_recompute_keeps_each_blocks_products_and_attention_and_reruns
     assert rc.rerun == {n.name for n in in_block} - kept
     assert {type(modules[n.target]) for n in in_block if n.op == "call_module" and n.name in rc.rerun} == {
         torch.nn.LayerNorm}
+
+
+def test_alternate_recompute_also_reruns_every_second_product_by_a_weight_of_each_block():
+    gm = capture(models.build("gpt-tiny"), _batch(0))
+    modules = dict(gm.named_modules())
+    rc, pointwise = recomputed(gm, "alternate"), recomputed(gm, "pointwise")
+    linears = [n.name for n in gm.graph.nodes if isinstance(modules.get(n.target), torch.nn.Linear)]
+    blocks = [[name for name in linears if name.startswith(f"blocks_{b}_")] for b in (0, 1)]
+    assert [len(names) for names in blocks] == [6, 6], linears  # q, k, v, output, two MLP products
+    rerun = {name for names in blocks for name in names[1::2]}  # k, the output's, the second MLP product
+    assert rc.cached == pointwise.cached - rerun and rc.rerun == pointwise.rerun | rerun
+    assert rc.watched == pointwise.watched
 
 
 def test_regions_watch_for_collectives_only_where_ops_may_communicate():
@@ -133,7 +145,8 @@ def test_recompute_marks_and_returns_a_module():
 def test_bad_settings_are_clear_errors():
     model = models.build("gpt-tiny")
     with pytest.raises(PolyshardError,
-                       match="recompute must be one of 'none', 'selective', 'pointwise', 'full'; got 'all'"):
+                       match="recompute must be one of 'none', 'selective', 'pointwise', 'alternate', 'full'; "
+                       "got 'all'"):
         ps.parallelize(model, _batch(0), recompute="all")
     with pytest.raises(PolyshardError, match="recompute_comm must be one of 'keep', 'recompute'; got 'drop'"):
         ps.parallelize(model, _batch(0), recompute_comm="drop")

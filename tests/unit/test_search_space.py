@@ -11,6 +11,7 @@ from polyshard.buckets import BUCKET_BYTES, bucket_count, cut_buckets
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.planner.config import Fixed
+from polyshard.plan import RECOMPUTE_MODES
 from polyshard.planner.report import chosen_row
 from polyshard.planner.cost.comm import axis_link
 from polyshard.graph.capture import capture, shape_of
@@ -280,7 +281,7 @@ def test_the_free_pick_is_no_slower_than_any_setting_fixed(cluster, limit_mib):
     usable = limit - default_reserve_bytes(Cluster.preset(cluster))
     free, ranked = _search("gpt-small", cluster, 64, limit=limit)
     best = min(c.step_s for c in ranked if c.describe() == free.report["chosen"])
-    for recompute in ("none", "selective", "pointwise", "full"):
+    for recompute in RECOMPUTE_MODES:
         for offload in ("none", "host"):
             try:
                 _, alone = _search("gpt-small", cluster, 64, Fixed(recompute=recompute, offload=offload), limit)
@@ -296,7 +297,7 @@ def test_recompute_that_frees_nothing_is_priced_only_when_asked():
     limit = 6.5 * 2**20
     _, free = _search("gpt-small", "cpu-gloo:4", 64, limit=limit)
     # memory is tight enough that recompute is tried: each mode that frees something
-    assert {c.recompute for c in free} == {"none", "pointwise", "full"}
+    assert {c.recompute for c in free} == {"none", "pointwise", "alternate", "full"}
     _, asked = _search("gpt-small", "cpu-gloo:4", 64, Fixed(recompute="selective"), limit)
     assert asked and all(c.recompute == "selective" for c in asked)
 
@@ -310,7 +311,8 @@ def test_offload_that_fits_with_room_does_not_stop_recompute_being_tried():
     plan, ranked = search(model, model.example_inputs(1), slow, 4, limit, fixed=Fixed(m=1))
     hosted = [c for c in ranked if c.offload == "host" and not c.pruned]
     assert hosted and min(c.memory.total_bytes for c in hosted) <= 0.9 * limit  # offload alone fits, with room
-    assert plan.offload == "none" and plan.recompute in ("pointwise", "full"), (plan.recompute, plan.offload)
+    assert plan.offload == "none" and plan.recompute in ("pointwise", "alternate", "full"), (plan.recompute,
+                                                                                           plan.offload)
 
 
 def test_offload_on_a_cpu_pays_the_plain_step_and_the_copies():
