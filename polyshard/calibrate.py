@@ -34,6 +34,7 @@ from polyshard.errors import PolyshardError
 from polyshard.transitions import wire_bytes
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+RAILS = "all_reduce, one rank a node"  # the sweep that times the inter-node link
 MIN_BYTES = 4 * 2**10
 # Small messages are timed in batches of calls moving this many bytes, so the mean outlasts timer and barrier skew.
 _BATCH_BYTES = 256 * 2**10
@@ -430,7 +431,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     fits = _fits(sweeps, sizes)
     skew, node_skew, pair_skew = (measure_arrival_skew(_comm_device(None), repeats, _pairs(base)) if world > 1
                                   else (0.0, 0.0, 0.0))
-    intra, inter = (fits["all_reduce"], fits.get("all_reduce, all nodes", fits["all_reduce"])) if sweeps else \
+    intra, inter = (fits["all_reduce"], fits.get(RAILS, fits["all_reduce"])) if sweeps else \
         (base.intra_node, base.inter_node)
     if world == 1:
         notes.append(f"one process: no collective to time; the links are the {base.device_name} preset's")
@@ -482,16 +483,24 @@ def shared_cores_note(ranks: int, threads: int, cores: int) -> str | None:
 
 
 def _sweeps(base: Cluster, sizes: list[int], repeats: int) -> dict[str, Sweep]:
-    """Every collective timed inside one node, and all_reduce across all nodes where there are several;
-    none in a world of one."""
+    """Every collective timed inside one node, and where there are several nodes all_reduce across them, one
+    rank a node, every rail at once (the inter-node link: one NIC per device, see cost.comm.axis_link); none in a
+    world of one."""
     if base.num_devices == 1:
         return {}
     split = base.num_nodes > 1 and base.devices_per_node > 1
     local = dist.new_subgroups(base.devices_per_node)[0] if split else None
     sweeps = {kind: _sweep(kind, sizes, local, repeats) for kind in KINDS}
     if split:
-        sweeps["all_reduce, all nodes"] = _sweep("all_reduce", sizes, None, repeats)
+        sweeps[RAILS] = _sweep("all_reduce", sizes, _rail(base), repeats)
     return sweeps
+
+
+def _rail(base: Cluster) -> dist.ProcessGroup:
+    """This rank's group of one rank a node, the same local rank on each (every rank must call it)."""
+    per_node = base.devices_per_node
+    return dist.new_subgroups_by_enumeration([list(range(i, base.num_devices, per_node))
+                                              for i in range(per_node)])[0]
 
 
 def measured_product_shares(base: Cluster, depth: int) -> tuple[float, tuple[tuple[float, float], ...]]:

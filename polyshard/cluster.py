@@ -33,7 +33,7 @@ class _Device:
     memory_bytes: int  # memory of one device
     flops_per_s: dict[str, float]  # peak dense FLOP/s per dtype name
     intra_node: Link  # between devices of one node
-    inter_node: Link  # between nodes
+    inter_node: Link  # between nodes, one NIC a device (a ring with g ranks in each node rides g: comm.axis_link)
     overheads: tuple[float, float, float]  # (op_overhead_s, split_op_overhead_s, optimizer_overhead_s) of Cluster
     # (host_bandwidth_bytes_per_s, disk_bandwidth_bytes_per_s, host_memory_bandwidth_bytes_per_s,
     # host_optimizer_overhead_s) of Cluster
@@ -138,7 +138,7 @@ class Cluster:
     device_name: str  # preset name of the device, e.g. "A100-80G" or "cpu"
     memory_bytes: int  # memory of one device
     intra_node: Link  # between devices of one node
-    inter_node: Link  # between nodes
+    inter_node: Link  # between nodes, one NIC a device (a ring with g ranks in each node rides g: comm.axis_link)
     # Peak dense FLOP/s per dtype name ("float32", "bfloat16", "float16"); left out of the hash.
     flops_per_s: dict[str, float] = field(default_factory=dict, hash=False)
     # Fixed seconds per op and micro-batch (forward and backward), however small the op: dispatch and launches.

@@ -504,7 +504,7 @@ class _Costs:
         program leaves sends out, so it may keep whole a value every stage sends. A stage sends what crosses its
         two cuts, out in forward and back in backward, for each of its rows (rows x pp of the program's): over
         the model's cuts, 2 pp / (cuts) of what crosses each."""
-        pp, link = stage_count(mesh), axis_link(mesh, PIPELINE_AXIS, self.cluster)
+        pp, link = stage_count(mesh), axis_link(mesh, PIPELINE_AXIS, self.cluster, ring=False)
         key = (op_axes, recompute, rows, pp, link.bandwidth_bytes_per_s, precision)
         if key not in self._sending:
             cluster, dtype = self.priced(precision)
@@ -729,7 +729,7 @@ class _Costs:
         none can beat ``best_s`` (``floors``, per (level, precision): one known before any is costed). A pipeline
         no chunk of which runs the last mode is left to the setting before."""
         dp, pp, base = data_size(mesh, self.data_axes), stage_count(mesh), solved.plan
-        link = axis_link(mesh, PIPELINE_AXIS, self.cluster)
+        link = axis_link(mesh, PIPELINE_AXIS, self.cluster, ring=False)
         out = []
 
         def pruned(bound: float, zero: int, precision: str) -> None:

@@ -118,3 +118,21 @@ def test_four_ranks_time_the_skew_of_their_pairs_and_agree_on_it(pools):
     assert len(set(skews)) == 1, skews
     share, node_call_s, pair_call_s = skews[0]
     assert 0 <= share < 1 and 0 <= node_call_s < 0.1 and 0 <= pair_call_s < 0.1
+
+
+def _sweeps_on_two_nodes() -> tuple[dict[str, int], float]:
+    """(group size per sweep, this rank's rail's sum of ranks) on 4 ranks taken as 2 nodes of 2."""
+    base = Cluster.preset("2x2xcpu")
+    sweeps = calibrate._sweeps(base, [2**14, 2**16], 1)
+    rank = torch.tensor([float(torch.distributed.get_rank())])
+    torch.distributed.all_reduce(rank, group=calibrate._rail(base))
+    return {label: sweep.group_size for label, sweep in sweeps.items() if sweep.seconds}, rank.item()
+
+
+def test_on_several_nodes_the_inter_node_link_is_timed_one_rank_a_node_every_rail_at_once(pools):
+    """The inter-node link is one NIC per device (the planner multiplies it by the ranks a group has in each node):
+    its all_reduce is timed on groups of one rank a node, the same local rank on each."""
+    results = pools(4).run(_sweeps_on_two_nodes)
+    sizes = {label: 2 for label in calibrate.KINDS} | {calibrate.RAILS: 2}
+    assert [r[0] for r in results] == [sizes] * 4
+    assert [r[1] for r in results] == [0 + 2, 1 + 3, 0 + 2, 1 + 3]

@@ -8,7 +8,7 @@ import torch
 
 from polyshard import models
 from polyshard.buckets import BUCKET_BYTES, bucket_count, cut_buckets
-from polyshard.cluster import Cluster
+from polyshard.cluster import Cluster, Link
 from polyshard.errors import PolyshardError
 from polyshard.planner.config import Fixed
 from polyshard.plan import RECOMPUTE_MODES
@@ -113,10 +113,12 @@ def test_a_gradient_reduction_after_backward_is_priced_whole():
     beside, after = (chosen_row(_search(name, "2x8xA100-80G", 32, Fixed(**split, overlap=o))[0].report)
                      for o in (1, 0))
     assert beside["compute_s"] == pytest.approx(after["compute_s"])
-    # a ring all-reduce of the bf16 gradients over 16 ranks on the inter-node link, a bucket at a time, none hidden
+    # a ring all-reduce of the bf16 gradients over 16 ranks across the nodes, a bucket at a time, none hidden: eight
+    # rings side by side, one per NIC, at eight NICs' rate up to NVLink's
     grads = 2 * sum(p.numel() for p in models.build(name, "meta").parameters())
     buckets = bucket_count(grads, BUCKET_BYTES, first_bucket_bytes(cluster, BUCKET_BYTES))
-    link = cluster.inter_node
+    link = Link(min(8 * cluster.inter_node.bandwidth_bytes_per_s, cluster.intra_node.bandwidth_bytes_per_s),
+                cluster.inter_node.latency_s)
     ring_s = 2 * 15 / 16 * grads / link.bandwidth_bytes_per_s + buckets * 15 * link.latency_s
     assert after["dp_comm_s"] == pytest.approx(ring_s, rel=0.01) and beside["dp_comm_s"] < 0.8 * ring_s
 
@@ -409,7 +411,14 @@ def test_tensor_axes_divide_a_node_or_span_whole_nodes():
     # an axis of 6 on 8-device nodes puts some of its groups across two nodes: the slow link
     assert axis_link((("dp", 8), ("tp", 6)), "tp", cluster) == cluster.inter_node
     assert axis_link((("dp", 12), ("tp", 4)), "tp", cluster) == cluster.intra_node
-    assert axis_link((("dp", 12), ("tp", 4)), "dp", cluster) == cluster.inter_node
+    nic, nvlink = cluster.inter_node.bandwidth_bytes_per_s, cluster.intra_node.bandwidth_bytes_per_s
+    # a ring over whole nodes runs one ring per NIC its group has in a node, up to the intra-node link's rate
+    # (pipeline sends ride one NIC)
+    assert axis_link((("dp", 12), ("tp", 4)), "dp", cluster) == Link(2 * nic, cluster.inter_node.latency_s)
+    assert axis_link((("dp", 48),), "dp", cluster) == Link(min(8 * nic, nvlink), cluster.inter_node.latency_s)
+    assert axis_link((("dp", 6), ("tp", 8)), "dp", cluster) == cluster.inter_node
+    assert axis_link((("pp", 6), ("tp", 8)), "pp", cluster, ring=False) == cluster.inter_node
+    assert axis_link((("pp", 12), ("tp", 4)), "pp", cluster, ring=False) == cluster.inter_node
 
 
 @pytest.mark.parametrize("name", ["gpt:layers=2,hidden=4096,heads=32,seq=2048,vocab=32000", "hf:llama-3-8b"])
@@ -474,21 +483,23 @@ def test_a_pipelines_bound_without_a_program_of_its_own_is_below_what_it_costs(n
     assert max(gains) > raised, gains
 
 
-@pytest.mark.parametrize("config", ["dp=32,tp=1,zero=0", "dp=32,tp=1,zero=3", "dp=16,tp=2,zero=2", "dp=8,tp=4,zero=2"])
-def test_a_whole_splits_bound_hides_no_more_traffic_than_backward_does(config):
+@pytest.mark.parametrize("config,cluster", [
+    ("dp=32,tp=1,zero=0", "32x1xA100-80G"), ("dp=32,tp=1,zero=3", "32x1xA100-80G"),
+    ("dp=16,tp=2,zero=2", "4x8xA100-80G"), ("dp=8,tp=4,zero=2", "4x8xA100-80G")])
+def test_a_whole_splits_bound_hides_no_more_traffic_than_backward_does(config, cluster):
     """Without a pipeline, gradient traffic hides only beside backward (level 3: forward too), so a split whose
     program takes at least the unsplit bound / k is bounded by what stays exposed then: never above what it costs
-    alone on 32 A100s at one row per replica (and 2-4 where tp splits), and at dp=32, where the traffic is three
-    times the compute, well above the bound that hides all of it."""
+    alone on 32 A100s at one row per replica (and 2-4 where tp splits), and at dp=32 over nodes of one GPU (one
+    NIC a ring), where the traffic is three times the compute, well above the bound that hides all of it."""
     name = "gpt:layers=4,hidden=4096,heads=32,seq=2048,vocab=32000"
     model = models.build(name, "meta")
     fixed = Fixed.parse(f"{config},pp=1")
-    costs = _Costs(capture(model, model.example_inputs(1)), _cluster("4x8xA100-80G"), ("dp",), 32, float("inf"),
+    costs = _Costs(capture(model, model.example_inputs(1)), _cluster(cluster), ("dp",), 32, float("inf"),
                    fixed=fixed)
     mesh = (("dp", fixed.dp), ("tp", fixed.tp))
     least = costs.unsplit_bound("none", 32 // fixed.dp, float("inf")) / fixed.tp
     bound = costs.whole_bound(mesh, "none", "none", least)
-    _, alone = _search(name, "4x8xA100-80G", 32, fixed)
+    _, alone = _search(name, cluster, 32, fixed)
     costed = [c.step_s for c in alone if not c.pruned]
     assert costed and bound <= min(costed) * (1 + 1e-9)
     assert bound > (2 if fixed.dp == 32 else 1.1) * (least + costs.floor(mesh, "none"))

@@ -2,7 +2,7 @@
 
 Bytes come from the transition table (polyshard.transitions); time is the alpha-beta model,
 latency per ring step x steps + bytes / bandwidth, on the intra-node link when the axis and every axis inside it fit
-in one node, else on the inter-node link.
+in one node, else on the inter-node link, as many NICs as the group has ranks in a node (see axis_link).
 """
 
 from __future__ import annotations
@@ -39,19 +39,33 @@ class DataSync:
         return max(self.during - hidden, self.last) + self.after
 
 
-def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster) -> Link:
-    """The link class an axis's collectives cross (inner axes are consecutive ranks): the intra-node
-    link only when the axis and the axes inside it span a whole divisor of a node, so that no group
-    straddles two nodes.
+def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster, ring: bool = True) -> Link:
+    """The link an axis's collectives ride (inner axes are consecutive ranks): the intra-node link when the axis
+    and the axes inside it span a whole divisor of a node, so that no group straddles two nodes; else the
+    inter-node link, one NIC per device. A ring collective (all-reduce, all-gather, reduce-scatter) whose group
+    holds g ranks of each node runs as g rings side by side, each crossing every node once on its own NIC and
+    passing the node's other ranks over the intra-node link (NCCL's channels, one per NIC): g NICs' rate, up to
+    the intra-node link's (NCCL's maintainers: about 24 GB/s of bus bandwidth per HDR NIC, times the NICs, up to
+    the NVLink figure; NVIDIA/nccl-tests#119, NVIDIA/nccl#412). ``ring=False`` (a pipeline's sends): one NIC.
 
     A part of an axis (``tp:0`` of a refined ``tp``) is taken to ride its whole axis's link."""
     base = axis.split(":")[0]
-    span = 1
+    inner = span = 1
     for name, size in reversed(mesh_axes):
         span *= size
         if name == base:
             break
-    return cluster.intra_node if cluster.devices_per_node % span == 0 else cluster.inter_node
+        inner = span
+    per_node = cluster.devices_per_node
+    if per_node % span == 0:
+        return cluster.intra_node
+    # groups of whole nodes hold the same ranks in each node; one straddling a node boundary gets one NIC
+    whole = span % per_node == 0 and (per_node % inner == 0 or inner % per_node == 0)
+    rails = max(1, per_node // inner) if ring and whole else 1
+    if rails == 1:
+        return cluster.inter_node
+    return Link(min(rails * cluster.inter_node.bandwidth_bytes_per_s, cluster.intra_node.bandwidth_bytes_per_s),
+                cluster.inter_node.latency_s)
 
 
 def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int,
