@@ -100,6 +100,7 @@ def test_interleaved_two_virtual_stages(pools):
 
 
 @pytest.mark.parametrize("schedule,modes", [("1f1b", ("full", "none")), ("1f1b", ("pointwise", "none")),
+                                             ("1f1b", ("none", "alternate")),
                                              ("interleaved", ("full", "selective", "none", "full"))])
 def test_a_recompute_mode_per_stage(pools, schedule, modes):
     v = len(modes) // 2
@@ -107,7 +108,8 @@ def test_a_recompute_mode_per_stage(pools, schedule, modes):
                            modes)
     _check(results)
     regions = {c: names for r in results for c, names in r["recomputed"].items()}
-    kind = {"none": "", "selective": "scaled_dot_product_attention", "pointwise": "blocks", "full": "blocks"}
+    kind = {"none": "", "selective": "scaled_dot_product_attention", "pointwise": "blocks", "alternate": "blocks",
+            "full": "blocks"}
     for c, mode in enumerate(modes):  # blocks (whole, or keeping their products), or only attention's core, or nothing
         assert bool(regions[c]) == (mode != "none") and all(kind[mode] in name for name in regions[c]), (c, regions)
 
@@ -116,7 +118,8 @@ def test_the_searched_recompute_mode_per_stage_trains_as_one_device(pools):
     # in 1.05 MiB the first stage, holding 2 micro-batches in flight, must recompute; the second need not
     results = pools(2).run(cases.searched_recompute_parity, 1075 * 1024)
     _check(results)
-    assert results[0]["stage_recompute"] == ("full", "none")
+    first, second = results[0]["stage_recompute"]
+    assert first in ("pointwise", "alternate", "full") and second == "none", results[0]["stage_recompute"]
     assert results[0]["recomputed"][0] and not results[1]["recomputed"][1]
 
 
