@@ -115,11 +115,13 @@ _SC21_T2 = "Megatron-LM, Narayanan et al. SC'21, Table 2 (PTD-P)"
 _MTNLG = "MT-NLG 530B, Smith et al. 2022 (iteration 60.1 / 50.2 / 44.4 s)"
 _LLAMA3 = "Llama 3 405B, Dubey et al. 2024, Table 4 (BF16 MFU 43% / 41% of 989 TFLOP/s)"
 # FSDP2 (ZeRO 3) over 64 A100-80G, one 8192-token sequence per GPU: 2973 and 331 tokens/s per GPU, which times
-# PaLM's FLOPs per token (all parameters, as torchtitan counts them) is its MFU, 58.2% and 51.7% of 312 TFLOP/s
-_TITAN = "torchtitan, docs/performance.md, Llama 3 on 64 A100 (2973 / 331 tokens/s per GPU)"
-# the same page's Llama 2 runs: 4096-token sequences, two a GPU; 2162 and 1904 tokens/s per GPU for 13B with no and
-# selective op checkpointing (MFU 61.1%, 53.8%), 353 for 70B with full (50.5%); one a GPU, selective op: 355 (50.8%)
-_TITAN2 = "torchtitan, docs/performance.md, Llama 2 on 64 A100 (2162 / 1904 / 353 / 355 tokens/s per GPU)"
+# PaLM's FLOPs per token (all parameters, as torchtitan counts them) is its MFU, 58.2% and 51.7% of 312 TFLOP/s;
+# 8B with selective layer checkpointing (every second layer): 2904 tokens/s, 56.8%
+_TITAN = "torchtitan, docs/performance.md, Llama 3 on 64 A100 (2973 / 331 / 2904 tokens/s per GPU)"
+# the same page's Llama 2 runs: 4096-token sequences, two a GPU; 2162, 1904 and 1914 tokens/s per GPU for 13B with
+# no, selective op and selective layer checkpointing (MFU 61.1%, 53.8%, 54.1%), 353 for 70B with full (50.5%); one
+# a GPU, selective op: 355 (50.8%)
+_TITAN2 = "torchtitan, docs/performance.md, Llama 2 on 64 A100 (2162 / 1904 / 1914 / 353 / 355 tokens/s per GPU)"
 RUNS = (
     Run("1.7B", _SC21, 24, 2304, 24, 32, 512, 1, 1, 137),
     Run("3.6B", _SC21, 30, 3072, 32, 64, 512, 2, 1, 138),
@@ -155,22 +157,29 @@ RUNS = (
     # keeping the attention's output: polyshard's alternate
     Run("Llama-3-8B@64", _TITAN, 32, 4096, 32, 64, 64, 1, 1, 181.6, vocab=128256, seq=8192, mbs=1, zero=3,
         recompute="alternate", hf="llama-3-8b"),
+    # its "selective layer" checkpointing reruns every second layer whole: polyshard's half
+    Run("Llama-3-8B-layer@64", _TITAN, 32, 4096, 32, 64, 64, 1, 1, 177.2, vocab=128256, seq=8192, mbs=1, zero=3,
+        recompute="half", hf="llama-3-8b"),
     Run("Llama-3-70B@64", _TITAN, 80, 8192, 64, 64, 64, 1, 1, 161.4, vocab=128256, seq=8192, mbs=1, zero=3,
         recompute="full", hf="llama-3-70b"),
     Run("Llama-2-13B@64", _TITAN2, 40, 5120, 40, 64, 128, 1, 1, 190.6, vocab=32000, seq=4096, mbs=2, zero=3,
         recompute="none", hf="llama-2-13b"),
     Run("Llama-2-13B-op@64", _TITAN2, 40, 5120, 40, 64, 128, 1, 1, 167.9, vocab=32000, seq=4096, mbs=2, zero=3,
         recompute="alternate", hf="llama-2-13b"),
+    Run("Llama-2-13B-layer@64", _TITAN2, 40, 5120, 40, 64, 128, 1, 1, 168.8, vocab=32000, seq=4096, mbs=2, zero=3,
+        recompute="half", hf="llama-2-13b"),
     Run("Llama-2-70B@64", _TITAN2, 80, 8192, 64, 64, 128, 1, 1, 157.5, vocab=32000, seq=4096, mbs=2, zero=3,
         recompute="full", hf="llama-2-70b"),
     Run("Llama-2-70B-op@64", _TITAN2, 80, 8192, 64, 64, 64, 1, 1, 158.5, vocab=32000, seq=4096, mbs=1, zero=3,
         recompute="alternate", hf="llama-2-70b"),
 )
-# runs the source reports out of memory (no throughput): torchtitan's Llama 2 70B with selective op checkpointing and
-# two sequences a GPU ("OOM" in the same table, which then ran it with one)
+# runs the source reports out of memory (no throughput): torchtitan's Llama 2 70B with selective op and with
+# selective layer checkpointing, two sequences a GPU ("OOM" in the same table, which then ran selective op with one)
 OUT_OF_MEMORY = (
     Run("Llama-2-70B-op-mbs2@64", _TITAN2, 80, 8192, 64, 64, 128, 1, 1, 0.0, vocab=32000, seq=4096, mbs=2, zero=3,
         recompute="alternate", hf="llama-2-70b"),
+    Run("Llama-2-70B-layer-mbs2@64", _TITAN2, 80, 8192, 64, 64, 128, 1, 1, 0.0, vocab=32000, seq=4096, mbs=2,
+        zero=3, recompute="half", hf="llama-2-70b"),
 )
 
 
@@ -209,7 +218,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     names = set(filter(None, args.rows.split(",")))
     rows = [r for r in RUNS if not names or r.name in names]
-    print(f"{'run':<18} {'GPUs':>5} {'published config':<26} {'reported':>8} {'pred':>6} {'err':>6}   "
+    print(f"{'run':<20} {'GPUs':>5} {'published config':<26} {'reported':>8} {'pred':>6} {'err':>6}   "
           f"{'pick':<44} {'pred':>6} {'vs pub':>7} {'why':<18} {'plan s':>6}")
     results = []
     for run in rows:
@@ -228,7 +237,7 @@ def main(argv=None) -> None:
                "planning_s": round(seconds, 2)}
         results.append(row)
         short = f"dp={run.dp},tp={run.tp},pp={run.pp}" + f",zero={run.zero}" * (run.zero > 0)
-        print(f"{run.name:<18} {run.gpus:>5} {short:<26} {run.tflops:>8.0f} {pub_tflops:>6.0f} {err:>+6.0%}   "
+        print(f"{run.name:<20} {run.gpus:>5} {short:<26} {run.tflops:>8.0f} {pub_tflops:>6.0f} {err:>+6.0%}   "
               f"{pick['mesh'][:44]:<44} {pick_tflops:>6.0f} {row['pick_speedup']:>6.2f}x {row['why']:<18} "
               f"{seconds:>6.1f}", flush=True)
         if args.json:

@@ -94,9 +94,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
     ``search``: choose every op's strategy by the cost model's integer program (pins kept) instead
     of the rules' defaults, and recompute and offload where memory needs them, under
     ``memory_limit_bytes`` per device (default: the device's memory).
-    ``recompute`` ("none", "selective", "pointwise", "alternate", "full") and ``recompute_comm`` ("keep",
-    "recompute"): see :class:`Plan`; by default the plan's; in a pipeline also one mode per chunk (``("full", "none")``:
-    the first stage recomputes, the second keeps its activations). Modules marked by
+    ``recompute`` ("none", "selective", "pointwise", "alternate", "half", "full") and ``recompute_comm``
+    ("keep", "recompute"): see :class:`Plan`; by default the plan's; in a pipeline also one mode per chunk
+    (``("full", "none")``: the first stage recomputes, the second keeps its activations). Modules marked by
     :func:`polyshard.recompute` are recomputed too.
     A mesh with a ``pp`` axis gives a :class:`~polyshard.runtime.pipeline.PipelineModule`, run by the
     plan's (or these) ``schedule``, ``micro_batches`` and ``virtual_stages``.

@@ -23,9 +23,9 @@ class Choice(str, Enum):
 
 class Recompute(Choice):
     """Activations run again in backward instead of kept: none; the attention cores; every block's ops but its
-    products and attention; those and every second of its weight products; every block."""
+    products and attention; those and every second of its weight products; every second block; every block."""
 
-    NONE, SELECTIVE, POINTWISE, ALTERNATE, FULL = "none", "selective", "pointwise", "alternate", "full"
+    NONE, SELECTIVE, POINTWISE, ALTERNATE, HALF, FULL = "none", "selective", "pointwise", "alternate", "half", "full"
 
 
 class RecomputeComm(Choice):
@@ -121,8 +121,8 @@ class Plan:
       cores, cheap to run and large to store; "pointwise": each block's ops but its products and attention,
       norms and activation functions among them, keeping the products' and attention's outputs; "alternate":
       those and every second product by a weight in a block (the second, fourth, ...), as torchtitan's selective
-      op checkpointing; "full":
-      every block, keeping only block inputs);
+      op checkpointing; "half": every second block whole (the second, fourth, ...), as torchtitan's selective layer
+      checkpointing; "full": every block, keeping only block inputs);
     recompute_comm: in recomputed regions, "keep" the results of collectives or "recompute" them
       (communicating again in backward, for less memory);
     stage_recompute: a pipeline's own mode per chunk, in chunk order, instead of ``recompute``'s (early

@@ -22,11 +22,12 @@ def _recompute_modes(text: str) -> tuple[str, ...]:
 
 # `train` flags that set a plan field of the same name (and win over a plan file's), as argparse takes them
 PLAN_FLAGS = {
-    "recompute": dict(type=_recompute_modes, metavar="{none,selective,pointwise,alternate,full}[/...]",
+    "recompute": dict(type=_recompute_modes, metavar="{none,selective,pointwise,alternate,half,full}[/...]",
                       help="recompute activations in backward instead of storing them: the attention cores "
                       "(selective), every block's ops but its products and attention (pointwise), those and every "
-                      "second product by a weight (alternate) or every block (full); in a pipeline also one mode "
-                      "per chunk joined by '/' (full/none: the first stage recomputes, the second does not)"),
+                      "second product by a weight (alternate), every second block (half) or every block (full); in a "
+                      "pipeline also one mode per chunk joined by '/' (full/none: the first stage recomputes, the "
+                      "second does not)"),
     "recompute_comm": dict(choices=RECOMPUTE_COMMS, help="in recomputed regions, keep the results of collectives "
                            "(default) or issue them again (less memory, more communication)"),
     "offload": dict(choices=OFFLOADS, help="keep the optimizer state and its step on the host, or on disk (streamed "

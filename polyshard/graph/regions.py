@@ -52,9 +52,9 @@ def recompute_regions(gm: fx.GraphModule, mode: str, comm: str,
                       marked_paths: Mapping[str, str] | None = None) -> list[Region]:
     """The regions of ``gm`` to recompute.
 
-    ``mode``: "full" recomputes every block (each child of a repeated ModuleList), "pointwise" every block but
-    its products' and attention's outputs, which it keeps, "alternate" those too but every second product by a
-    weight, "selective" every attention core
+    ``mode``: "full" recomputes every block (each child of a repeated ModuleList), "half" every second one in the
+    order they run (the second, fourth, ...), "pointwise" every block but its products' and attention's outputs,
+    which it keeps, "alternate" those too but every second product by a weight, "selective" every attention core
     (scaled_dot_product_attention and the views feeding it), "none" nothing; each module path in
     ``marked_paths`` is recomputed too, whole, with its own ``comm``.
     """
@@ -65,9 +65,12 @@ def recompute_regions(gm: fx.GraphModule, mode: str, comm: str,
         return []
     paths = {path for node in gm.graph.nodes for path, _ in node.meta.get("nn_module_stack", {}).values()}
     # blocks: children of a ModuleList (or Sequential), whose last name is their index
-    blocked = mode in ("full", "pointwise", "alternate")
+    blocked = mode in ("full", "half", "pointwise", "alternate")
     every = {"pointwise": 1, "alternate": 2}.get(mode, 0)
     blocks = {path for path in paths if path.rpartition(".")[2].isdigit()} if blocked else set()
+    if mode == "half":
+        ordered = dict.fromkeys(path for path, _ in _module_runs(gm.graph, dict.fromkeys(blocks, comm)))
+        blocks = set(list(ordered)[1::2])
     comms = dict.fromkeys(blocks, comm) | marked
     runs = _module_runs(gm.graph, comms)
     # a block holding a module the user marked runs again whole, that module's products included

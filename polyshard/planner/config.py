@@ -21,8 +21,8 @@ class Fixed:
     left out, the search decides op by op); mbs: rows per
     micro-batch; m: micro-batches per step (pipeline micro-batches, or gradient accumulation when
     pp=1); schedule: pipeline schedule; v: virtual stages per rank (interleaved); zero: optimizer
-    parallel level; recompute: none / selective / pointwise / alternate / full, or in a pipeline one per chunk
-    joined by "/"
+    parallel level; recompute: none / selective / pointwise / alternate / half / full, or in a pipeline one per
+    chunk joined by "/"
     (``full/none``: the first stage recomputes, the second does not); recompute_comm: keep the results of
     collectives in recomputed regions or issue them again (recompute); precision: fp32 / bf16 /
     fp16; offload: where the optimizer state lives; cuts: where pipeline stages begin, "balanced"

@@ -289,7 +289,7 @@ def _check_memory_flags(cfg: TrainConfig, data: int, settings: dict) -> None:
     if "recompute_comm" in dict(cfg.settings) and not (cfg.auto or cfg.memory_limit) and \
             all(mode == "none" for mode in modes):
         raise PolyshardError(f"--recompute-comm {settings['recompute_comm']} applies to recomputed regions, and "
-                             "nothing is recomputed; add --recompute selective, pointwise, alternate or full, or "
+                             "nothing is recomputed; add --recompute selective, pointwise, alternate, half or full, or "
                              "leave out --recompute-comm")
     zero, offload, precision = settings.get("zero", 0), settings.get("offload", "none"), settings.get("precision")
     if zero and data < 2 and not cfg.auto:

@@ -48,7 +48,7 @@ def _estimate_at(plan, rows):
 
 
 @pytest.mark.parametrize("recompute,offload", [("none", "none"), ("selective", "none"), ("pointwise", "none"),
-                                               ("alternate", "none"), ("full", "none"),
+                                               ("alternate", "none"), ("half", "none"), ("full", "none"),
                                                ("none", "host"), ("none", "disk"), ("full", "disk")])
 def test_estimate_is_within_15_percent_of_the_measured_peak(recompute, offload):
     measured, plan = _measure(recompute=recompute, offload=offload)

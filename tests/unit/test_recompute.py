@@ -25,7 +25,8 @@ def _batch(seed: int, rows: int = 4):
 
 
 @pytest.mark.parametrize("mode, marked, num_regions", [
-    ("none", None, 0), ("selective", None, 2), ("pointwise", None, 2), ("alternate", None, 2), ("full", None, 2),
+    ("none", None, 0), ("selective", None, 2), ("pointwise", None, 2), ("alternate", None, 2), ("half", None, 1),
+    ("full", None, 2),
     ("none", "blocks.1.mlp", 1), ("selective", "blocks.0", 2),  # block 0 holds its own attention core
 ])
 def test_training_matches_the_eager_model(mode, marked, num_regions):
@@ -80,10 +81,11 @@ def _activation_bytes(mode: str) -> int:
 
 
 def test_recompute_keeps_less_for_backward():
-    none, selective, pointwise, alternate, full = (_activation_bytes(mode) for mode in RECOMPUTE_MODES)
+    none, selective, pointwise, alternate, half, full = (_activation_bytes(mode) for mode in RECOMPUTE_MODES)
     assert full <= 0.4 * none, (none, full)
     assert selective < none, (none, selective)
     assert full < alternate < pointwise < none, (none, pointwise, alternate, full)
+    assert full < half < none, (none, half, full)
 
 
 def test_pointwise_recompute_keeps_each_blocks_products_and_attention_and_reruns_the_rest():
@@ -110,6 +112,15 @@ def test_alternate_recompute_also_reruns_every_second_product_by_a_weight_of_eac
     rerun = {name for names in blocks for name in names[1::2]}  # k, the output's, the second MLP product
     assert rc.cached == pointwise.cached - rerun and rc.rerun == pointwise.rerun | rerun
     assert rc.watched == pointwise.watched
+
+
+def test_half_recompute_reruns_every_second_block_whole():
+    gm = capture(models.build("gpt-tiny"), _batch(0))
+    blocks = [{n.name for n in gm.graph.nodes if any(path == f"blocks.{b}" for path, _ in
+                                                     (n.meta.get("nn_module_stack") or {}).values())} for b in (0, 1)]
+    rc = recomputed(gm, "half")
+    assert all(blocks) and rc.rerun == blocks[1] == recomputed(gm, "full").rerun - blocks[0]
+    assert not rc.cached and not rc.watched
 
 
 def test_regions_watch_for_collectives_only_where_ops_may_communicate():
@@ -145,8 +156,8 @@ def test_recompute_marks_and_returns_a_module():
 def test_bad_settings_are_clear_errors():
     model = models.build("gpt-tiny")
     with pytest.raises(PolyshardError,
-                       match="recompute must be one of 'none', 'selective', 'pointwise', 'alternate', 'full'; "
-                       "got 'all'"):
+                       match="recompute must be one of 'none', 'selective', 'pointwise', 'alternate', 'half', "
+                       "'full'; got 'all'"):
         ps.parallelize(model, _batch(0), recompute="all")
     with pytest.raises(PolyshardError, match="recompute_comm must be one of 'keep', 'recompute'; got 'drop'"):
         ps.parallelize(model, _batch(0), recompute_comm="drop")

@@ -299,7 +299,7 @@ def test_recompute_that_frees_nothing_is_priced_only_when_asked():
     limit = 6.5 * 2**20
     _, free = _search("gpt-small", "cpu-gloo:4", 64, limit=limit)
     # memory is tight enough that recompute is tried: each mode that frees something
-    assert {c.recompute for c in free} == {"none", "pointwise", "alternate", "full"}
+    assert {c.recompute for c in free} == {"none", "pointwise", "alternate", "half", "full"}
     _, asked = _search("gpt-small", "cpu-gloo:4", 64, Fixed(recompute="selective"), limit)
     assert asked and all(c.recompute == "selective" for c in asked)
 
@@ -313,8 +313,8 @@ def test_offload_that_fits_with_room_does_not_stop_recompute_being_tried():
     plan, ranked = search(model, model.example_inputs(1), slow, 4, limit, fixed=Fixed(m=1))
     hosted = [c for c in ranked if c.offload == "host" and not c.pruned]
     assert hosted and min(c.memory.total_bytes for c in hosted) <= 0.9 * limit  # offload alone fits, with room
-    assert plan.offload == "none" and plan.recompute in ("pointwise", "alternate", "full"), (plan.recompute,
-                                                                                           plan.offload)
+    assert plan.offload == "none" and plan.recompute in ("pointwise", "alternate", "half", "full"), (plan.recompute,
+                                                                                                   plan.offload)
 
 
 def test_offload_on_a_cpu_pays_the_plain_step_and_the_copies():
