@@ -122,7 +122,7 @@ class Plan:
       norms and activation functions among them, keeping the products' and attention's outputs; "alternate":
       those and every second product by a weight in a block (the second, fourth, ...), as torchtitan's selective
       op checkpointing; "half": every second block whole (the second, fourth, ...), as torchtitan's selective layer
-      checkpointing; "full": every block, keeping only block inputs);
+      checkpointing, which the search prices where asked only; "full": every block, keeping only block inputs);
     recompute_comm: in recomputed regions, "keep" the results of collectives or "recompute" them
       (communicating again in backward, for less memory);
     stage_recompute: a pipeline's own mode per chunk, in chunk order, instead of ``recompute``'s (early

@@ -306,10 +306,13 @@ class _Costs:
 
     def worth(self, recompute: str) -> bool:
         """Whether a recompute mode may buy memory: it runs something again, and unless the user asked for it,
-        frees a kept activation (recompute around attention's views alone only adds time)."""
+        frees a kept activation (recompute around attention's views alone only adds time) and is not half (whose
+        alternating blocks are no longer costed as one: it doubled the planning time of the largest models, and a
+        pipeline's chunks mix whole-block recompute with none already)."""
         if recompute not in self._worth:
             rc = self.recomputed(recompute, self.recompute_comm)
-            self._worth[recompute] = bool(rc.rerun) and (self.fixed.recompute is not None or
+            asked = self.fixed.recompute is not None
+            self._worth[recompute] = bool(rc.rerun) and (asked or recompute != "half" and
                                                          frees_activations(self.gm, rc))
         return self._worth[recompute]
 
