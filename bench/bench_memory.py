@@ -33,8 +33,8 @@ from polyshard.planner.search import search
 from polyshard.runtime.memory_probe import step_peak_bytes
 from polyshard.train.trainer import make_optimizer
 
-SETTINGS = [("none", "none"), ("selective", "none"), ("pointwise", "none"), ("alternate", "none"), ("full", "none"),
-            ("none", "host"), ("none", "disk"), ("full", "disk")]
+SETTINGS = [("none", "none"), ("selective", "none"), ("pointwise", "none"), ("alternate", "none"), ("half", "none"),
+            ("full", "none"), ("none", "host"), ("none", "disk"), ("full", "disk")]
 LIMIT_SHARE = 0.75
 
 
