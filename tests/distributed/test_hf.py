@@ -28,7 +28,6 @@ MODES = {
     "recompute_selective": ("dp=2,tp=2", {"recompute": "selective"}),
     "recompute_pointwise": ("dp=2,tp=2", {"recompute": "pointwise"}),
     "recompute_alternate": ("dp=2,tp=2", {"recompute": "alternate"}),
-    "recompute_half": ("dp=2,tp=2", {"recompute": "half"}),
     "multi_copy": ("tp=4", {"copies": 2}),
     "sequence_parallel": ("dp=2,tp=2", {"sequence_parallel": True}),
 }
