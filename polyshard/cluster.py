@@ -42,6 +42,7 @@ class _Device:
     matmul_efficiency: float  # share of peak FLOP/s a large matrix product reaches
     attention_efficiency: float  # share of peak FLOP/s fused attention reaches in training
     matmul_depth_shares: tuple[tuple[float, float], ...] = ()  # of matmul_efficiency, by contraction depth
+    overlap_slowdown: float = 0.0  # how much longer compute takes while a collective runs beside it
 
 
 def _flops(fp32: float, half: float) -> dict[str, float]:
@@ -91,11 +92,16 @@ _MATMUL_SHARE, _ATTENTION_SHARE, _STREAM_SHARE = 0.78, 0.55, 0.87
 # shrinks backward's k (the output width), so a wide split runs its products below the large rate.
 _GPU_MATMUL_DEPTHS = ((256, 0.586), (512, 0.760), (1024, 0.844), (2048, 0.904), (4096, 0.940), (8192, 0.962),
                       (16384, 1.0))
-_GPU_RATES = (_MATMUL_SHARE, _ATTENTION_SHARE, _GPU_MATMUL_DEPTHS)
+# Compute that runs beside a collective takes longer: NCCL's kernels hold SMs and memory bandwidth. Lee et al.,
+# "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning" (arXiv 2507.03114,
+# 2025), training GPT and Llama models on A100, H100, MI250 and MI210: 18.9% slower on average (at most 40%) than
+# the same compute alone.
+_GPU_OVERLAP_SLOWDOWN = 0.189
+_GPU_RATES = (_MATMUL_SHARE, _ATTENTION_SHARE, _GPU_MATMUL_DEPTHS, _GPU_OVERLAP_SLOWDOWN)
 # Measured on one H200 SXM (bench/bench_device.py, bench/results/h200-141g.json): products as the H100's (791 best,
 # 703 median of sizes >= 4096 against 793 / 720), a copy 4.11 of 4.8 TB/s (0.86), but causal flash attention
 # (head dim 128, forward + backward) 590-611 TFLOP/s: 0.61 of peak, where the H100 reached 0.55.
-_H200_RATES = (_MATMUL_SHARE, 0.61, _GPU_MATMUL_DEPTHS)
+_H200_RATES = (_MATMUL_SHARE, 0.61, _GPU_MATMUL_DEPTHS, _GPU_OVERLAP_SLOWDOWN)
 
 # Device types by preset name. The cpu row's memory is a placeholder: `_device` reads the machine's RAM.
 _DEVICES: dict[str, _Device] = {
@@ -123,6 +129,7 @@ _OFFLOAD_KEYS = ("host_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s", "ho
                  "host_optimizer_overhead_s")
 _RATE_KEYS = ("memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency")
 _SKEW_KEYS = ("arrival_skew", "node_call_skew_s", "call_skew_s")
+_CONTENTION_KEYS = ("overlap_slowdown",)
 
 _SPEC = re.compile(r"(?:(\d+)x)?(\d+)x(.+?)(?:-nvlink|-ib)*", re.IGNORECASE)
 _CPU_GLOO = re.compile(r"cpu-gloo(?::(\d+))?", re.IGNORECASE)
@@ -171,6 +178,9 @@ class Cluster:
     # Of matmul_efficiency, the share a product reaches by its contraction depth: ((depth, share), ...),
     # ascending; empty: every depth at matmul_efficiency. Left out of the hash.
     matmul_depth_shares: tuple[tuple[float, float], ...] = field(default=(), hash=False)
+    # Of compute that runs beside a collective (gradient traffic hidden behind backward, another copy's
+    # collective), the share longer it takes than alone; 0 where nothing runs beside compute (gloo on CPU).
+    overlap_slowdown: float = 0.0
     # Measured shares of flops_per_s a product reaches by contraction depth, per dtype name: ((depth, share), ...),
     # ascending; where a dtype has them they replace matmul_efficiency and matmul_depth_shares (on a CPU with bf16
     # instructions, bf16 products 32 to 128 deep run at 0.55 to 0.84 of its large ones' rate, fp32's at about 1).
@@ -252,7 +262,7 @@ class Cluster:
             positive["memory_bytes"] = self.memory_bytes
         at_least_zero = {f"{link}.latency_s": getattr(self, link).latency_s for link in ("intra_node", "inter_node")}
         at_least_zero |= {key: getattr(self, key) for key in _OVERHEAD_KEYS + _OFFLOAD_KEYS + _RATE_KEYS[:1] +
-                          _SKEW_KEYS}
+                          _SKEW_KEYS + _CONTENTION_KEYS}
         at_least_zero |= {f"op_overheads_s.{dtype}": s for dtype, s in self.op_overheads_s.items()}
         positive |= {f"pointwise_rates.{dtype}.{op}": rate for dtype, rates in self.pointwise_rates.items()
                      for op, rate in rates.items()}
@@ -325,7 +335,7 @@ class Cluster:
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
                     "matmul_depth_shares": [], "matmul_shares": {}, "attention_shares": {}, "op_overheads_s": {},
                     "all_to_all": True, **dict.fromkeys(_SKEW_KEYS + _RECOMPUTE_KEYS, 0.0), "pointwise_rates": {},
-                    **data}
+                    "overlap_slowdown": like.overlap_slowdown, **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         if not isinstance(data["all_to_all"], bool):
             raise PolyshardError(f"cluster file {str(path)!r}: all_to_all must be true or false, got "
@@ -345,7 +355,8 @@ class Cluster:
                 inter_node=Link(**{k: float(v) for k, v in links["inter_node"].items()}),
                 flops_per_s={str(k): float(v) for k, v in dict(data["flops_per_s"]).items()},
                 **{key: float(data[key])
-                   for key in _OVERHEAD_KEYS + _RECOMPUTE_KEYS + _OFFLOAD_KEYS + _RATE_KEYS + _SKEW_KEYS},
+                   for key in _OVERHEAD_KEYS + _RECOMPUTE_KEYS + _OFFLOAD_KEYS + _RATE_KEYS + _SKEW_KEYS +
+                   _CONTENTION_KEYS},
                 op_overheads_s={str(k): float(v) for k, v in dict(data["op_overheads_s"] or {}).items()},
                 matmul_depth_shares=tuple((float(d), float(sh)) for d, sh in data["matmul_depth_shares"] or ()),
                 **{table: {str(k): tuple((float(f), float(sh)) for f, sh in v)
@@ -418,6 +429,7 @@ def _cluster(nodes: int, per_node: int, name: str, device: _Device) -> Cluster:
         matmul_efficiency=device.matmul_efficiency,
         attention_efficiency=device.attention_efficiency,
         matmul_depth_shares=device.matmul_depth_shares,
+        overlap_slowdown=device.overlap_slowdown,
     )
 
 

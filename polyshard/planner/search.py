@@ -348,10 +348,10 @@ class _Costs:
                 sync = dp_sync(numel * itemsize if zero == 0 else sharded, mesh, self.data_axes, self.bounds, zero,
                                bucket_bytes=size)
                 rate = sync.hides * backward  # seconds hidden per second of the step's work
-                # the step is work + max(during - rate x work, last) + after: least at the work where it
+                # the step is work + max(during - rate x work, floor) + after: least at the work where it
                 # stops falling, if it falls
-                at = max(work, (sync.during - sync.last) / rate) if rate > 1 else work
-                least = min(least, at + max(sync.during - rate * at, sync.last) + sync.after)
+                at = max(work, (sync.during - sync.floor) / rate) if rate > 1 else work
+                least = min(least, at + max(sync.during - rate * at, sync.floor) + sync.after)
         return least
 
     def whole_most(self, op_size: int, itemsize: int) -> float:

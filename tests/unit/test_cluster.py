@@ -145,6 +145,21 @@ def test_yaml_written_before_overheads_takes_its_device_types(tmp_path):
     assert Cluster.from_yaml(path) == c
 
 
+def test_overlap_slowdown_round_trips_and_old_gpu_files_take_the_presets(tmp_path):
+    path = tmp_path / "gpu.yaml"
+    gpu = Cluster.preset("2x8xH100-80G")
+    assert gpu.overlap_slowdown > 0 and Cluster.preset("cpu-gloo:2").overlap_slowdown == 0
+    measured = dataclasses.replace(gpu, overlap_slowdown=0.3)
+    measured.to_yaml(path)
+    assert Cluster.from_yaml(path) == measured
+    data = yaml.safe_load(path.read_text())
+    del data["overlap_slowdown"]
+    path.write_text(yaml.safe_dump(data))
+    assert Cluster.from_yaml(path).overlap_slowdown == gpu.overlap_slowdown
+    with pytest.raises(PolyshardError, match="overlap_slowdown must be zero or more"):
+        dataclasses.replace(gpu, overlap_slowdown=-0.1)
+
+
 def test_attention_share_interpolates_on_log_flops_and_holds_the_ends():
     c = dataclasses.replace(Cluster.preset("cpu-gloo:2"), attention_efficiency=0.5,
                 attention_shares={"bfloat16": ((1e4, 0.01), (1e6, 0.21))})

@@ -47,6 +47,10 @@ def test_step_time_hides_communication_behind_the_other_copy():
     costs = [OpCost(compute_s=1.0, comm_s=1.0, latency_s=0.0)] * 4
     assert step_seconds(costs, 1) == pytest.approx(8.0)  # compute, then wait, four times
     assert step_seconds(costs, 2) == pytest.approx(4.5)  # all but the last half-collective hidden
+    # compute beside a collective runs 1.5x longer: every half-op but the first has a half-second collective
+    # beside it, so does a third of its work there and the rest after, a sixth of a second late
+    assert step_seconds(costs, 2, slowdown=0.5) == pytest.approx(4.5 + 7 / 6)
+    assert step_seconds(costs, 1, slowdown=0.5) == pytest.approx(8.0)  # one copy waits: nothing runs beside
 
 
 def _plan_for(cfg, rows):

@@ -26,17 +26,27 @@ from polyshard.transitions import transition_bytes, wire_bytes
 class DataSync:
     """A step's data-parallel communication: ``during`` backward, of which ``hides`` seconds hide per second of
     backward it runs beside, leaving at least ``last`` (the last bucket) exposed; then ``after`` backward, alone.
+    Backward beside it takes ``slowdown`` longer (Cluster.overlap_slowdown).
     Computed once per (bytes, level, micro-batches, bucket size), read at each backward length."""
 
     during: float
     after: float = 0.0
     last: float = 0.0
     hides: float = 0.0
+    slowdown: float = 0.0
 
     def exposed(self, overlap_s: float) -> float:
-        """Seconds left exposed beside ``overlap_s`` of backward."""
+        """Seconds left exposed beside ``overlap_s`` of backward: what it cannot hide, or at least the floor."""
         hidden = overlap_s * self.hides if self.hides else 0.0
-        return max(self.during - hidden, self.last) + self.after
+        return max(self.during - hidden, self.floor) + self.after
+
+    @property
+    def floor(self) -> float:
+        """Seconds of ``during`` exposed however long backward is: the last bucket, and the time backward loses
+        while the rest, d seconds, runs beside it (its work of d / (1 + slowdown) seconds alone takes d)."""
+        if not self.hides:
+            return self.during
+        return self.during - (self.during - self.last) / (1 + self.slowdown)
 
 
 def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster, ring: bool = True) -> Link:

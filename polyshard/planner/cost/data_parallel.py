@@ -33,7 +33,7 @@ def dp_sync(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0,
     cost (an all-gather half an all-reduce's, see collective_latency). On GPUs the
     collectives issued during backward (level 3: during every forward and backward) run beside the last
     backward and only the rest, and at least the last bucket, is exposed; the all-gather after the optimizer
-    step (levels 1, 2) is not hidden.
+    step (levels 1, 2) is not hidden, and backward beside the traffic runs Cluster.overlap_slowdown longer.
     On CPU gloo runs on the cores that compute, so nothing hides (see cost/overlap.py)."""
     dp = data_size(mesh, data_axes)
     if dp == 1:
@@ -61,4 +61,4 @@ def dp_sync(grad_bytes: float, mesh, data_axes, cluster: Cluster, zero: int = 0,
         return DataSync(during, after)
     last_bucket = min(during, wire_bytes("all_reduce", bucket_bytes, dp) / link.bandwidth_bytes_per_s + latency)
     # level 3: beside every forward too (half a backward each)
-    return DataSync(during, after, last_bucket, 1.5 * micro_batches if zero == 3 else 1)
+    return DataSync(during, after, last_bucket, 1.5 * micro_batches if zero == 3 else 1, cluster.overlap_slowdown)

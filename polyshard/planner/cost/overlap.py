@@ -5,7 +5,8 @@ and launch, which every copy pays again) followed, if it communicates, by a comm
 plus the link latency per collective). Tasks run in the interleaved order (op-major, copy-minor)
 on one compute stream and one communication stream, and a copy's next op waits for its own
 previous communication: list scheduling of that order gives the step time, so the other
-copies' compute hides each collective as far as there is compute to hide it behind.
+copies' compute hides each collective as far as there is compute to hide it behind, compute running
+Cluster.overlap_slowdown longer while a collective runs beside it.
 
 On CPU, gloo's collectives run on the same cores as the compute (there is no separate copy
 engine), so there the two streams are one and nothing hides: more copies only add per-op cost.
@@ -80,15 +81,18 @@ def _collectives_seconds(node: fx.Node, plan: Plan, modules, itemsize: int, clus
     return sum(t for t, _ in times), sum(l for _, l in times)
 
 
-def step_seconds(costs: list[OpCost], copies: int, overlap: bool = True) -> float:
+def step_seconds(costs: list[OpCost], copies: int, overlap: bool = True, slowdown: float = 0.0) -> float:
     """List-scheduled time of the interleaved order on one compute and one communication stream
-    (``overlap=False``: communication occupies the compute stream too)."""
+    (``overlap=False``: communication occupies the compute stream too), compute taking ``slowdown`` longer
+    while communication runs beside it."""
     compute_free = comm_free = 0.0
     ready = [0.0] * copies  # when each copy's previous communication is done
     for cost in costs:
         for c in range(copies):
             start = max(compute_free, ready[c])
-            compute_free = start + cost.compute_s / copies + cost.overhead_s
+            work = cost.compute_s / copies + cost.overhead_s
+            beside = min(max(comm_free - start, 0.0), work * (1 + slowdown))
+            compute_free = start + work + beside * slowdown / (1 + slowdown)
             if cost.comm_s or cost.latency_s:
                 comm_start = max(comm_free, compute_free)
                 comm_free = comm_start + cost.comm_s / copies + cost.latency_s
@@ -112,5 +116,5 @@ def choose_copies(gm: fx.GraphModule, plan: Plan, cluster: Cluster, batch_rows: 
     """The copy count with the lowest predicted step time, and the prediction for each candidate."""
     costs = op_costs(gm, plan, cluster)
     overlap = cluster.device_type == "cuda"
-    predicted = {k: step_seconds(costs, k, overlap) for k in candidates if k <= batch_rows}
+    predicted = {k: step_seconds(costs, k, overlap, cluster.overlap_slowdown) for k in candidates if k <= batch_rows}
     return min(predicted, key=predicted.get), predicted
