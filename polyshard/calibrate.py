@@ -439,6 +439,9 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         notes.append("one node: inter_node is a copy of intra_node (no link between nodes to time)")
     if world > 1 and base.devices_per_node == 1:
         notes.append("one device per node: intra_node is a copy of inter_node (no link inside a node to time)")
+    if cuda:
+        notes.append(f"compute beside a collective is taken as {base.overlap_slowdown:.1%} slower: the "
+                     f"{base.device_name} preset's published figure, not timed here")
     shared = None if cuda else shared_cores_note(base.devices_per_node, torch.get_num_threads(), available_cores())
     if shared:
         notes.append(shared)
