@@ -25,13 +25,15 @@ CONFIGS: dict[str, GPTConfig] = {
 
 # `gpt:KEY=VALUE,...` keys and the GPTConfig field each sets
 _SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden", "heads": "num_heads", "vocab": "vocab_size",
-               "seq": "seq_len", "ffn": "ffn", "dropout": "dropout", "attention": "attention"}
+               "seq": "seq_len", "ffn": "ffn", "dropout": "dropout", "attention": "attention", "tied": "tied"}
+_OPTIONAL_KEYS = ("ffn", "dropout", "attention", "tied")  # spelled out only where they differ from the default
 _ATTENTIONS = ("fused", "math")
 
 
 def config(name: str, seq_len: int | None = None) -> GPTConfig:
     """The GPT a name describes: one of CONFIGS, or a shape such as
-    ``gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200`` (ffn defaults to 4 x hidden);
+    ``gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200`` (ffn defaults to 4 x hidden; tied=0 gives the
+    LM head a weight of its own);
     ``seq_len`` overrides its sequence length."""
     if name.startswith("hf:"):
         return build(name, device="meta", seq_len=seq_len).cfg
@@ -54,8 +56,11 @@ def config(name: str, seq_len: int | None = None) -> GPTConfig:
 def shape_spec(cfg: GPTConfig) -> str:
     """``cfg`` in the ``gpt:KEY=VALUE,...`` spelling :func:`config` reads."""
     defaults = GPTConfig(1, 1, 1)
-    return "gpt:" + ",".join(f"{k}={getattr(cfg, f)}" for k, f in _SHAPE_KEYS.items()
-                             if f not in ("ffn", "dropout", "attention") or getattr(cfg, f) != getattr(defaults, f))
+    def spelled(value):
+        return int(value) if isinstance(value, bool) else value
+
+    return "gpt:" + ",".join(f"{k}={spelled(getattr(cfg, f))}" for k, f in _SHAPE_KEYS.items()
+                             if f not in _OPTIONAL_KEYS or getattr(cfg, f) != getattr(defaults, f))
 
 
 def _parse_shape(name: str) -> GPTConfig:
@@ -86,10 +91,15 @@ def _shape_value(key: str, value: str, part: str, name: str) -> object:
         if not 0 <= p < 1:
             raise PolyshardError(f"model shape {name!r}: dropout must be in [0, 1), got {value!r}")
         return p
+    if key == "tied":
+        if value not in ("0", "1"):
+            raise PolyshardError(f"model shape {name!r}: tied must be 1 (the LM head shares the token embedding) "
+                                 f"or 0, got {value!r}")
+        return value == "1"
     if key not in _SHAPE_KEYS or not value.isdigit() or int(value) < 1:
         raise PolyshardError(f"model shape entry {part!r} in {name!r} is not KEY=POSITIVE_INTEGER with KEY one "
-                             f"of {', '.join(k for k in _SHAPE_KEYS if k not in ('dropout', 'attention'))} "
-                             "(or dropout=P, attention=fused|math)")
+                             f"of {', '.join(k for k in _SHAPE_KEYS if k not in ('dropout', 'attention', 'tied'))} "
+                             "(or dropout=P, attention=fused|math, tied=0|1)")
     return int(value)
 
 

@@ -275,8 +275,15 @@ def test_model_shapes_and_written_out_attention():
     assert round(cfg.num_params() / 1e9, 1) == 174.6  # GPT-3 175B as Megatron-LM counts it
     assert models.config(models.shape_spec(cfg)) == cfg
     assert models.config("gpt-small", seq_len=32).seq_len == 32
+    # Megatron-Core's 462B benchmark GPT: its own LM head, 131,072 tokens
+    untied = models.config("gpt:layers=112,hidden=18432,heads=144,seq=4096,vocab=131072,tied=0")
+    assert not untied.tied and round(untied.num_params() / 1e9) == 462
+    assert models.config(models.shape_spec(untied)) == untied and "tied=False" not in models.shape_spec(untied)
+    assert "lm_head.weight" in dict(models.build("gpt:layers=1,hidden=8,heads=2,seq=4,vocab=16,tied=0",
+                                                 "meta").named_parameters())
     for bad in ("gpt:layers=2,hidden=30,heads=4", "gpt:layers=2,heads=4", "gpt:layers=2,hidden=32,heads=4,dropout=2",
-                "gpt:layers=2,hidden=32,heads=4,attention=flash", "gpt:depth=2,hidden=32,heads=4"):
+                "gpt:layers=2,hidden=32,heads=4,attention=flash", "gpt:depth=2,hidden=32,heads=4",
+                "gpt:layers=2,hidden=32,heads=4,tied=yes"):
         with pytest.raises(PolyshardError, match="model shape"):
             models.config(bad)
     spec = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64"
