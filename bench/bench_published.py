@@ -9,11 +9,11 @@ batch, its tensor parallel as Megatron-LM ran it before sequence parallel (the v
 products whole on each rank, sums all-reduced), full recompute that issues a layer's collectives again
 as Megatron-LM's does, its optimizer sharding, the gradient reduction after backward where DeepSpeed's
 pipeline engine ran it; the micro-batch count and schedule left to the search, as the papers do not all
-give them; a transformers row keeps its dp / tp / pp in bf16, and what else its source gives), the
-planner's own pick with nothing fixed, and the reported throughput. TFLOP/s per GPU are counted each
-paper's way (Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward
-included; a transformers row's model FLOPs, as Llama 3's paper and torchtitan count them), so a row's
-three figures compare step times. Goals: the pick costs no more than the published configuration;
+give them; a transformers row, and a Megatron-Core benchmark row, keep their dp / tp / pp in bf16, and what else
+the source gives), the planner's own pick with nothing fixed, and the reported throughput. TFLOP/s per GPU are
+counted each source's way (Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward
+included; Megatron-Core's 72 B s l h^2 (1 + s/6h + V/12lh); a transformers row's model FLOPs, as Llama 3's paper
+and torchtitan count them), so a row's three figures compare step times. Goals: the pick costs no more than the published configuration;
 the published configuration's prediction is within 15% of the reported figure; each row plans in
 under 10 s. Then the runs a source reports out of memory: the memory the model gives their configuration,
 which must exceed the GPU's.
@@ -74,6 +74,10 @@ class Run:
     hf: str = ""
     recompute: str | None = None  # a transformers row's, where the source gives it (Megatron-LM's rows: full)
     gpu: str = "A100-80G"
+    # Megatron-Core's own benchmark GPT (flash attention, an LM head of its own), its FLOPs counted as Megatron-Core
+    # counts them; fixed: its dp x tp x pp in bf16, equal layers per stage (sequence parallel and recompute, which
+    # the source does not give, left to the search)
+    core: bool = False
 
     @property
     def dp(self) -> int:
@@ -84,15 +88,18 @@ class Run:
         or the transformers model."""
         if self.hf:
             return f"hf:{self.hf}"
-        return (f"gpt:layers={self.layers},hidden={self.hidden},heads={self.heads},seq={self.seq},vocab={self.vocab},"
-                f"attention=math,dropout={self.dropout}")
+        shape = f"gpt:layers={self.layers},hidden={self.hidden},heads={self.heads},seq={self.seq},vocab={self.vocab}"
+        return shape + (",tied=0" if self.core else ",attention=math") + f",dropout={self.dropout}"
 
     def flops_per_step(self) -> float:
-        """Narayanan et al. 2021, eq. 3 (full recompute): 96 B s l h^2 (1 + s/6h + V/16lh); a transformers
-        model's: PaLM's 6N + 12 l h s per token (polyshard.models.flops_per_token)."""
+        """Narayanan et al. 2021, eq. 3 (full recompute): 96 B s l h^2 (1 + s/6h + V/16lh); Megatron-Core's
+        (`num_floating_point_operations`, no recompute, an LM head of its own): 72 B s l h^2 (1 + s/6h + V/12lh); a
+        transformers model's: PaLM's 6N + 12 l h s per token (polyshard.models.flops_per_token)."""
         if self.hf:
             return models.flops_per_token(models.config(self.model(), self.seq)) * self.batch * self.seq
         b, s, l, h, v = self.batch, self.seq, self.layers, self.hidden, self.vocab
+        if self.core:
+            return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
         return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
     def published(self) -> Fixed:
@@ -100,6 +107,8 @@ class Run:
         if self.hf:
             return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, zero=self.zero or None,
                          recompute=self.recompute, precision="bf16")
+        if self.core:
+            return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, precision="bf16", cuts="even")
         return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, zero=self.zero,
                      # before sequence parallel (2022), Megatron-LM's layers kept every value between the split
                      # products whole on each rank and all-reduced the row-parallel products' sums
@@ -122,6 +131,9 @@ _TITAN = "torchtitan, docs/performance.md, Llama 3 on 64 A100 (2973 / 331 / 2904
 # no, selective op and selective layer checkpointing (MFU 61.1%, 53.8%, 54.1%), 353 for 70B with full (50.5%); one
 # a GPU, selective op: 355 (50.8%)
 _TITAN2 = "torchtitan, docs/performance.md, Llama 2 on 64 A100 (2162 / 1904 / 1914 / 353 / 355 tokens/s per GPU)"
+# Megatron-Core r0.8.0 on H100s, its README's weak-scaling table (images/model_table.png): 131,072 tokens, sequences
+# of 4096, dp=48; its data-parallel, tensor-parallel and pipeline traffic overlapped with compute
+_MCORE = "Megatron-LM README, Megatron-Core r0.8.0 weak scaling on H100 (408.8-489.1 TFLOP/s per GPU)"
 RUNS = (
     Run("1.7B", _SC21, 24, 2304, 24, 32, 512, 1, 1, 137),
     Run("3.6B", _SC21, 30, 3072, 32, 64, 512, 2, 1, 138),
@@ -147,6 +159,14 @@ RUNS = (
     # Jean Zay's A100 nodes: 4 Omni-Path links of 100 Gb/s per node of 8 GPUs (BLOOM paper, hardware section)
     Run("BLOOM-176B", "BLOOM, BigScience 2022 (about 150 TFLOP/s)", 70, 14336, 112, 384, 2048, 4, 12, 150,
         vocab=250880, mbs=2, zero=1, dropout=0.0, node_link_gbps=400, reduce_after_backward=True),
+    *(Run(f"MCore-{size}@{gpus}", _MCORE, layers, hidden, heads, gpus, batch, tp, pp, tflops, vocab=131072, seq=4096,
+          gpu="H100-80G", core=True)
+      for size, heads, hidden, layers, tp, pp, gpus, batch, tflops in (
+          ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+          ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
+          ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+          ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8), ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+          ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9))),
     # Meta's H100 clusters, 8192 tokens a sequence, 16M tokens a step (the 128K-token stage splits the
     # sequence over 16 ranks, which polyshard does not, and is left out)
     Run("Llama-3-405B@8192", _LLAMA3, 126, 16384, 128, 8192, 2048, 8, 16, 430, vocab=128256, seq=8192,
