@@ -13,10 +13,10 @@ give them; a transformers row, and a Megatron-Core benchmark row, keep their dp 
 the source gives), the planner's own pick with nothing fixed, and the reported throughput. TFLOP/s per GPU are
 counted each source's way (Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward
 included; Megatron-Core's 72 B s l h^2 (1 + s/6h + V/12lh); a transformers row's model FLOPs, as Llama 3's paper
-and torchtitan count them), so a row's three figures compare step times. Goals: the pick costs no more than the published configuration;
-the published configuration's prediction is within 15% of the reported figure; each row plans in
-under 10 s. Then the runs a source reports out of memory: the memory the model gives their configuration,
-which must exceed the GPU's.
+and torchtitan count them), so a row's three figures compare step times. Goals: the pick costs no more
+than the published configuration; the published configuration's prediction is within 15% of the reported
+figure; each row plans in under 10 s. Then the runs a source reports out of memory: the memory the model gives
+their configuration, which must exceed the GPU's.
 """
 
 from __future__ import annotations

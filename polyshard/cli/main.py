@@ -154,8 +154,8 @@ def _planning_flags(p: argparse.ArgumentParser) -> None:
     """What `plan` and `cost` share: the model, the cluster, the batch and the memory budget."""
     p.add_argument("--model", required=True, help="a name from `polyshard models` (image models too), a shape "
                    "such as 'gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200' (ffn defaults to 4 x "
-                   "hidden; also dropout=P, attention=fused|math, tied=0|1), or a transformers model: hf:llama-3-70b (shipped configs in `polyshard models`) or "
-                   "hf:CONFIG.json")
+                   "hidden; also dropout=P, attention=fused|math, tied=0|1), or a transformers model: "
+                   "hf:llama-3-70b (shipped configs in `polyshard models`) or hf:CONFIG.json")
     p.add_argument("--cluster", required=True, help="NODESxDEVICESxTYPE (e.g. 128x8xA100-80G), cpu-gloo:N, or a YAML "
                    "file from `polyshard calibrate`")
     p.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=None,
