@@ -125,17 +125,24 @@ def common_axes(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
     return expand(src, axes, spans_src), expand(dst, axes, spans_dst)
 
 
+# the suffix of an axis's name under which transition_bytes counts an all-to-all's bytes
+PAIRWISE = "@pairwise"
+
+
 @functools.lru_cache(maxsize=65536)
 def _transition_bytes(src: Layout, dst: Layout, global_shape: tuple[int, ...], itemsize: int,
                       backend: str, all_to_all: bool) -> tuple[tuple[str, float], ...]:
     a, b = common_axes(src, dst)
     out: dict[str, float] = {}
     for step in plan_transition(a, b, all_to_all):
-        out[step.axis] = out.get(step.axis, 0.0) + step.bytes_sent(global_shape, itemsize, backend)
+        pairwise = step.collective == "all_to_all" and backend != "gloo"  # gloo gathers instead (wire_bytes)
+        key = step.axis + PAIRWISE * pairwise
+        out[key] = out.get(key, 0.0) + step.bytes_sent(global_shape, itemsize, backend)
     return tuple(out.items())
 
 
 def transition_bytes(src: Layout, dst: Layout, global_shape: Sequence[int], itemsize: int,
                      backend: str = "gloo", all_to_all: bool = True) -> dict[str, float]:
-    """Bytes each rank sends per axis to go from ``src`` to ``dst`` (memoised: the search asks often)."""
+    """Bytes each rank sends per axis to go from ``src`` to ``dst`` (memoised: the search asks often); an
+    all-to-all's under its axis's name and PAIRWISE, as it sends to each rank apart rather than round a ring."""
     return dict(_transition_bytes(src, dst, tuple(global_shape), itemsize, backend, all_to_all))

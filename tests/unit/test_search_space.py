@@ -11,9 +11,10 @@ from polyshard.buckets import BUCKET_BYTES, bucket_count, cut_buckets
 from polyshard.cluster import Cluster, Link
 from polyshard.errors import PolyshardError
 from polyshard.planner.config import Fixed
+from polyshard.layout import Layout
 from polyshard.plan import RECOMPUTE_MODES
 from polyshard.planner.report import chosen_row
-from polyshard.planner.cost.comm import DataSync, axis_link
+from polyshard.planner.cost.comm import DataSync, axis_link, comm_seconds
 from polyshard.graph.capture import capture, shape_of
 from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.precision import precisions_to_cost
@@ -22,7 +23,7 @@ from polyshard.planner.intra_op import solve
 from polyshard.planner.cost.data_parallel import dp_seconds
 from polyshard.planner.search import BUCKET_CHOICES, _Costs, default_reserve_bytes, search
 from polyshard.planner.split import mesh_candidates
-from polyshard.transitions import wire_bytes
+from polyshard.transitions import PAIRWISE, transition_bytes, wire_bytes
 
 
 def _cluster(name: str) -> Cluster:
@@ -442,6 +443,17 @@ def test_tensor_axes_divide_a_node_or_span_whole_nodes():
     assert axis_link((("dp", 6), ("tp", 8)), "dp", cluster) == cluster.inter_node
     assert axis_link((("pp", 6), ("tp", 8)), "pp", cluster, ring=False) == cluster.inter_node
     assert axis_link((("pp", 12), ("tp", 4)), "pp", cluster, ring=False) == cluster.inter_node
+    # a split moving between dims over an axis of two whole nodes: the all-to-all sends through each rank's own NIC,
+    # the gather the same shard would take instead runs eight rings
+    wide, shape = (("tp", 16),), (64, 4096)
+    src, dst = Layout(wide, (("tp",), ())), Layout(wide, ((), ("tp",)))
+    nccl = Cluster.preset("2x8xA100-80G")
+    moved = transition_bytes(src, dst, shape, 2, nccl.backend)
+    gathered = transition_bytes(src, dst, shape, 2, nccl.backend, all_to_all=False)
+    assert list(moved) == ["tp" + PAIRWISE] and list(gathered) == ["tp"]
+    nic, rails = nccl.inter_node.bandwidth_bytes_per_s, min(8 * nic, nccl.intra_node.bandwidth_bytes_per_s)
+    assert comm_seconds(moved, wide, nccl)[0] == pytest.approx(moved["tp" + PAIRWISE] / nic)
+    assert comm_seconds(gathered, wide, nccl)[0] == pytest.approx(gathered["tp"] / rails)
 
 
 @pytest.mark.parametrize("name", ["gpt:layers=2,hidden=4096,heads=32,seq=2048,vocab=32000", "hf:llama-3-8b"])

@@ -7,7 +7,7 @@ import pytest
 
 from polyshard.errors import PolyshardError
 from polyshard.layout import Layout, collapse, refine
-from polyshard.transitions import Step, common_axes, plan_transition, transition_bytes, wire_bytes
+from polyshard.transitions import PAIRWISE, Step, common_axes, plan_transition, transition_bytes, wire_bytes
 from tests.unit.layout_cases import all_layouts
 
 TP4 = (("tp", 4),)
@@ -76,7 +76,7 @@ def test_without_all_to_all_a_split_moving_dims_is_gathered_then_sliced():
     assert kinds(steps) == [("all_gather", "tp"), ("slice", "tp")] and steps[-1].after == dst
     # on a network with all-to-all, forbidding it costs the gather's 3 x 96 bytes instead of 3 x 24
     assert transition_bytes(src, dst, (8, 12), FP32, "nccl", all_to_all=False) == {"tp": 288}
-    assert transition_bytes(src, dst, (8, 12), FP32, "nccl") == {"tp": 72}
+    assert transition_bytes(src, dst, (8, 12), FP32, "nccl") == {"tp" + PAIRWISE: 72}  # sent to each rank apart
 
 
 def test_replicated_to_shard_is_slice():

@@ -19,7 +19,7 @@ from polyshard.graph.ops import op_key
 from polyshard.halo import BILINEAR_HALO, SPLIT_DIMS, halo, pair
 from polyshard.layout import Axes, Layout
 from polyshard.plan import Plan
-from polyshard.transitions import transition_bytes, wire_bytes
+from polyshard.transitions import PAIRWISE, transition_bytes, wire_bytes
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster, ring: bool = True) -
     holds g ranks of each node runs as g rings side by side, each crossing every node once on its own NIC and
     passing the node's other ranks over the intra-node link (NCCL's channels, one per NIC): g NICs' rate, up to
     the intra-node link's (NCCL's maintainers: about 24 GB/s of bus bandwidth per HDR NIC, times the NICs, up to
-    the NVLink figure; NVIDIA/nccl-tests#119, NVIDIA/nccl#412). ``ring=False`` (a pipeline's sends): one NIC.
+    the NVLink figure; NVIDIA/nccl-tests#119, NVIDIA/nccl#412). ``ring=False`` (a pipeline's sends, an all-to-all,
+    whose bytes to each other node leave through the sender's own NIC): one NIC.
 
     A part of an axis (``tp:0`` of a refined ``tp``) is taken to ride its whole axis's link."""
     base = axis.split(":")[0]
@@ -181,13 +182,15 @@ def collective_latency(link: Link, group_size: int, collective: str = "all_reduc
 
 
 def comm_seconds(bytes_by_axis: dict[str, float], mesh_axes: Axes, cluster: Cluster) -> tuple[float, float]:
-    """Alpha-beta time of one op's collectives (one per axis, one after another): (transfer, latency), the
-    latency with the cluster's call skew for the group."""
+    """Alpha-beta time of one op's collectives (one per axis, one after another; an all-to-all's bytes, under
+    PAIRWISE, apart): (transfer, latency), the latency with the cluster's call skew for the group."""
     transfer = latency = 0.0
     sizes = dict(mesh_axes)
     for axis, b in bytes_by_axis.items():
         if b:
-            link, size = axis_link(mesh_axes, axis, cluster), sizes.get(axis.split(":")[0], 2)
+            base = axis.removesuffix(PAIRWISE)
+            link = axis_link(mesh_axes, base, cluster, ring=base == axis)
+            size = sizes.get(base.split(":")[0], 2)
             transfer += b / link.bandwidth_bytes_per_s
             latency += collective_latency(link, size) + cluster.call_skew_for(size)
     return transfer, latency
