@@ -56,11 +56,9 @@ def config(name: str, seq_len: int | None = None) -> GPTConfig:
 def shape_spec(cfg: GPTConfig) -> str:
     """``cfg`` in the ``gpt:KEY=VALUE,...`` spelling :func:`config` reads."""
     defaults = GPTConfig(1, 1, 1)
-    def spelled(value):
-        return int(value) if isinstance(value, bool) else value
-
-    return "gpt:" + ",".join(f"{k}={spelled(getattr(cfg, f))}" for k, f in _SHAPE_KEYS.items()
-                             if f not in _OPTIONAL_KEYS or getattr(cfg, f) != getattr(defaults, f))
+    values = {k: getattr(cfg, f) for k, f in _SHAPE_KEYS.items()
+              if f not in _OPTIONAL_KEYS or getattr(cfg, f) != getattr(defaults, f)}
+    return "gpt:" + ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in values.items())
 
 
 def _parse_shape(name: str) -> GPTConfig:
