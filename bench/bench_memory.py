@@ -2,6 +2,7 @@
 
     python bench/bench_memory.py                          # gpt-tiny and gpt-small, batch 8
     python bench/bench_memory.py --model gpt-small --batch 16
+    python bench/bench_memory.py --model hf:llama,hf:gpt2   # transformers' own models, tiny configs
 
 One process. For each model and each setting (recompute none/selective/pointwise/full, optimizer-state
 offload none/host/disk) it builds the model with polyshard.parallelize, takes one untracked step,
@@ -27,6 +28,7 @@ import torch
 import polyshard as ps
 from polyshard import models
 from polyshard.cluster import Cluster, format_bytes
+from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
 from polyshard.planner.cost.memory import estimate_memory
 from polyshard.planner.search import search
@@ -51,14 +53,18 @@ def measure(model: str, batch, recompute="none", offload="none", plan=None):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt-tiny,gpt-small", help="comma-separated model names")
+    p.add_argument("--model", default="gpt-tiny,gpt-small",
+                   help="comma-separated model names (`polyshard models`; hf:FAMILY for transformers' own)")
     p.add_argument("--batch", type=int, default=8, help="rows per step")
     args = p.parse_args(argv)
+    try:
+        configs = {name: models.config(name) for name in args.model.split(",")}
+    except PolyshardError as e:
+        raise SystemExit(str(e)) from None
     ps.init()
     print("| model | recompute | offload | estimate | measured | estimate / measured | measured activations |")
     print("|---|---|---|---:|---:|---:|---:|")
-    for name in args.model.split(","):
-        cfg = models.CONFIGS[name]
+    for name, cfg in configs.items():
         g = torch.Generator().manual_seed(0)
         batch = tuple(torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g) for _ in range(2))
         graph = capture(models.build(name, "meta"), batch)
