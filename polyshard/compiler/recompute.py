@@ -46,7 +46,7 @@ def _saving(collectives: bool, every: int) -> Callable:
             weighted[ctx.is_recompute] += 1
         saved = (collectives and op.namespace == "_c10d_functional"
                  or every and packet in _PRODUCT_OPS
-                 and (packet not in _WEIGHT_PRODUCT_OPS or weighted[ctx.is_recompute] % every == 1 % every))
+                 and (packet not in _WEIGHT_PRODUCT_OPS or (weighted[ctx.is_recompute] - 1) % every == 0))
         return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
     return policy
 

@@ -42,11 +42,17 @@ class DataSync:
 
     @property
     def floor(self) -> float:
-        """Seconds of ``during`` exposed however long backward is: the last bucket, and the time backward loses
-        while the rest, d seconds, runs beside it (its work of d / (1 + slowdown) seconds alone takes d)."""
+        """Seconds of ``during`` exposed however long backward is: the last bucket, and what backward loses while
+        the rest runs beside it."""
         if not self.hides:
             return self.during
-        return self.during - (self.during - self.last) / (1 + self.slowdown)
+        return self.last + lost_beside(self.during - self.last, self.slowdown)
+
+
+def lost_beside(seconds: float, slowdown: float) -> float:
+    """What compute loses while a collective runs beside it for ``seconds``: it does 1 / (1 + slowdown) of a
+    second's work in each (Cluster.overlap_slowdown)."""
+    return seconds * slowdown / (1 + slowdown)
 
 
 def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster, ring: bool = True) -> Link:
@@ -189,7 +195,7 @@ def comm_seconds(bytes_by_axis: dict[str, float], mesh_axes: Axes, cluster: Clus
     for axis, b in bytes_by_axis.items():
         if b:
             base = axis.removesuffix(PAIRWISE)
-            link = axis_link(mesh_axes, base, cluster, ring=base == axis)
+            link = axis_link(mesh_axes, base, cluster, ring=not axis.endswith(PAIRWISE))
             size = sizes.get(base.split(":")[0], 2)
             transfer += b / link.bandwidth_bytes_per_s
             latency += collective_latency(link, size) + cluster.call_skew_for(size)

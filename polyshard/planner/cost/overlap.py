@@ -20,7 +20,7 @@ from torch import fx
 
 from polyshard.buckets import FIRST_BUCKET_BYTES
 from polyshard.cluster import Cluster
-from polyshard.planner.cost.comm import comm_seconds, node_comm_bytes, weight_sum_seconds
+from polyshard.planner.cost.comm import comm_seconds, lost_beside, node_comm_bytes, weight_sum_seconds
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes, recompute_overhead
 from polyshard.planner.cost.repeat import costed_as
@@ -92,7 +92,7 @@ def step_seconds(costs: list[OpCost], copies: int, overlap: bool = True, slowdow
             start = max(compute_free, ready[c])
             work = cost.compute_s / copies + cost.overhead_s
             beside = min(max(comm_free - start, 0.0), work * (1 + slowdown))
-            compute_free = start + work + beside * slowdown / (1 + slowdown)
+            compute_free = start + work + lost_beside(beside, slowdown)
             if cost.comm_s or cost.latency_s:
                 comm_start = max(comm_free, compute_free)
                 comm_free = comm_start + cost.comm_s / copies + cost.latency_s
