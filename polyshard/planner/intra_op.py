@@ -29,7 +29,8 @@ from polyshard.graph.twins import twins
 from polyshard.layout import Axes, Layout
 from polyshard.planner.candidates import (Enumeration, Repeat, enumerated, gathering_pairs, layouts_taken,
                                           shares_params)
-from polyshard.planner.cost.comm import comm_seconds, own_bytes, weight_sum_seconds
+from polyshard.planner.cost.comm import (comm_seconds, gradient_bytes, gradient_layout, own_collectives,
+                                         weight_sum_seconds)
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes, recompute_overhead
 from polyshard.planner.cost.memory import kept_copies, local_numel
@@ -276,8 +277,8 @@ def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], 
                     # that take it so share that move (lowering inserts one redistribution per value and layout)
                     shared = returned.get(u.name) if n.op != "output" else None
                     costs = moves[key] = np.array(
-                        [[(0.0, 0.0) if shared is not None and d.inputs.get(u.name) == shared else
-                          _edge_seconds(u, o.output, d.inputs.get(u.name), op_axes, cluster, comm_passes, itemsize)
+                        [[_edge_seconds(u, o.output, d, op_axes, cluster, comm_passes, itemsize, n.op != "output",
+                                        moved=shared is None or d.inputs.get(u.name) != shared)
                           for d in options[n.name]] for o in options[u.name]]).reshape(
                         len(options[u.name]), len(options[n.name]), 2)
             per_edge[(u.name, n.name)] = costs
@@ -286,7 +287,8 @@ def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], 
     for twin_edges, count in Counter(r.twin_edges for r in repeated).items():  # a repeat's edges are its twins'
         for u, t in twin_edges:  # but for those from the block before it
             edge_uses[((rep[u], rep[t]), id(per_edge[(u, t)]))] += count
-    shared = _shared_moves(nodes, options, rep, repeated, per_edge, returned)
+    shared = _shared_moves(nodes, options, rep, repeated, per_edge, returned, lambda u, c, j: _gradient_reduction(
+        u, options[c.name][j], op_axes, cluster, itemsize))
     for _, uses, count in shared:  # their edges are paid as the shared moves instead
         for pair, costs in uses:
             edge_uses[(pair, id(costs))] -= count
@@ -297,21 +299,24 @@ def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], 
 
 
 def _shared_moves(nodes: list[fx.Node], options, rep: dict[str, str], repeated: list[Repeat], per_edge: dict,
-                  returned: dict[str, Layout]) -> list[tuple[SharedMove, tuple, int]]:
+                  returned: dict[str, Layout], reduction: Callable) -> list[tuple[SharedMove, tuple, int]]:
     """Each value that two or more consumers may have to move (a norm's output read by q, k and v): its
-    :class:`SharedMove` (over the values alike), the edges it pays for ((stand-in pair, costs) per consumer of
-    one value) and how many values it stands for. A layout's cost at a producer pick is the most any consumer
-    pays to take the value so (they differ only where recompute runs one consumer's collectives again)."""
+    SharedMoves (over the values alike), the edges they pay for ((stand-in pair, costs) per consumer of
+    one value) and how many values they stand for. Two moves: the value's to each layout taken and its gradient's
+    way back, at a producer pick the most any consumer pays (they differ only where recompute runs one consumer's
+    collectives again); and the gradient's reduction where products taking it whole split their outputs
+    (``reduction(value, consumer, pick)``: its (gradient layout, [per row, fixed] seconds) or None), once per
+    layout taken and layout reduced from, whoever takes it so, at any producer pick."""
     by_name = {n.name: n for n in nodes}
     twin_of = {m: by_name[t] for r in repeated for m, t in zip(r.members, r.twins)}
 
-    def counted_as(u: fx.Node, c: fx.Node) -> tuple[tuple[str, str], np.ndarray]:
+    def counted_as(u: fx.Node, c: fx.Node) -> tuple[tuple[str, str], np.ndarray, fx.Node, fx.Node]:
         walked = per_edge.get((u.name, c.name))
         if walked is not None:
-            return (rep[u.name], rep[c.name]), walked
+            return (rep[u.name], rep[c.name]), walked, u, c
         twin = twin_of[c.name]  # an edge inside a repeated block: counted as its twin's
         v = twin.all_input_nodes[c.all_input_nodes.index(u)]
-        return (rep[v.name], rep[twin.name]), per_edge[(v.name, twin.name)]
+        return (rep[v.name], rep[twin.name]), per_edge[(v.name, twin.name)], v, twin
 
     found: dict[tuple, list] = {}
     moving: dict[int, bool] = {}  # per costs array (twin edges share theirs): whether any pick pays to move
@@ -320,31 +325,58 @@ def _shared_moves(nodes: list[fx.Node], options, rep: dict[str, str], repeated: 
             continue
         uses = []
         for c in u.users:
-            pair, costs = counted_as(u, c)
+            pair, costs, value, consumer = counted_as(u, c)
             moves = moving.get(id(costs))
             if moves is None:
                 moves = moving[id(costs)] = bool(costs.any())
             if moves:
-                uses.append((pair, costs, layouts_taken(options[c.name], u.name)))
+                uses.append((pair, costs, layouts_taken(options[c.name], u.name), value, consumer))
         if len(uses) > 1:
-            edges = sorted(((pair, id(costs), takes) for pair, costs, takes in uses), key=lambda e: e[:2])
+            edges = sorted(((pair, id(costs), takes) for pair, costs, takes, _, _ in uses), key=lambda e: e[:2])
             key = (rep[u.name], tuple(edges))
             found.setdefault(key, [uses, 0])[1] += 1
     out = []
     for (producer, _), (uses, count) in found.items():
-        layouts = list(dict.fromkeys(l for _, _, takes in uses for l in takes if l is not None))
+        layouts = list(dict.fromkeys(l for _, _, takes, _, _ in uses for l in takes if l is not None))
+        reduced: dict[tuple, np.ndarray] = {}  # (layout taken, gradient layout) -> [per row, fixed] seconds
         cost = np.zeros((uses[0][1].shape[0], len(layouts), 2))
         consumers: dict[str, np.ndarray] = {}
-        for (_, c), costs, takes in uses:
-            index = np.array([-1 if l is None else layouts.index(l) for l in takes])
-            consumers[c] = index
+        reducers: dict[str, np.ndarray] = {}
+        for (_, c), costs, takes, value, consumer in uses:
+            index, reducing = np.array([-1 if l is None else layouts.index(l) for l in takes]), []
             for j, layout in enumerate(index):
+                found_reduction = reduction(value, consumer, j) if layout >= 0 else None
+                paid = costs[:, j]
+                if found_reduction is not None:
+                    grad, seconds = found_reduction
+                    reduced.setdefault((takes[j], grad), seconds)
+                    reducing.append(list(reduced).index((takes[j], grad)))
+                    paid = paid - seconds
+                else:
+                    reducing.append(-1)
                 if layout >= 0:
-                    cost[:, layout] = np.maximum(cost[:, layout], costs[:, j])
+                    cost[:, layout] = np.maximum(cost[:, layout], paid)
+            consumers[c], reducers[c] = index, np.array(reducing)
         cost *= count
-        move = SharedMove(producer, tuple(consumers.items()), (cost[..., 0], cost[..., 1]))
-        out.append((move, tuple((pair, costs) for pair, costs, _ in uses), count))
+        edges = tuple((pair, costs) for pair, costs, _, _, _ in uses)
+        out.append((SharedMove(producer, tuple(consumers.items()), (cost[..., 0], cost[..., 1])), edges, count))
+        if reduced:
+            once = count * np.broadcast_to(np.array(list(reduced.values())), (cost.shape[0], len(reduced), 2))
+            out.append((SharedMove(producer, tuple(reducers.items()), (once[..., 0], once[..., 1])), (), count))
     return out
+
+
+def _gradient_reduction(value: fx.Node, d: NodePlan, axes, cluster, itemsize: int):
+    """Where the op run as ``d`` takes ``value`` whole and splits its output or weights: the layout the value's
+    gradient comes back in, and the (per row, fixed) seconds of reducing it to the layout taken; else None."""
+    taken = d.inputs.get(value.name)
+    if taken is None or not getattr(value.meta.get("tensor_meta"), "requires_grad", True):
+        return None
+    grad, whole = gradient_layout(taken, [d]), taken.with_dims(taken.dims)
+    if grad == whole:
+        return None
+    sent = transition_bytes(grad, whole, shape_of(value), itemsize, cluster.backend, cluster.all_to_all)
+    return grad, np.array(comm_seconds(sent, axes, cluster))
 
 
 def forward_floor(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, precision: str, times: Callable[[str], int],
@@ -486,11 +518,13 @@ def _op_seconds(node, d: NodePlan, forward: float, modules, axes, cluster, dtype
                 rc: Recomputed) -> tuple[float, float]:
     """(seconds per row, fixed seconds) of one op, whose forward takes ``forward`` seconds per row."""
     compute_passes, comm_passes = passes(node.name, rc)
-    transfer, latency = comm_seconds(own_bytes(node, d, modules, itemsize, cluster.backend), axes, cluster)
+    sent, back = (_collectives_seconds(c, axes, cluster) for c in own_collectives(node, d, modules, itemsize,
+                                                                                   cluster.backend))
+    transfer, latency = ((comm_passes - 1) * f + b for f, b in zip(sent, back))
     overhead = op_overhead(d, cluster, compute_passes, dtype) + \
         recompute_overhead(node.name, rc, cluster, splits_operators(axes)) if node.op.startswith("call_") else 0.0
     summed = weight_sum_seconds(node, d, modules, itemsize, axes, cluster)
-    return compute_passes * forward + comm_passes * transfer, comm_passes * latency + overhead + summed
+    return compute_passes * forward + transfer, latency + overhead + summed
 
 
 def _op_memory(node, d: NodePlan, modules, seen_params: set[int], rc: Recomputed, offload: str) -> tuple[float, float]:
@@ -504,14 +538,26 @@ def _op_memory(node, d: NodePlan, modules, seen_params: set[int], rc: Recomputed
     return (local_numel(shape, d.output) * 4 * kept if kept else 0.0), fixed
 
 
-def _edge_seconds(u: fx.Node, src, dst, axes, cluster, comm_passes: int, itemsize: int) -> tuple[float, float]:
-    """(seconds per row, fixed seconds) of redistributing ``u``'s value: in forward, in backward
-    (the gradient the reverse way), and in recompute when the consumer's collectives run again."""
-    if not isinstance(src, Layout) or dst is None or src == dst:
+def _edge_seconds(u: fx.Node, src, d: NodePlan, axes, cluster, comm_passes: int, itemsize: int, backward: bool,
+                  moved: bool = True) -> tuple[float, float]:
+    """(seconds per row, fixed seconds) of moving ``u``'s value from ``src`` to the layout the op run as ``d``
+    takes it in: in forward (``moved``: not a move shared with the returned value), again in recompute when the
+    consumer's collectives run again, and its gradient's way back (``backward``; comm_passes counts it)."""
+    dst = d.inputs.get(u.name)
+    if not isinstance(src, Layout) or dst is None:
         return 0.0, 0.0
-    sent = transition_bytes(src, dst, shape_of(u), itemsize, cluster.backend, cluster.all_to_all)
-    transfer, latency = comm_seconds(sent, axes, cluster)
-    return comm_passes * transfer, comm_passes * latency
+    forward = [transition_bytes(src, dst, shape_of(u), itemsize, cluster.backend, cluster.all_to_all)] \
+        if moved and src != dst else []
+    back = gradient_bytes(u, src, dst, [d], itemsize, cluster.backend, cluster.all_to_all) if backward else []
+    times = comm_passes - 1 if backward else comm_passes
+    (f_transfer, f_latency), (b_transfer, b_latency) = (_collectives_seconds(c, axes, cluster) for c in (forward, back))
+    return times * f_transfer + b_transfer, times * f_latency + b_latency
+
+
+def _collectives_seconds(collectives: list[dict[str, float]], axes, cluster) -> tuple[float, float]:
+    """(transfer, latency) of collectives run one after another, each paying its own latency."""
+    times = [comm_seconds(c, axes, cluster) for c in collectives]
+    return sum(t for t, _ in times), sum(latency for _, latency in times)
 
 
 def _fill_params(gm: fx.GraphModule, plan: Plan, op_axes: Axes) -> None:

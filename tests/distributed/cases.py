@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from unittest import mock
 
 import torch
@@ -416,3 +417,47 @@ def tensor_parallel_collectives() -> dict:
         loss.backward()
     return {"forward": forward.ops().count("all_reduce"), "backward": backward.ops().count("all_reduce"),
             "layers": model.cfg.num_layers}
+
+
+def planned_bytes(model: str, setting: str) -> dict:
+    """Bytes one training step's collectives send on this rank, forward and backward, against the cost model's
+    prices for the plan searched on this mesh (products slowed so that splitting them pays, as on large models):
+    its forward moves and own collectives, then its gradients' way back and the whole weights' gradient sums."""
+    from polyshard.cluster import Cluster
+    from polyshard.graph.capture import capture
+    from polyshard.planner.config import Fixed
+    from polyshard.planner.cost.comm import node_backward_bytes, node_comm_bytes, weight_sum_bytes
+    from polyshard.planner.search import search
+    from polyshard.transitions import wire_bytes
+
+    mesh = ps.init(setting.replace(",sp=0", "").replace(",sp=1", ""))
+    world = dist.get_world_size()
+    a100 = Cluster.preset(f"{world}xA100-80G")
+    slow = dataclasses.replace(a100, flops_per_s=dict.fromkeys(a100.flops_per_s, 1e7), op_overhead_s=0.0,
+                               split_op_overhead_s=0.0, all_to_all=mesh.cluster.all_to_all)
+    meta = models.build(model, device="meta")
+    plan, _ = search(meta, meta.example_inputs(1), slow, 4, fixed=Fixed.parse(setting))
+    built = models.build(model, seed=0)
+    pm = ps.parallelize(built, example_inputs=built.example_inputs(1), plan=plan)
+    batch = built.example_inputs(4)
+    pm(*batch).backward()  # first calls aside
+    with CommCounter() as forward:
+        loss = pm(*batch)
+    with CommCounter() as backward:
+        loss.backward()
+    gm, backend, all_to_all = capture(meta, meta.example_inputs(4)), "gloo", mesh.cluster.all_to_all
+    modules, entries = dict(gm.named_modules()), plan.nodes
+    predicted_forward = predicted_backward = 0.0
+    for n in gm.graph.nodes:
+        if n.name in entries and n.op not in ("placeholder", "get_attr"):
+            sent = node_comm_bytes(n, plan, modules, 4, backend, all_to_all)
+            back = [] if n.op == "output" else (node_backward_bytes(n, plan, modules, 4, backend, all_to_all)
+                                                + weight_sum_bytes(n, entries[n.name], modules, 4, backend))
+            predicted_forward += sum(sum(c.values()) for c in sent)
+            predicted_backward += sum(sum(c.values()) for c in back)
+
+    def issued(counter: CommCounter) -> float:  # eager all-reduces here are the vocabulary-parallel loss's, over tp
+        return sum(wire_bytes(kind, nbytes, size or world, backend) for kind, _, size, nbytes in counter.calls)
+
+    return {"forward": (issued(forward), predicted_forward), "backward": (issued(backward), predicted_backward),
+            "sequence_parallel": plan.sequence_parallel, "split": sum(e.impl != "local" for e in entries.values())}

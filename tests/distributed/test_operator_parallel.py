@@ -84,3 +84,18 @@ def test_tensor_parallel_reduces_each_shared_input_gradient_once(pools):
     r = pools(4).run(cases.tensor_parallel_collectives)[0]
     assert r["backward"] == 2 * r["layers"] + 1, r
 
+
+
+@pytest.mark.parametrize("model,sequence", [("gpt-tiny", 0), ("gpt-tiny", 1), ("hf:llama", 0), ("hf:llama", 1),
+                                            ("hf:gpt2", 0)])  # (GPT-2's fused q, k and v keep it whole)
+def test_the_cost_model_prices_the_bytes_each_pass_sends(pools, model, sequence):
+    """What the planner prices for a searched tensor-parallel plan is what one training step's collectives send,
+    forward and backward apart: a gradient comes back the reverse way of its value's move only where the op
+    taking it computes whole (a gather's gradient is sliced; a product split by its outputs sends its input's
+    partial sums back, once for every product taking it so), and a partial sum's reduction sends nothing back."""
+    if model.startswith("hf:"):
+        pytest.importorskip("transformers", reason="the [hf] extra (part of [dev]) is not installed")
+    r = pools(4).run(cases.planned_bytes, model, f"tp=4,sp={sequence}")[0]
+    assert r["split"] and r["sequence_parallel"] == bool(sequence), r
+    for issued, predicted in (r["forward"], r["backward"]):
+        assert issued == pytest.approx(predicted, rel=1e-9) and issued > 0, r

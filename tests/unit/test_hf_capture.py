@@ -163,11 +163,9 @@ LLAMA_SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_pr
                    "embed_tokens": 0, "lm_head": 0}
 
 
-# At the real size all but two follow it: the embedding, split by features, hands its lookups on with no partial
-# sums to reduce (gathered for the first norm, an all-to-all into the sequence split for the residual), and the
-# first layer's attention output projection, split by its outputs to add to that feature-split residual, moves
-# as many bytes as following would (an all-gather of its input for a reduce-scatter of its output).
-@pytest.mark.parametrize("size,cluster,followed", [("real", "8xA100-80G", 14), ("tiny", "cpu-gloo:4", 0)])
+# At the real size all but one follow it: the embedding, split by features, hands its lookups on with no partial
+# sums to reduce (gathered for the first norm, an all-to-all into the sequence split for the residual).
+@pytest.mark.parametrize("size,cluster,followed", [("real", "8xA100-80G", 15), ("tiny", "cpu-gloo:4", 0)])
 def test_the_report_says_where_the_plan_follows_the_models_tp_plan(size, cluster, followed):
     from polyshard.cluster import Cluster
     from polyshard.planner.config import Fixed
@@ -182,8 +180,7 @@ def test_the_report_says_where_the_plan_follows_the_models_tp_plan(size, cluster
     agreement = plan.report["tp_plan"]
     assert (agreement["followed"], agreement["modules"]) == (followed, 16)  # 2 layers x 7, embedding, head
     if dims:
-        assert agreement["departures"] == [["model.embed_tokens", "embedding_rowwise", "tp=8:S(1)"],
-                                           ["model.layers.0.self_attn.o_proj", "rowwise", "tp=8:S(0)"]]
+        assert agreement["departures"] == [["model.embed_tokens", "embedding_rowwise", "tp=8:S(1)"]]
     for name, layout in plan.params.items():
         module = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and module.split(".")[-1] in LLAMA_SPLIT_DIM:
@@ -217,9 +214,11 @@ def test_the_report_says_where_the_cuts_stand_against_the_pipeline_plan(pp_plan)
 def test_a_returned_value_is_moved_to_the_outputs_layout_once():
     """Llama returns its logits whole: a loss that takes them whole shares that one gather (lowering inserts
     one redistribution per value and layout), so where collectives are slow the search gathers once and
-    computes a plain loss, as torch's own plan for the model does, and charges the gather once."""
+    computes a plain loss, as torch's own plan for the model does, and charges the gather once. (Its vocabulary
+    is wider than its hidden size, as real models' are: split by rows instead, the head would all-reduce the logits
+    and gather only the hidden size's gradient, which at equal widths costs the same.)"""
     model = hf.build("llama", hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=4,
-                     max_position_embeddings=128)
+                     max_position_embeddings=128, vocab_size=1024)
     row = hf.batch(model, 1, 128)
     plan, _ = search(model, row, Cluster.load("cpu-gloo:2"), 8, meshes=[(("tp", 2),)])
     gm = capture(model, row)

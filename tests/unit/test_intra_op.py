@@ -13,13 +13,12 @@ from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture, shape_of
 from polyshard.planner.candidates import candidates
-from polyshard.graph.regions import Recomputed, recomputed
+from polyshard.graph.regions import recomputed
 from polyshard.plan import Plan
 from polyshard.transitions import transition_bytes
 from polyshard.planner.cost.overlap import op_costs
 from polyshard.planner.cost.comm import comm_seconds
-from polyshard.planner.cost.compute import passes
-from polyshard.planner.intra_op import BOUND_MARGIN, _edge_seconds, build_program, evaluate, forward_floor, solve
+from polyshard.planner.intra_op import BOUND_MARGIN, build_program, evaluate, forward_floor, solve
 
 CLUSTERS = ["cpu-gloo:2", "2xA100-80G"]
 
@@ -146,16 +145,27 @@ class _TwoReaders(torch.nn.Module):
 
 def _moved_once_seconds(gm, program, picked, axes, cluster) -> float:
     """The ops' own seconds, plus one redistribution per value and layout its consumers take it in (as lowering
-    inserts them), however many consumers take it so."""
+    inserts them), however many consumers take it so, and its gradient's way back: reduced once where the
+    products taking it whole split their outputs, then moved back."""
     x = np.zeros(len(program.var_of))
     x[[program.var_of[(name, i)] for name, i in picked.items()]] = 1.0
     chosen = {n: program.options[n][picked[program.rep[n]]] for n in program.options}
     nodes = {n.name: n for n in gm.graph.nodes}
-    moves = {(u.name, chosen[n.name].inputs[u.name]) for n in gm.graph.nodes for u in n.all_input_nodes
-             if chosen[n.name].inputs.get(u.name) not in (None, chosen[u.name].output)}
-    comm_passes = passes("", Recomputed())[1]
-    return float(program.node_cost @ x) + sum(
-        sum(_edge_seconds(nodes[u], chosen[u].output, dst, axes, cluster, comm_passes, 4)) for u, dst in moves)
+    takers: dict[tuple, list] = {}
+    for n in gm.graph.nodes:
+        for u in n.all_input_nodes:
+            if chosen[n.name].inputs.get(u.name) is not None and n.op != "output":
+                takers.setdefault((u.name, chosen[n.name].inputs[u.name]), []).append(chosen[n.name])
+    seconds = float(program.node_cost @ x)
+    for (u, dst), entries in takers.items():
+        src, shape = chosen[u].output, shape_of(nodes[u])
+        sent = [transition_bytes(src, dst, shape, 4)] if src != dst else []
+        if nodes[u].meta["tensor_meta"].requires_grad:
+            split = {a for e in entries if e.impl == "dtensor" for d in e.output.dims for a in d}
+            back = dst.with_dims(dst.dims, [a for a in split if dst.dim_of(a) is None])
+            sent += [transition_bytes(back, dst, shape, 4), transition_bytes(dst, src.with_dims(src.dims), shape, 4)]
+        seconds += sum(sum(comm_seconds(c, axes, cluster)) for c in sent if any(c.values()))
+    return seconds
 
 
 def test_a_value_two_ops_take_alike_is_paid_once_in_the_program_as_lowering_moves_it():

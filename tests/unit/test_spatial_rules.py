@@ -9,7 +9,7 @@ from polyshard.graph.capture import capture
 from polyshard.halo import halo, lines_up
 from polyshard.layout import Layout
 from polyshard.models.resnet import ResNet
-from polyshard.planner.cost.comm import node_comm_bytes, own_bytes
+from polyshard.planner.cost.comm import node_comm_bytes, own_collectives
 from polyshard.planner.cost.compute import forward_flops
 from polyshard.planner.propagate import propagate
 from polyshard.planner.dataset import input_layouts
@@ -103,8 +103,9 @@ def test_upsampling_keeps_the_split_by_nearest_neighbours_or_bilinear(mode, kept
     assert (not plan.nodes["up_0_0"].output.is_replicated) == kept
     assert plan.nodes["up_0_0"].impl == ("spatial" if mode == "bilinear" else "local")
     up = next(n for n in gm.graph.nodes if n.name == "up_0_0")  # (2, 32, 8, 8) in tiles of 4 x 4
-    sent = own_bytes(up, plan.nodes[up.name], dict(gm.named_modules()), 4, "gloo")  # its halo, moves aside
-    assert sent == ({"h": 2 * (2 * 32 * 4) * 4, "w": 2 * (2 * 32 * 6) * 4} if mode == "bilinear" else {})
+    forward, backward = own_collectives(up, plan.nodes[up.name], dict(gm.named_modules()), 4, "gloo")  # moves aside
+    halo = [{"h": 2 * (2 * 32 * 4) * 4, "w": 2 * (2 * 32 * 6) * 4}] if mode == "bilinear" else []
+    assert forward == backward == halo  # the gradient's halo goes back the way the values came
 
 
 def test_the_search_enumerates_each_layer_of_a_sequential_by_its_own_kind():

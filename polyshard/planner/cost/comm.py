@@ -8,6 +8,7 @@ in one node, else on the inter-node link, as many NICs as the group has ranks in
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from polyshard.graph.capture import linear_dims, shape_of
 from polyshard.graph.ops import op_key
 from polyshard.halo import BILINEAR_HALO, SPLIT_DIMS, halo, pair
 from polyshard.layout import Axes, Layout
-from polyshard.plan import Plan
+from polyshard.plan import NodePlan, Plan
 from polyshard.transitions import PAIRWISE, transition_bytes, wire_bytes
 
 
@@ -87,16 +88,54 @@ def axis_link(mesh_axes: Axes, axis: str, cluster: Cluster, ring: bool = True) -
 
 def node_comm_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int,
                     backend: str, all_to_all: bool = True) -> list[dict[str, float]]:
-    """Bytes this rank sends for ``node``, per collective and axis: its input redistributions (each value moved
-    to a layout once, by its first consumer that takes it so, as lowering does), then its partial sums."""
+    """Bytes this rank sends for ``node`` in forward, per collective and axis: its input redistributions (each
+    value moved to a layout once, by its first consumer that takes it so, as lowering does), then its own."""
     entry = plan.nodes[node.name]
     out = []
     for inp in node.all_input_nodes:
         src, dst = plan.nodes[inp.name].output, entry.inputs.get(inp.name)
         if isinstance(src, Layout) and dst is not None and src != dst and first_to_take(node, inp, dst, plan):
             out.append(transition_bytes(src, dst, shape_of(inp), itemsize, backend, all_to_all))
-    own = own_bytes(node, entry, modules, itemsize, backend)
-    return out + [own] if own else out
+    return out + own_collectives(node, entry, modules, itemsize, backend)[0]
+
+
+def node_backward_bytes(node: fx.Node, plan: Plan, modules: dict[str, nn.Module], itemsize: int,
+                        backend: str, all_to_all: bool = True) -> list[dict[str, float]]:
+    """Bytes this rank sends for ``node`` in backward, per collective and axis: its own, then its inputs'
+    gradients brought back (:func:`gradient_bytes`), each once, by the first consumer taking the value so."""
+    entry = plan.nodes[node.name]
+    out = own_collectives(node, entry, modules, itemsize, backend)[1]
+    for inp in node.all_input_nodes:
+        src, dst = plan.nodes[inp.name].output, entry.inputs.get(inp.name)
+        if isinstance(src, Layout) and dst is not None and first_to_take(node, inp, dst, plan):
+            takers = [plan.nodes[u.name] for u in inp.users if plan.nodes[u.name].inputs.get(inp.name) == dst]
+            out += gradient_bytes(inp, src, dst, takers, itemsize, backend, all_to_all)
+    return out
+
+
+def gradient_layout(taken: Layout, takers: Sequence[NodePlan]) -> Layout:
+    """The layout the gradient of a value taken in ``taken`` by the ops run as ``takers`` comes back in: whole
+    where it was a pending sum (a sum's gradient is each summand's), and pending over each axis a DTensor op
+    splits its output or weights over while taking the value whole (each rank adds its part's contribution:
+    Megatron's f operator, reduced once for all the ops that take the value so, as lowering wraps it once)."""
+    split = {a for e in takers if e.impl == "dtensor"
+             for layout in (e.output, *e.params.values()) if isinstance(layout, Layout) for d in layout.dims for a in d}
+    return taken.with_dims(taken.dims, [a for a, _ in taken.axes if a in split and taken.dim_of(a) is None])
+
+
+def gradient_bytes(value: fx.Node, src: Layout, dst: Layout, takers: Sequence[NodePlan], itemsize: int, backend: str,
+                   all_to_all: bool = True) -> list[dict[str, float]]:
+    """Bytes each rank sends, per collective and axis, to bring back the gradient of ``value`` that its producer
+    made in ``src`` and ``takers`` took in ``dst``, as DTensor's autograd does: reduced to ``dst`` (from_local's
+    backward), then moved back to ``src`` (the reverse redistribution), a pending sum's gradient left whole.
+    Nothing for a value no gradient flows into (token ids, masks, rotary tables)."""
+    meta = value.meta.get("tensor_meta")
+    if not getattr(meta, "requires_grad", True):
+        return []
+    steps = (gradient_layout(dst, takers), dst.with_dims(dst.dims), src.with_dims(src.dims))
+    sent = [transition_bytes(a, b, shape_of(value), itemsize, backend, all_to_all)
+            for a, b in zip(steps, steps[1:]) if a != b]
+    return [s for s in sent if any(s.values())]
 
 
 def first_to_take(node: fx.Node, inp: fx.Node, dst: Layout, plan: Plan) -> bool:
@@ -105,12 +144,24 @@ def first_to_take(node: fx.Node, inp: fx.Node, dst: Layout, plan: Plan) -> bool:
     return first is node
 
 
-def own_bytes(node, entry, modules, itemsize: int, backend: str) -> dict[str, float]:
-    """Bytes an op's own collectives send, per axis: its partial sums and its halo."""
-    out = partial_sum_bytes(node, entry, modules, itemsize, backend)
-    for axis, b in halo_bytes(node, entry, modules, itemsize, backend).items():
-        out[axis] = out.get(axis, 0.0) + b
-    return out
+def own_collectives(node, entry, modules, itemsize: int, backend: str) -> tuple[list[dict[str, float]], ...]:
+    """Bytes an op's own collectives send per axis, (forward, backward), one dict per collective: its partial sums
+    (reduced in forward; in backward gathered again where they were scattered along the sequence), its halo (and its
+    gradient's), a vocabulary-parallel loss's two reductions of one value per token (forward only)."""
+    pending = partial_sum_layouts(node, entry, modules)
+    forward, backward = [], []
+    if pending is not None:
+        shape, (before, after) = shape_of(node), pending
+        forward.append(transition_bytes(before, after, shape, itemsize, backend))
+        backward.append(transition_bytes(after, before.with_dims(before.dims), shape, itemsize, backend))
+    halo = halo_bytes(node, entry, modules, itemsize, backend)
+    forward, backward = forward + [halo], backward + [halo]
+    if entry.impl == "vocab_ce":
+        logits = entry.inputs[node.args[0].name]
+        tokens, sizes = math.prod(shape_of(node.args[0])[:-1]), logits.axis_sizes
+        for values in (tokens, 2 * tokens):  # the maximum, then the exponentials' sum and the target's logit
+            forward.append({a: wire_bytes("all_reduce", values * itemsize, sizes[a], backend) for a in logits.dims[-1]})
+    return [c for c in forward if any(c.values())], [c for c in backward if any(c.values())]
 
 
 def halo_bytes(node, entry, modules, itemsize: int, backend: str) -> dict[str, float]:
@@ -144,34 +195,37 @@ def halo_bytes(node, entry, modules, itemsize: int, backend: str) -> dict[str, f
     return out
 
 
-def partial_sum_bytes(node, entry, modules, itemsize, backend) -> dict[str, float]:
-    """A split contraction (row-parallel Linear, vocabulary-parallel Embedding) reduces its partial
-    sums into its output's layout: an all-reduce, or a reduce-scatter along the sequence."""
+def partial_sum_layouts(node, entry, modules) -> tuple[Layout, Layout] | None:
+    """A split contraction (row-parallel Linear, vocabulary-parallel Embedding) reduces its partial sums into its
+    output's layout (an all-reduce, or a reduce-scatter along the sequence): (pending, reduced); None for others."""
     if entry.impl not in ("dtensor", "rows") or node.op != "call_module":
-        return {}
+        return None
     module, weight, out = modules[node.target], entry.params.get("weight"), entry.output
     order = linear_dims(module)
     if weight is None or not isinstance(out, Layout) or (order is None and not isinstance(module, nn.Embedding)):
-        return {}
+        return None
     axes = weight.dims[order[1]] if order is not None else weight.dims[0]
     pending = out.with_dims([tuple(a for a in d if a not in axes) for d in out.dims], axes)
-    return transition_bytes(pending, out, shape_of(node), itemsize, backend) if axes else {}
+    return (pending, out) if axes else None
+
+
+def weight_sum_bytes(node, entry, modules, itemsize: int, backend: str) -> list[dict[str, float]]:
+    """Bytes a module whose weights are all whole, run on a split input (a norm under sequence parallel, a layer
+    of a stage whose ranks split the batch), sends to sum its weights' gradients over the split axes: in each
+    backward, one all-reduce per weight and axis (DTensor reduces each gradient on its own), whatever the rows."""
+    if entry.impl != "dtensor" or node.op != "call_module" or not entry.params or \
+            not all(l.is_replicated for l in entry.params.values()):
+        return []
+    sizes = next(iter(entry.params.values())).axis_sizes
+    split = {a for l in entry.inputs.values() for d in l.dims for a in d}
+    return [{a: wire_bytes("all_reduce", p.numel() * itemsize, sizes[a], backend)}
+            for name, p in modules[node.target].named_parameters(recurse=False) if name in entry.params for a in split]
 
 
 def weight_sum_seconds(node, entry, modules, itemsize: int, mesh_axes: Axes, cluster: Cluster) -> float:
-    """Seconds a module whose weights are all whole, run on a split input (a norm under sequence parallel, a
-    layer of a stage whose ranks split the batch), takes to sum its weights' gradients over the split axes:
-    in each backward, one all-reduce per weight and axis (DTensor reduces each gradient on its own), whatever
-    the rows."""
-    if entry.impl != "dtensor" or node.op != "call_module" or not entry.params or \
-            not all(l.is_replicated for l in entry.params.values()):
-        return 0.0
-    sizes = next(iter(entry.params.values())).axis_sizes
-    split = {a for l in entry.inputs.values() for d in l.dims for a in d}
-    return sum(sum(comm_seconds({a: wire_bytes("all_reduce", p.numel() * itemsize, sizes[a], cluster.backend)},
-                                mesh_axes, cluster))
-               for name, p in modules[node.target].named_parameters(recurse=False) if name in entry.params
-               for a in split)
+    """Seconds of :func:`weight_sum_bytes`' all-reduces, one after another."""
+    return sum(sum(comm_seconds(sent, mesh_axes, cluster))
+               for sent in weight_sum_bytes(node, entry, modules, itemsize, cluster.backend))
 
 
 # A ring all-reduce is a reduce-scatter then an all-gather, 2(n-1) steps; each of those alone runs n-1.

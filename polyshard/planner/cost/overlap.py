@@ -20,7 +20,8 @@ from torch import fx
 
 from polyshard.buckets import FIRST_BUCKET_BYTES
 from polyshard.cluster import Cluster
-from polyshard.planner.cost.comm import comm_seconds, lost_beside, node_comm_bytes, weight_sum_seconds
+from polyshard.planner.cost.comm import (comm_seconds, lost_beside, node_backward_bytes, node_comm_bytes,
+                                         weight_sum_seconds)
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes, recompute_overhead
 from polyshard.planner.cost.repeat import costed_as
@@ -59,12 +60,15 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
             out.append(by_name.setdefault(node.name, by_name[twin]))
             continue
         seconds = compute_passes * forward_seconds(node, plan.nodes[node.name], modules, cluster, dtype, itemsize)
-        transfer, latency = _collectives_seconds(node, plan, modules, itemsize, cluster)
+        (transfer, latency), (back, back_latency) = (
+            _collectives_seconds(node, plan, modules, itemsize, cluster, sent) for sent in (node_comm_bytes,
+                                                                                       node_backward_bytes))
         summed = weight_sum_seconds(node, plan.nodes[node.name], modules, itemsize, plan.mesh or plan.op_axes, cluster)
-        # backward sends what forward sends: each collective's gradient is its reverse
         fixed = op_overhead(plan.nodes[node.name], cluster, compute_passes, dtype) + \
             recompute_overhead(node.name, rc, cluster, plan.splits_operators)
-        by_name[node.name] = OpCost(seconds, comm_passes * transfer, comm_passes * latency + summed, fixed)
+        forwards = comm_passes - 1  # forward's collectives, and again where recompute runs them
+        by_name[node.name] = OpCost(seconds, forwards * transfer + back,
+                                    forwards * latency + back_latency + summed, fixed)
         out.append(by_name[node.name])
     output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
     if out and output is not None and output.name in plan.nodes:  # e.g. split logits gathered whole
@@ -74,10 +78,12 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
     return out
 
 
-def _collectives_seconds(node: fx.Node, plan: Plan, modules, itemsize: int, cluster: Cluster) -> tuple[float, float]:
-    """(transfer, latency) of ``node``'s collectives, one after another, each paying its own latency."""
-    times = [comm_seconds(sent, plan.mesh or plan.op_axes, cluster)
-             for sent in node_comm_bytes(node, plan, modules, itemsize, cluster.backend, cluster.all_to_all)]
+def _collectives_seconds(node: fx.Node, plan: Plan, modules, itemsize: int, cluster: Cluster,
+                         sent=node_comm_bytes) -> tuple[float, float]:
+    """(transfer, latency) of ``node``'s collectives that ``sent`` lists (forward's, or backward's with
+    node_backward_bytes), one after another, each paying its own latency."""
+    times = [comm_seconds(c, plan.mesh or plan.op_axes, cluster)
+             for c in sent(node, plan, modules, itemsize, cluster.backend, cluster.all_to_all)]
     return sum(t for t, _ in times), sum(l for _, l in times)
 
 
