@@ -6,6 +6,7 @@ Lowering needs nothing else, so a plan written or edited by hand runs too.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -105,6 +106,12 @@ class NodePlan:
     output: Any
     params: dict[str, Layout] = field(default_factory=dict)
     shape_divisors: dict[int, int] = field(default_factory=dict)
+
+
+def takes_moved_dtensor(src: Layout, dst: Layout, takers: Sequence[NodePlan]) -> bool:
+    """Whether a DTensor op among ``takers`` takes the value as the DTensor its move from ``src`` made (lowering
+    hands it over where the move keeps the device matrix), so that its gradient goes back in one redistribution."""
+    return src != dst and src.axes == dst.axes and any(t.impl == "dtensor" for t in takers)
 
 
 def splits_operators(op_axes) -> bool:

@@ -12,10 +12,10 @@ import operator
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from polyshard.compiler.ops import ShardedFunction, ShardedModule, VocabParallelCrossEntropy
-from polyshard.compiler.redistribute import redistribute_local, to_dtensor
+from polyshard.compiler.redistribute import redistribute, redistribute_local, to_dtensor
 from polyshard.compiler.rows import RowSplitEmbedding, gather_rows, row_slice
 from polyshard.compiler.spatial import (
     SpatialBatchNorm2d, SpatialCrossEntropy, SpatialGlobalPool, SpatialUpsample, SpatialWindow, Split,
@@ -25,20 +25,30 @@ from polyshard.graph.ops import op_key
 from polyshard.halo import BILINEAR_HALO, SPLIT_DIMS, halo, pair
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
-from polyshard.plan import Plan
+from polyshard.plan import Plan, takes_moved_dtensor
 from polyshard.planner.rules.spatial import upsampling
 
 
 class Redistribute:
-    """Graph op: move this rank's piece from one layout to another (waited for where first used)."""
+    """Graph op: move this rank's piece from one layout to another (waited for where first used); ``to_dtensor``:
+    hand the moved DTensor itself to the split ops that take it, so that their input gradient's partial sums go
+    back to ``src`` in one redistribution (a reduce-scatter under sequence parallel, not an all-reduce and a slice).
+    """
 
-    def __init__(self, src: Layout, dst: Layout, mesh: Mesh):
-        self.src, self.dst, self.mesh = src, dst, mesh
+    def __init__(self, src: Layout, dst: Layout, mesh: Mesh, to_dtensor: bool = False):
+        self.src, self.dst, self.mesh, self.to_dtensor = src, dst, mesh, to_dtensor
         self.__name__ = f"redistribute_{src}_to_{dst}".replace("(", "").replace(")", "")
 
-    def __call__(self, local: torch.Tensor) -> torch.Tensor:
-        return redistribute_local(local, self.src, self.dst, self.src.global_shape(local.shape), self.mesh,
-                                  async_op=True)
+    def __call__(self, local: torch.Tensor):
+        shape = self.src.global_shape(local.shape)
+        if self.to_dtensor:
+            return redistribute(to_dtensor(local, self.src, shape, self.mesh), self.dst, self.mesh, async_op=True)
+        return redistribute_local(local, self.src, self.dst, shape, self.mesh, async_op=True)
+
+
+def to_local(x: DTensor) -> torch.Tensor:
+    """Graph op: this rank's piece of a moved DTensor, for an op that runs on pieces."""
+    return x.to_local()
 
 
 class ToDTensor:
@@ -94,6 +104,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
     out_layout = {name: n.output for name, n in plan.nodes.items()}
     moved: dict[tuple[str, Layout], fx.Node] = {}
     shared = _shared_split_inputs(graph, plan)
+    dtensors = _moved_dtensors(graph, plan)
+    pieces: dict[tuple[str, Layout], fx.Node] = {}  # of a moved DTensor, for the ops that run on pieces
     wrapped: dict[tuple[str, Layout], fx.Node] = {}
     for node in list(graph.nodes):
         entry = plan.nodes[node.name]
@@ -105,10 +117,16 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
             key = (inp.name, dst)
             if key not in moved:
                 with graph.inserting_before(node):
-                    moved[key] = graph.call_function(Redistribute(src, dst, mesh), (inp,))
-            node.replace_input_with(inp, moved[key])
+                    moved[key] = graph.call_function(Redistribute(src, dst, mesh, key in dtensors), (inp,))
+            taken = moved[key]
+            if key in dtensors and entry.impl != "dtensor":
+                if key not in pieces:
+                    with graph.inserting_before(node):
+                        pieces[key] = graph.call_function(to_local, (moved[key],))
+                taken = pieces[key]
+            node.replace_input_with(inp, taken)
         for name, dst in entry.inputs.items() if entry.impl == "dtensor" else ():
-            if (name, dst) not in shared:
+            if (name, dst) not in shared or (name, dst) in dtensors:
                 continue
             current = moved.get((name, dst)) or next(n for n in node.all_input_nodes if n.name == name)
             if (name, dst) not in wrapped:
@@ -135,6 +153,21 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh: Mesh) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _moved_dtensors(graph: fx.Graph, plan: Plan) -> set[tuple[str, Layout]]:
+    """(value, layout) pairs a split op takes after a move that keeps the device matrix: the move hands it the
+    DTensor (the cost model prices its gradient's way back so)."""
+    out = set()
+    for node in graph.nodes:
+        entry = plan.nodes.get(node.name)
+        if entry is None or entry.impl != "dtensor":
+            continue
+        for inp in node.all_input_nodes:
+            src, dst = plan.nodes[inp.name].output if inp.name in plan.nodes else None, entry.inputs.get(inp.name)
+            if isinstance(src, Layout) and dst is not None and takes_moved_dtensor(src, dst, [entry]):
+                out.add((inp.name, dst))
+    return out
 
 
 def _shared_split_inputs(graph: fx.Graph, plan: Plan) -> set[tuple[str, Layout]]:

@@ -35,7 +35,7 @@ from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes, recompute_overhead
 from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
-from polyshard.plan import DTYPES, NodePlan, Plan, splits_operators
+from polyshard.plan import DTYPES, NodePlan, Plan, splits_operators, takes_moved_dtensor
 from polyshard.planner.rules import row_splits
 from polyshard.transitions import transition_bytes
 
@@ -288,7 +288,7 @@ def _edge_terms(gm: fx.GraphModule, found: Enumeration, repeated: list[Repeat], 
         for u, t in twin_edges:  # but for those from the block before it
             edge_uses[((rep[u], rep[t]), id(per_edge[(u, t)]))] += count
     shared = _shared_moves(nodes, options, rep, repeated, per_edge, returned, lambda u, c, j: _gradient_reduction(
-        u, options[c.name][j], op_axes, cluster, itemsize))
+        u, options[c.name][j], [o.output for o in options[u.name]], op_axes, cluster, itemsize))
     for _, uses, count in shared:  # their edges are paid as the shared moves instead
         for pair, costs in uses:
             edge_uses[(pair, id(costs))] -= count
@@ -305,8 +305,8 @@ def _shared_moves(nodes: list[fx.Node], options, rep: dict[str, str], repeated: 
     one value) and how many values they stand for. Two moves: the value's to each layout taken and its gradient's
     way back, at a producer pick the most any consumer pays (they differ only where recompute runs one consumer's
     collectives again); and the gradient's reduction where products taking it whole split their outputs
-    (``reduction(value, consumer, pick)``: its (gradient layout, [per row, fixed] seconds) or None), once per
-    layout taken and layout reduced from, whoever takes it so, at any producer pick."""
+    (``reduction(value, consumer, pick)``: its gradient layout and [producer pick, (per row, fixed)] seconds, or
+    None), once per layout taken and layout reduced from, whoever takes it so."""
     by_name = {n.name: n for n in nodes}
     twin_of = {m: by_name[t] for r in repeated for m, t in zip(r.members, r.twins)}
 
@@ -361,22 +361,28 @@ def _shared_moves(nodes: list[fx.Node], options, rep: dict[str, str], repeated: 
         edges = tuple((pair, costs) for pair, costs, _, _, _ in uses)
         out.append((SharedMove(producer, tuple(consumers.items()), (cost[..., 0], cost[..., 1])), edges, count))
         if reduced:
-            once = count * np.broadcast_to(np.array(list(reduced.values())), (cost.shape[0], len(reduced), 2))
+            once = count * np.stack(list(reduced.values()), axis=1)
             out.append((SharedMove(producer, tuple(reducers.items()), (once[..., 0], once[..., 1])), (), count))
     return out
 
 
-def _gradient_reduction(value: fx.Node, d: NodePlan, axes, cluster, itemsize: int):
+def _gradient_reduction(value: fx.Node, d: NodePlan, made: Sequence, axes, cluster, itemsize: int):
     """Where the op run as ``d`` takes ``value`` whole and splits its output or weights: the layout the value's
-    gradient comes back in, and the (per row, fixed) seconds of reducing it to the layout taken; else None."""
+    gradient comes back in, and per layout its producer may make it in (``made``) the (per row, fixed) seconds of
+    reducing it (to the layout taken, or straight to the producer's where the op takes the move's DTensor);
+    else None."""
     taken = d.inputs.get(value.name)
     if taken is None or not getattr(value.meta.get("tensor_meta"), "requires_grad", True):
         return None
     grad, whole = gradient_layout(taken, [d]), taken.with_dims(taken.dims)
     if grad == whole:
         return None
-    sent = transition_bytes(grad, whole, shape_of(value), itemsize, cluster.backend, cluster.all_to_all)
-    return grad, np.array(comm_seconds(sent, axes, cluster))
+    seconds = []
+    for src in made:
+        to = src.with_dims(src.dims) if isinstance(src, Layout) and takes_moved_dtensor(src, taken, [d]) else whole
+        sent = transition_bytes(grad, to, shape_of(value), itemsize, cluster.backend, cluster.all_to_all)
+        seconds.append(comm_seconds(sent, axes, cluster))
+    return grad, np.array(seconds)
 
 
 def forward_floor(gm: fx.GraphModule, op_axes: Axes, cluster: Cluster, precision: str, times: Callable[[str], int],

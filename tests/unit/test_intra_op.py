@@ -146,7 +146,8 @@ class _TwoReaders(torch.nn.Module):
 def _moved_once_seconds(gm, program, picked, axes, cluster) -> float:
     """The ops' own seconds, plus one redistribution per value and layout its consumers take it in (as lowering
     inserts them), however many consumers take it so, and its gradient's way back: reduced once where the
-    products taking it whole split their outputs, then moved back."""
+    products taking it whole split their outputs, then moved back (in one go where a product takes the moved
+    DTensor)."""
     x = np.zeros(len(program.var_of))
     x[[program.var_of[(name, i)] for name, i in picked.items()]] = 1.0
     chosen = {n: program.options[n][picked[program.rep[n]]] for n in program.options}
@@ -163,7 +164,10 @@ def _moved_once_seconds(gm, program, picked, axes, cluster) -> float:
         if nodes[u].meta["tensor_meta"].requires_grad:
             split = {a for e in entries if e.impl == "dtensor" for d in e.output.dims for a in d}
             back = dst.with_dims(dst.dims, [a for a in split if dst.dim_of(a) is None])
-            sent += [transition_bytes(back, dst, shape, 4), transition_bytes(dst, src.with_dims(src.dims), shape, 4)]
+            if src != dst and any(e.impl == "dtensor" for e in entries):  # handed the moved DTensor
+                sent += [transition_bytes(back, src.with_dims(src.dims), shape, 4)]
+            else:
+                sent += [transition_bytes(back, dst, shape, 4), transition_bytes(dst, src.with_dims(src.dims), shape, 4)]
         seconds += sum(sum(comm_seconds(c, axes, cluster)) for c in sent if any(c.values()))
     return seconds
 

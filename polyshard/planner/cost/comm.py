@@ -19,7 +19,7 @@ from polyshard.graph.capture import linear_dims, shape_of
 from polyshard.graph.ops import op_key
 from polyshard.halo import BILINEAR_HALO, SPLIT_DIMS, halo, pair
 from polyshard.layout import Axes, Layout
-from polyshard.plan import NodePlan, Plan
+from polyshard.plan import NodePlan, Plan, takes_moved_dtensor
 from polyshard.transitions import PAIRWISE, transition_bytes, wire_bytes
 
 
@@ -126,13 +126,17 @@ def gradient_layout(taken: Layout, takers: Sequence[NodePlan]) -> Layout:
 def gradient_bytes(value: fx.Node, src: Layout, dst: Layout, takers: Sequence[NodePlan], itemsize: int, backend: str,
                    all_to_all: bool = True) -> list[dict[str, float]]:
     """Bytes each rank sends, per collective and axis, to bring back the gradient of ``value`` that its producer
-    made in ``src`` and ``takers`` took in ``dst``, as DTensor's autograd does: reduced to ``dst`` (from_local's
-    backward), then moved back to ``src`` (the reverse redistribution), a pending sum's gradient left whole.
-    Nothing for a value no gradient flows into (token ids, masks, rotary tables)."""
+    made in ``src`` and ``takers`` took in ``dst``, as DTensor's autograd does: moved back to ``src`` (the reverse
+    redistribution; a pending sum's gradient left whole) from the layout it comes back in, straight where a
+    DTensor op takes the move's DTensor (under sequence parallel a split product's input gradient is
+    reduce-scattered), else reduced to ``dst`` first (from_local's backward). Nothing for a value no gradient flows
+    into (token ids, masks, rotary tables)."""
     meta = value.meta.get("tensor_meta")
     if not getattr(meta, "requires_grad", True):
         return []
-    steps = (gradient_layout(dst, takers), dst.with_dims(dst.dims), src.with_dims(src.dims))
+    back, whole = gradient_layout(dst, takers), dst.with_dims(dst.dims)
+    steps = (back, src.with_dims(src.dims)) if takes_moved_dtensor(src, dst, takers) else \
+        (back, whole, src.with_dims(src.dims))
     sent = [transition_bytes(a, b, shape_of(value), itemsize, backend, all_to_all)
             for a, b in zip(steps, steps[1:]) if a != b]
     return [s for s in sent if any(s.values())]
