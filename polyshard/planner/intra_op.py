@@ -29,13 +29,13 @@ from polyshard.graph.twins import twins
 from polyshard.layout import Axes, Layout
 from polyshard.planner.candidates import (Enumeration, Repeat, enumerated, gathering_pairs, layouts_taken,
                                           shares_params)
-from polyshard.planner.cost.comm import (comm_seconds, gradient_bytes, gradient_layout, own_collectives,
-                                         weight_sum_seconds)
+from polyshard.planner.cost.comm import (collectives_seconds, comm_seconds, gradient_bytes, gradient_layout,
+                                         gradient_path, own_collectives, weight_sum_seconds)
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes, recompute_overhead
 from polyshard.planner.cost.memory import kept_copies, local_numel
 from polyshard.planner.cost.offload import device_bytes_per_param
-from polyshard.plan import DTYPES, NodePlan, Plan, splits_operators, takes_moved_dtensor
+from polyshard.plan import DTYPES, NodePlan, Plan, splits_operators
 from polyshard.planner.rules import row_splits
 from polyshard.transitions import transition_bytes
 
@@ -369,18 +369,20 @@ def _shared_moves(nodes: list[fx.Node], options, rep: dict[str, str], repeated: 
 def _gradient_reduction(value: fx.Node, d: NodePlan, made: Sequence, axes, cluster, itemsize: int):
     """Where the op run as ``d`` takes ``value`` whole and splits its output or weights: the layout the value's
     gradient comes back in, and per layout its producer may make it in (``made``) the (per row, fixed) seconds of
-    reducing it (to the layout taken, or straight to the producer's where the op takes the move's DTensor);
-    else None."""
+    the first step of its way back (cost.comm.gradient_path), which reduces it; else None."""
     taken = d.inputs.get(value.name)
-    if taken is None or not getattr(value.meta.get("tensor_meta"), "requires_grad", True):
+    if taken is None:
         return None
-    grad, whole = gradient_layout(taken, [d]), taken.with_dims(taken.dims)
-    if grad == whole:
+    grad = gradient_layout(taken, [d])
+    if grad == taken.with_dims(taken.dims):
         return None
     seconds = []
-    for src in made:
-        to = src.with_dims(src.dims) if isinstance(src, Layout) and takes_moved_dtensor(src, taken, [d]) else whole
-        sent = transition_bytes(grad, to, shape_of(value), itemsize, cluster.backend, cluster.all_to_all)
+    for src in made:  # a producer pick that makes no single tensor moves nothing (see _edge_seconds)
+        path = gradient_path(value, src, taken, [d]) if isinstance(src, Layout) else ()
+        if isinstance(src, Layout) and not path:
+            return None
+        sent = transition_bytes(*path[:2], shape_of(value), itemsize, cluster.backend, cluster.all_to_all) \
+            if path else {}
         seconds.append(comm_seconds(sent, axes, cluster))
     return grad, np.array(seconds)
 
@@ -524,7 +526,7 @@ def _op_seconds(node, d: NodePlan, forward: float, modules, axes, cluster, dtype
                 rc: Recomputed) -> tuple[float, float]:
     """(seconds per row, fixed seconds) of one op, whose forward takes ``forward`` seconds per row."""
     compute_passes, comm_passes = passes(node.name, rc)
-    sent, back = (_collectives_seconds(c, axes, cluster) for c in own_collectives(node, d, modules, itemsize,
+    sent, back = (collectives_seconds(c, axes, cluster) for c in own_collectives(node, d, modules, itemsize,
                                                                                    cluster.backend))
     transfer, latency = ((comm_passes - 1) * f + b for f, b in zip(sent, back))
     overhead = op_overhead(d, cluster, compute_passes, dtype) + \
@@ -556,14 +558,8 @@ def _edge_seconds(u: fx.Node, src, d: NodePlan, axes, cluster, comm_passes: int,
         if moved and src != dst else []
     back = gradient_bytes(u, src, dst, [d], itemsize, cluster.backend, cluster.all_to_all) if backward else []
     times = comm_passes - 1 if backward else comm_passes
-    (f_transfer, f_latency), (b_transfer, b_latency) = (_collectives_seconds(c, axes, cluster) for c in (forward, back))
+    (f_transfer, f_latency), (b_transfer, b_latency) = (collectives_seconds(c, axes, cluster) for c in (forward, back))
     return times * f_transfer + b_transfer, times * f_latency + b_latency
-
-
-def _collectives_seconds(collectives: list[dict[str, float]], axes, cluster) -> tuple[float, float]:
-    """(transfer, latency) of collectives run one after another, each paying its own latency."""
-    times = [comm_seconds(c, axes, cluster) for c in collectives]
-    return sum(t for t, _ in times), sum(latency for _, latency in times)
 
 
 def _fill_params(gm: fx.GraphModule, plan: Plan, op_axes: Axes) -> None:

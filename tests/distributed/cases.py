@@ -419,7 +419,7 @@ def tensor_parallel_collectives() -> dict:
             "layers": model.cfg.num_layers}
 
 
-def planned_bytes(model: str, setting: str) -> dict:
+def planned_bytes(model: str, mesh_text: str, sequence: int) -> dict:
     """Bytes one training step's collectives send on this rank, forward and backward, against the cost model's
     prices for the plan searched on this mesh (products slowed so that splitting them pays, as on large models):
     its forward moves and own collectives, then its gradients' way back and the whole weights' gradient sums."""
@@ -430,13 +430,13 @@ def planned_bytes(model: str, setting: str) -> dict:
     from polyshard.planner.search import search
     from polyshard.transitions import wire_bytes
 
-    mesh = ps.init(setting.replace(",sp=0", "").replace(",sp=1", ""))
+    mesh = ps.init(mesh_text)
     world = dist.get_world_size()
     a100 = Cluster.preset(f"{world}xA100-80G")
     slow = dataclasses.replace(a100, flops_per_s=dict.fromkeys(a100.flops_per_s, 1e7), op_overhead_s=0.0,
                                split_op_overhead_s=0.0, all_to_all=mesh.cluster.all_to_all)
     meta = models.build(model, device="meta")
-    plan, _ = search(meta, meta.example_inputs(1), slow, 4, fixed=Fixed.parse(setting))
+    plan, _ = search(meta, meta.example_inputs(1), slow, 4, fixed=Fixed.parse(f"{mesh_text},sp={sequence}"))
     built = models.build(model, seed=0)
     pm = ps.parallelize(built, example_inputs=built.example_inputs(1), plan=plan)
     batch = built.example_inputs(4)

@@ -95,7 +95,7 @@ def test_the_cost_model_prices_the_bytes_each_pass_sends(pools, model, sequence)
     partial sums back, once for every product taking it so), and a partial sum's reduction sends nothing back."""
     if model.startswith("hf:"):
         pytest.importorskip("transformers", reason="the [hf] extra (part of [dev]) is not installed")
-    r = pools(4).run(cases.planned_bytes, model, f"tp=4,sp={sequence}")[0]
+    r = pools(4).run(cases.planned_bytes, model, "tp=4", sequence)[0]
     assert r["split"] and r["sequence_parallel"] == bool(sequence), r
     for issued, predicted in (r["forward"], r["backward"]):
         assert issued == pytest.approx(predicted, rel=1e-9) and issued > 0, r

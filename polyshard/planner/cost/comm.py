@@ -123,22 +123,25 @@ def gradient_layout(taken: Layout, takers: Sequence[NodePlan]) -> Layout:
     return taken.with_dims(taken.dims, [a for a, _ in taken.axes if a in split and taken.dim_of(a) is None])
 
 
+def gradient_path(value: fx.Node, src: Layout, dst: Layout, takers: Sequence[NodePlan]) -> tuple[Layout, ...]:
+    """The layouts the gradient of ``value``, made in ``src`` and taken in ``dst`` by ``takers``, passes through on
+    its way back, as DTensor's autograd moves it: from the layout it comes back in (:func:`gradient_layout`) to
+    ``src``'s (a pending sum's gradient left whole), straight where a DTensor op takes the move's DTensor (under
+    sequence parallel a split product's input gradient is reduce-scattered), else reduced to ``dst`` first
+    (from_local's backward). Empty for a value no gradient flows into (token ids, masks, rotary tables)."""
+    if not getattr(value.meta.get("tensor_meta"), "requires_grad", True):
+        return ()
+    back, home = gradient_layout(dst, takers), src.with_dims(src.dims)
+    return (back, home) if takes_moved_dtensor(src, dst, takers) else (back, dst.with_dims(dst.dims), home)
+
+
 def gradient_bytes(value: fx.Node, src: Layout, dst: Layout, takers: Sequence[NodePlan], itemsize: int, backend: str,
                    all_to_all: bool = True) -> list[dict[str, float]]:
-    """Bytes each rank sends, per collective and axis, to bring back the gradient of ``value`` that its producer
-    made in ``src`` and ``takers`` took in ``dst``, as DTensor's autograd does: moved back to ``src`` (the reverse
-    redistribution; a pending sum's gradient left whole) from the layout it comes back in, straight where a
-    DTensor op takes the move's DTensor (under sequence parallel a split product's input gradient is
-    reduce-scattered), else reduced to ``dst`` first (from_local's backward). Nothing for a value no gradient flows
-    into (token ids, masks, rotary tables)."""
-    meta = value.meta.get("tensor_meta")
-    if not getattr(meta, "requires_grad", True):
-        return []
-    back, whole = gradient_layout(dst, takers), dst.with_dims(dst.dims)
-    steps = (back, src.with_dims(src.dims)) if takes_moved_dtensor(src, dst, takers) else \
-        (back, whole, src.with_dims(src.dims))
+    """Bytes each rank sends, per collective and axis, to bring back the gradient of ``value`` along
+    :func:`gradient_path`."""
+    path = gradient_path(value, src, dst, takers)
     sent = [transition_bytes(a, b, shape_of(value), itemsize, backend, all_to_all)
-            for a, b in zip(steps, steps[1:]) if a != b]
+            for a, b in zip(path, path[1:]) if a != b]
     return [s for s in sent if any(s.values())]
 
 
@@ -228,8 +231,15 @@ def weight_sum_bytes(node, entry, modules, itemsize: int, backend: str) -> list[
 
 def weight_sum_seconds(node, entry, modules, itemsize: int, mesh_axes: Axes, cluster: Cluster) -> float:
     """Seconds of :func:`weight_sum_bytes`' all-reduces, one after another."""
-    return sum(sum(comm_seconds(sent, mesh_axes, cluster))
-               for sent in weight_sum_bytes(node, entry, modules, itemsize, cluster.backend))
+    return sum(collectives_seconds(weight_sum_bytes(node, entry, modules, itemsize, cluster.backend), mesh_axes,
+                                   cluster))
+
+
+def collectives_seconds(collectives: Sequence[dict[str, float]], mesh_axes: Axes, cluster: Cluster
+                        ) -> tuple[float, float]:
+    """(transfer, latency) of collectives run one after another, each paying its own latency."""
+    times = [comm_seconds(c, mesh_axes, cluster) for c in collectives]
+    return sum(t for t, _ in times), sum(latency for _, latency in times)
 
 
 # A ring all-reduce is a reduce-scatter then an all-gather, 2(n-1) steps; each of those alone runs n-1.

@@ -20,7 +20,7 @@ from torch import fx
 
 from polyshard.buckets import FIRST_BUCKET_BYTES
 from polyshard.cluster import Cluster
-from polyshard.planner.cost.comm import (comm_seconds, lost_beside, node_backward_bytes, node_comm_bytes,
+from polyshard.planner.cost.comm import (collectives_seconds, lost_beside, node_backward_bytes, node_comm_bytes,
                                          weight_sum_seconds)
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes, recompute_overhead
@@ -81,10 +81,9 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
 def _collectives_seconds(node: fx.Node, plan: Plan, modules, itemsize: int, cluster: Cluster,
                          sent=node_comm_bytes) -> tuple[float, float]:
     """(transfer, latency) of ``node``'s collectives that ``sent`` lists (forward's, or backward's with
-    node_backward_bytes), one after another, each paying its own latency."""
-    times = [comm_seconds(c, plan.mesh or plan.op_axes, cluster)
-             for c in sent(node, plan, modules, itemsize, cluster.backend, cluster.all_to_all)]
-    return sum(t for t, _ in times), sum(l for _, l in times)
+    node_backward_bytes), one after another."""
+    return collectives_seconds(sent(node, plan, modules, itemsize, cluster.backend, cluster.all_to_all),
+                               plan.mesh or plan.op_axes, cluster)
 
 
 def step_seconds(costs: list[OpCost], copies: int, overlap: bool = True, slowdown: float = 0.0) -> float:
