@@ -55,9 +55,9 @@ _MATMUL_BUDGET_S = 0.25
 _MATMUL_DEPTHS = {"cpu": (32, 64, 128, 256, 512, 1024), "cuda": ()}
 _MATMUL_SIDE = 256
 _PRODUCT_CALL_FLOPS = 2e8
-# Causal attention timed per (sequence, head dim) of one head's slice: from tiny test models to real heads.
-_ATTENTION_SIZES = {"cpu": ((16, 8), (64, 32), (256, 64), (1024, 64)),
-                    "cuda": ((256, 64), (1024, 64), (4096, 128))}
+# Causal attention timed on a grid of (sequence, head dim) of one head's slice, from tiny test models to real
+# heads: at equal FLOPs a CPU runs heads of 32 at twice the share of heads of 8, so neither dim stands for both.
+_ATTENTION_GRID = {"cpu": ((16, 64, 256, 1024), (8, 32, 64)), "cuda": ((256, 1024, 4096), (64, 128))}
 # Forward FLOPs per timed call (heads batched to reach it): on a GPU, milliseconds of work, so launches and the
 # host's timer do not count (at 2e10 an H200's attention measured a fifth of its rate).
 _ATTENTION_CALL_FLOPS = {"cpu": 2e7, "cuda": 2e11}
@@ -550,19 +550,19 @@ def _matmul_shares(device_type: str, flops: dict[str, float], sizes: dict[str, i
 
 
 def _attention_shares(device_type: str, flops: dict[str, float], repeats: int,
-                      notes: list[str]) -> dict[str, tuple[tuple[float, float], ...]]:
-    """Attention's share of each dtype's matmul rate by head size, of the slowest rank."""
+                      notes: list[str]) -> dict[str, tuple[tuple[float, float, float], ...]]:
+    """Attention's share of each dtype's matmul rate by head shape, of the slowest rank."""
+    seqs, dims = _ATTENTION_GRID[device_type]
+    shapes = [(seq, dim) for dim in dims for seq in seqs]
     out = {}
     for name, peak in flops.items():
         try:
-            shares = [measure_attention_share(getattr(torch, name), seq, dim, peak, repeats)
-                      for seq, dim in _ATTENTION_SIZES[device_type]]
+            shares = [measure_attention_share(getattr(torch, name), seq, dim, peak, repeats) for seq, dim in shapes]
         except RuntimeError as e:
             notes.append(f"attention in {name}: not timed ({str(e).splitlines()[0]})")
             continue
         shares = _all_reduce(shares, dist.ReduceOp.MIN, None)
-        out[name] = tuple((4.0 * seq * seq * dim, share) for (seq, dim), share in zip(_ATTENTION_SIZES[device_type],
-                                                                                       shares))
+        out[name] = tuple((float(seq), float(dim), share) for (seq, dim), share in zip(shapes, shares))
     return out
 
 
@@ -608,9 +608,9 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
                   "share of the rate"]
         lines += [f"{name:<24} " + ", ".join(f"{depth:.0f}: {sh:.3f}" for depth, sh in points)
                   for name, points in cluster.matmul_shares.items()]
-    lines += ["", "attention (causal, forward + backward): share of the matmul rate by one head's forward FLOPs"]
-    lines += [f"{name:<24} " + ", ".join(f"{_si(f, 'FLOP')}: {sh:.3f}" for f, sh in points)
-              for name, points in cluster.attention_shares.items()]
+    lines += ["", "attention (causal, forward + backward): share of the matmul rate by head dim, then sequence"]
+    lines += [f"{f'{name}, {dim:.0f}':<24} " + ", ".join(f"{seq:.0f}: {sh:.3f}" for seq, d, sh in points if d == dim)
+              for name, points in cluster.attention_shares.items() for dim in sorted({d for _, d, _ in points})]
     lines += ["", "pointwise ops (forward + backward, as three forwards): elements per second"]
     lines += [f"{name:<24} " + ", ".join(f"{op} {_si(rate, '')}" for op, rate in rates.items())
               for name, rates in cluster.pointwise_rates.items()]

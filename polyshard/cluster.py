@@ -186,10 +186,11 @@ class Cluster:
     # instructions, bf16 products 32 to 128 deep run at 0.55 to 0.84 of its large ones' rate, fp32's at about 1).
     # Left out of the hash.
     matmul_shares: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict, hash=False)
-    # Measured shares of fused attention by size, per dtype name: ((forward FLOPs of one head's slice,
-    # share of flops_per_s forward and backward reach), ...), ascending; where a dtype has them they
-    # replace attention_efficiency (small heads run far below peak on CPUs). Left out of the hash.
-    attention_shares: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict, hash=False)
+    # Measured shares of fused attention by shape, per dtype name: ((sequence length, head dim, share of
+    # flops_per_s forward and backward reach), ...), ascending by head dim, then length; where a dtype has them
+    # they replace attention_efficiency. Both dims count apart: at equal FLOPs a CPU runs heads of 32 at twice
+    # the share of heads of 8 (small heads run far below peak on CPUs). Left out of the hash.
+    attention_shares: dict[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict, hash=False)
     # Measured elements per second of pointwise ops with a transcendental function, per dtype name, then op name
     # ({"bfloat16": {"gelu": 3e8, ...}}), counted as three forwards per training step; where one is measured it
     # bounds the op beside its bytes (on CPUs bf16 GELU is bound by its arithmetic). Left out of the hash.
@@ -216,11 +217,14 @@ class Cluster:
         """Fixed seconds per op and micro-batch of an op computing in ``dtype``."""
         return self.op_overheads_s.get(dtype, self.op_overhead_s)
 
-    def attention_share(self, dtype: str, head_flops: float) -> float:
-        """The share of peak attention reaches on slices of ``head_flops`` forward FLOPs: interpolated
-        on log FLOPs between measured sizes, the nearest outside them; attention_efficiency unmeasured."""
+    def attention_share(self, dtype: str, seq: float, head_dim: float) -> float:
+        """The share of peak attention reaches on heads of ``seq`` x ``head_dim``: interpolated on log length
+        among each measured head dim's points, then on log head dim between those; the nearest outside them;
+        attention_efficiency unmeasured."""
         points = self.attention_shares.get(dtype)
-        return _interpolate_log(points, head_flops) if points else self.attention_efficiency
+        if not points:
+            return self.attention_efficiency
+        return _interpolate_log(tuple((dim, _interpolate_log(row, seq)) for dim, row in _rows(points)), head_dim)
 
     def pointwise_rate(self, op: str, dtype: str) -> float | None:
         """Elements per second ``op`` runs at in ``dtype`` (per forward-equivalent), where it was measured."""
@@ -230,7 +234,11 @@ class Cluster:
     def shares_grow_with_size(self) -> bool:
         """Whether no product or attention reaches a larger share of peak for being smaller (measured tables may
         dip where timings were noisy): what lets a bound take work split k ways as no faster than 1 / k of it."""
-        tables = [*self.matmul_shares.values(), *self.attention_shares.values(), self.matmul_depth_shares]
+        tables = [*self.matmul_shares.values(), self.matmul_depth_shares]
+        for points in self.attention_shares.values():  # each head dim's row, and across head dims at each length
+            rows = _rows(points)
+            tables += [row for _, row in rows]
+            tables += [tuple((dim, _interpolate_log(row, seq)) for dim, row in rows) for seq, _, _ in points]
         return all(a <= b for points in tables for (_, a), (_, b) in zip(points, points[1:]))
 
     def matmul_share(self, m: float, n: float, k: float, dtype: str = "float32") -> float:
@@ -275,13 +283,19 @@ class Cluster:
         for key in _RATE_KEYS[1:]:
             if not 0 < getattr(self, key) <= 1:
                 raise PolyshardError(f"cluster {key} is a share of peak, in (0, 1]; got {getattr(self, key)!r}")
-        for key, points in [(f"{table}.{d}", p) for table in ("matmul_shares", "attention_shares")
-                            for d, p in getattr(self, table).items()] + \
+        for key, points in [(f"matmul_shares.{d}", p) for d, p in self.matmul_shares.items()] + \
                 [("matmul_depth_shares", self.matmul_depth_shares)] * bool(self.matmul_depth_shares):
             sizes = [f for f, _ in points]
             if not points or sizes != sorted(set(sizes)) or not all(f > 0 and 0 < sh <= 1 for f, sh in points):
                 raise PolyshardError(f"cluster {key} must be (size, share) pairs, sizes positive and "
                                      f"ascending, shares in (0, 1]; got {points!r}")
+        for dtype, points in self.attention_shares.items():
+            shapes = [(dim, seq) for seq, dim, *_ in points]
+            if not points or shapes != sorted(set(shapes)) or \
+                    not all(len(p) == 3 and min(p[:2]) > 0 and 0 < p[2] <= 1 for p in points):
+                raise PolyshardError(f"cluster attention_shares.{dtype} must be (sequence length, head dim, share) "
+                                     f"triples, dims positive, ascending by head dim then length, shares in (0, 1] (a "
+                                     f"file timed before head dims counted apart: calibrate again); got {points!r}")
 
     @property
     def num_devices(self) -> int:
@@ -359,9 +373,10 @@ class Cluster:
                    _CONTENTION_KEYS},
                 op_overheads_s={str(k): float(v) for k, v in dict(data["op_overheads_s"] or {}).items()},
                 matmul_depth_shares=tuple((float(d), float(sh)) for d, sh in data["matmul_depth_shares"] or ()),
-                **{table: {str(k): tuple((float(f), float(sh)) for f, sh in v)
-                           for k, v in dict(data[table] or {}).items()}
-                   for table in ("matmul_shares", "attention_shares")},
+                matmul_shares={str(k): tuple((float(f), float(sh)) for f, sh in v)
+                               for k, v in dict(data["matmul_shares"] or {}).items()},
+                attention_shares={str(k): tuple(tuple(map(float, point)) for point in v)
+                                  for k, v in dict(data["attention_shares"] or {}).items()},
                 pointwise_rates={str(d): {str(op): float(r) for op, r in dict(rates).items()}
                                  for d, rates in dict(data["pointwise_rates"] or {}).items()},
                 all_to_all=data["all_to_all"],
@@ -442,6 +457,12 @@ def _interpolate_log(points: tuple[tuple[float, float], ...], x: float) -> float
     i = next(k for k in range(1, len(logs)) if at <= logs[k])
     t = (at - logs[i - 1]) / (logs[i] - logs[i - 1])
     return points[i - 1][1] + t * (points[i][1] - points[i - 1][1])
+
+
+def _rows(points: tuple[tuple[float, float, float], ...]) -> list[tuple[float, tuple[tuple[float, float], ...]]]:
+    """(sequence length, head dim, share) points as (head dim, ((length, share), ...)) rows, ascending."""
+    return [(dim, tuple((seq, share) for seq, d, share in points if d == dim))
+            for dim in sorted({d for _, d, _ in points})]
 
 
 def _env_int(key: str, default: int) -> int:

@@ -44,14 +44,16 @@ def bounding_cluster(cluster: Cluster, precisions: tuple[str, ...]) -> Cluster:
         return cluster
     top = max(cluster.flops_per_s[d] for d in dtypes)
 
-    def best(points: list[float], rate) -> tuple[tuple[float, float], ...]:
+    def best(points: list, rate) -> tuple[tuple, ...]:
         return tuple((x, min(1.0, max(cluster.flops_per_s[d] * rate(d, x) for d in dtypes) / top)) for x in points)
 
     products, attention = dict(cluster.matmul_shares), dict(cluster.attention_shares)
     if any(d in products for d in dtypes):  # else every dtype's products take the same share of its rate
         products[low] = best(_depths(cluster, dtypes), _product_share(cluster))
-    if sizes := sorted({f for d in dtypes for f, _ in attention.get(d, ())}):  # else attention_efficiency for all
-        attention[low] = best(sizes, cluster.attention_share)
+    shapes = {(seq, dim) for d in dtypes for seq, dim, _ in attention.get(d, ())}
+    if shapes:  # else every dtype's attention takes the same share of its rate
+        rates = best(sorted(shapes, key=lambda shape: shape[::-1]), lambda d, shape: cluster.attention_share(d, *shape))
+        attention[low] = tuple((*shape, share) for shape, share in rates)
     return dataclasses.replace(cluster, flops_per_s={**cluster.flops_per_s, low: top}, matmul_shares=products,
                                attention_shares=attention, pointwise_rates={**cluster.pointwise_rates,
                                                                             low: _fastest_pointwise(cluster, dtypes)},
@@ -63,14 +65,14 @@ def _no_slower(cluster: Cluster, p: str, q: str) -> bool:
     """Whether precision ``p`` is priced no slower than ``q`` in every dtype term."""
     a, b = DTYPES[p][0], DTYPES[q][0]
     ra, rb = cluster.flops_per_s.get(a, 0.0), cluster.flops_per_s.get(b, 0.0)
-    sizes = {f for d in (a, b) for f, _ in cluster.attention_shares.get(d, ())} or {1.0}
+    shapes = {(seq, dim) for d in (a, b) for seq, dim, _ in cluster.attention_shares.get(d, ())} or {(1.0, 1.0)}
     product = _product_share(cluster)
     ops = {op for d in (a, b) for op in cluster.pointwise_rates.get(d, {})}
     unmeasured = float("inf")  # an op without a rate is bound by its bytes alone
     return ra >= rb and cluster.op_overhead_for(a) <= cluster.op_overhead_for(b) and \
         all((cluster.pointwise_rate(op, a) or unmeasured) >= (cluster.pointwise_rate(op, b) or unmeasured)
             for op in ops) and \
-        all(ra * cluster.attention_share(a, f) >= rb * cluster.attention_share(b, f) for f in sizes) and \
+        all(ra * cluster.attention_share(a, *s) >= rb * cluster.attention_share(b, *s) for s in shapes) and \
         all(ra * product(a, depth) >= rb * product(b, depth) for depth in _depths(cluster, (a, b)) or [1.0])
 
 

@@ -47,10 +47,12 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     # offload steps the optimizer on the host, which on a CPU is the device: its own figures, written as the host's
     assert (cluster.host_memory_bandwidth_bytes_per_s, cluster.host_optimizer_overhead_s) == \
         (cluster.memory_bandwidth_bytes_per_s, cluster.optimizer_overhead_s) and "host step, per tensor" in run.stdout
-    # causal attention timed at four head sizes per dtype, each a share of that dtype's matmul rate
+    # causal attention timed on a grid of sequence lengths and head dims per dtype, each a share of that dtype's
+    # matmul rate
     assert "attention (causal, forward + backward)" in run.stdout
     for points in (cluster.attention_shares["float32"], cluster.attention_shares["bfloat16"]):
-        assert len(points) == 4 and all(0 < share <= 1 for _, share in points)
+        assert [(seq, dim) for seq, dim, _ in points] == [(s, d) for d in (8, 32, 64) for s in (16, 64, 256, 1024)]
+        assert all(0 < share <= 1 for *_, share in points)
     # products timed by contraction depth in each dtype the CPU runs natively (float32 at least): the shallowest
     # below the rate of the large product the peak comes from, none above it
     assert "matmul by contraction depth" in run.stdout

@@ -160,14 +160,22 @@ def test_overlap_slowdown_round_trips_and_old_gpu_files_take_the_presets(tmp_pat
         dataclasses.replace(gpu, overlap_slowdown=-0.1)
 
 
-def test_attention_share_interpolates_on_log_flops_and_holds_the_ends():
-    c = dataclasses.replace(Cluster.preset("cpu-gloo:2"), attention_efficiency=0.5,
-                attention_shares={"bfloat16": ((1e4, 0.01), (1e6, 0.21))})
-    assert c.attention_share("bfloat16", 1e5) == pytest.approx(0.11)  # halfway in log FLOPs
-    assert c.attention_share("bfloat16", 10.0) == 0.01 and c.attention_share("bfloat16", 1e9) == 0.21
-    assert c.attention_share("float32", 1e5) == 0.5  # unmeasured dtype: the single efficiency
-    with pytest.raises(PolyshardError, match="ascending"):
-        dataclasses.replace(c, attention_shares={"bfloat16": ((1e6, 0.2), (1e4, 0.1))})
+def test_attention_share_interpolates_on_log_length_then_log_head_dim_and_holds_the_ends():
+    grid = ((16.0, 8.0, 0.02), (256.0, 8.0, 0.10), (16.0, 32.0, 0.08), (256.0, 32.0, 0.40))
+    c = dataclasses.replace(Cluster.preset("cpu-gloo:2"), attention_efficiency=0.5, attention_shares={"bfloat16": grid})
+    assert c.attention_share("bfloat16", 64, 8) == pytest.approx(0.06)  # halfway in log length
+    assert c.attention_share("bfloat16", 64, 16) == pytest.approx((0.06 + 0.24) / 2)  # and halfway in log head dim
+    assert c.attention_share("bfloat16", 4, 4) == 0.02 and c.attention_share("bfloat16", 4096, 128) == 0.40
+    # equal FLOPs, different shapes: the head dim counts apart from the length
+    assert c.attention_share("bfloat16", 32, 32) > c.attention_share("bfloat16", 64, 8)
+    assert c.attention_share("float32", 64, 8) == 0.5  # unmeasured dtype: the single efficiency
+    assert c.shares_grow_with_size
+    assert not dataclasses.replace(c, attention_shares={"bfloat16": grid[:3] + ((256.0, 32.0, 0.05),)}
+                                   ).shares_grow_with_size  # longer heads of 32 priced slower than short ones
+    with pytest.raises(PolyshardError, match="ascending by head dim"):
+        dataclasses.replace(c, attention_shares={"bfloat16": grid[::-1]})
+    with pytest.raises(PolyshardError, match="calibrate again"):  # pairs keyed by FLOPs alone
+        dataclasses.replace(c, attention_shares={"bfloat16": ((1e4, 0.1), (1e6, 0.2))})
 
 
 def test_a_product_runs_below_the_large_rate_as_its_contraction_depth_shrinks():

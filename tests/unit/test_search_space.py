@@ -36,13 +36,13 @@ def _cluster(name: str) -> Cluster:
     if name != "cpu-mixed":
         return Cluster.preset(name)
     base = Cluster.preset("cpu-gloo:4")
-    points = ((1e4, 0.05), (1e6, 0.5), (1e8, 1.0))
+    points = ((16.0, 8.0, 0.05), (256.0, 8.0, 0.5), (1024.0, 8.0, 1.0))
     return dataclasses.replace(base, flops_per_s={"float32": 5e10, "bfloat16": 1e11},
                                op_overheads_s={"bfloat16": 3 * base.op_overhead_s},
                                matmul_shares={"float32": ((32, 0.9), (128, 1.0)),
                                               "bfloat16": ((16, 0.1), (64, 0.4), (512, 1.0))},
                                attention_shares={"float32": points,
-                                                 "bfloat16": tuple((f, sh / 5) for f, sh in points)},
+                                                 "bfloat16": tuple((seq, dim, sh / 5) for seq, dim, sh in points)},
                                pointwise_rates={"float32": {"gelu": 1e9}, "bfloat16": {"gelu": 2e8}})
 
 

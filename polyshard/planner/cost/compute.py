@@ -9,7 +9,7 @@ pointwise op with a transcendental function no faster than its elements at the r
 (``Cluster.pointwise_rate``: on CPUs bf16 GELU is bound by its arithmetic).
 Training costs 3x forward (backward does two products per forward one, and reads and writes about
 twice the bytes); an op that recompute runs again in backward costs one forward more. Fused
-attention runs at its own share of peak (``Cluster.attention_share``, by head size), and the optimizer step
+attention runs at its own share of peak (``Cluster.attention_share``, by head shape), and the optimizer step
 is memory-bound.
 """
 
@@ -71,7 +71,7 @@ def forward_seconds(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module
     peak = cluster.flops_per_s[dtype]
     if op_key(node) is F.scaled_dot_product_attention:
         q, k = (shape_of(n) for n in node.args[:2])
-        peak *= cluster.attention_share(dtype, 4 * q[-2] * k[-2] * q[-1])  # by one head's slice
+        peak *= cluster.attention_share(dtype, math.sqrt(q[-2] * k[-2]), q[-1])  # by one head's shape
     elif is_product(node, modules):
         peak *= cluster.matmul_share(*_product_dims(node, entry, modules, flops), dtype)
     bandwidth = cluster.memory_bandwidth_bytes_per_s
