@@ -428,6 +428,35 @@ def test_a_transcendental_pointwise_op_is_no_faster_than_its_measured_rate():
         assert all(base[k] == costs[k] for k in costs if k not in {n.name for n in gelus})
 
 
+class _TwoAttentions(torch.nn.Module):
+    """Causal attention on heads of 64 x 8 and on heads of 32 x 32: equal FLOPs, different shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, narrow, wide):
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return sdpa(self.q(narrow), narrow, narrow, is_causal=True).mean() + sdpa(wide, wide, wide, is_causal=True).mean()
+
+
+def test_attention_is_priced_at_its_heads_share_by_length_and_head_dim():
+    """Two attentions of equal FLOPs run at their own measured shares: heads of 8 at half the share of heads of 32."""
+    model, rows = _TwoAttentions(), 2
+    example = (torch.randn(rows, 2, 64, 8), torch.randn(rows, 2, 32, 32))
+    grid = ((32.0, 8.0, 0.1), (64.0, 8.0, 0.1), (32.0, 32.0, 0.2), (64.0, 32.0, 0.2))
+    cluster = dataclasses.replace(Cluster.preset("cpu-gloo:1"), attention_shares={"float32": grid})
+    plan, _ = search(model, example, cluster, rows)
+    gm = capture(model, example)
+    costs = {n.name: c.compute_s for n, c in zip([n for n in gm.graph.nodes if n.name in plan.nodes and
+                                                  n.op.startswith("call_")], op_costs(gm, plan, cluster))}
+    narrow, wide = [n for n in gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention]
+    flops = 4 * rows * 2 * 64 * 64 * 8  # 4 x B x H x T x S x D, the same for 32 x 32
+    peak = cluster.flops_per_s["float32"]
+    assert costs[narrow.name] == pytest.approx(3 * flops / (0.1 * peak))
+    assert costs[wide.name] == pytest.approx(3 * flops / (0.2 * peak))
+
+
 def test_tensor_axes_divide_a_node_or_span_whole_nodes():
     tps = {dict(m)["tp"] for m in mesh_candidates(48, 1, devices_per_node=8)}
     assert tps == {1, 2, 4, 8, 16, 24, 48}
