@@ -437,7 +437,8 @@ class _TwoAttentions(torch.nn.Module):
 
     def forward(self, narrow, wide):
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        return sdpa(self.q(narrow), narrow, narrow, is_causal=True).mean() + sdpa(wide, wide, wide, is_causal=True).mean()
+        first = sdpa(self.q(narrow), narrow, narrow, is_causal=True)
+        return first.mean() + sdpa(wide, wide, wide, is_causal=True).mean()
 
 
 def test_attention_is_priced_at_its_heads_share_by_length_and_head_dim():
