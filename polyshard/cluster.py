@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -238,7 +239,8 @@ class Cluster:
         for points in self.attention_shares.values():  # each head dim's row, and across head dims at each length
             rows = _rows(points)
             tables += [row for _, row in rows]
-            tables += [tuple((dim, _interpolate_log(row, seq)) for dim, row in rows) for seq, _, _ in points]
+            seqs = {seq for seq, _, _ in points}
+            tables += [tuple((dim, _interpolate_log(row, seq)) for dim, row in rows) for seq in seqs]
         return all(a <= b for points in tables for (_, a), (_, b) in zip(points, points[1:]))
 
     def matmul_share(self, m: float, n: float, k: float, dtype: str = "float32") -> float:
@@ -459,10 +461,12 @@ def _interpolate_log(points: tuple[tuple[float, float], ...], x: float) -> float
     return points[i - 1][1] + t * (points[i][1] - points[i - 1][1])
 
 
-def _rows(points: tuple[tuple[float, float, float], ...]) -> list[tuple[float, tuple[tuple[float, float], ...]]]:
-    """(sequence length, head dim, share) points as (head dim, ((length, share), ...)) rows, ascending."""
-    return [(dim, tuple((seq, share) for seq, d, share in points if d == dim))
-            for dim in sorted({d for _, d, _ in points})]
+@functools.lru_cache(maxsize=64)
+def _rows(points: tuple[tuple[float, float, float], ...]) -> tuple[tuple[float, tuple[tuple[float, float], ...]], ...]:
+    """(sequence length, head dim, share) points as (head dim, ((length, share), ...)) rows, ascending: once per
+    table, as the cost model looks a share up for every attention it prices."""
+    return tuple((dim, tuple((seq, share) for seq, d, share in points if d == dim))
+            for dim in sorted({d for _, d, _ in points}))
 
 
 def _env_int(key: str, default: int) -> int:
