@@ -18,9 +18,12 @@ turns in an order that rotates from round to round, so machine noise hits all of
 configuration's settings at a time: they are freed before the next configuration's are built). A
 setting's measured step time is the median over rounds of (seconds between barriers) / steps.
 
-Where the run calibrates, rank 0 prints how far the machine's speed moved: the fp32 product rate timed again
-after each configuration's rounds, as a share of the calibration's, and on CPU the fixed cost per op likewise
-(above 1: slower than calibrated). Then per configuration, the predicted and measured step times and ranks;
+Where the run calibrates, each round begins by timing the calibration's fp32 products again, and on CPU its fixed
+cost per op: rank 0 prints their medians over the rounds as shares of the calibration's (above 1: faster, and for
+the fixed cost slower), and searches each setting again on the calibration at that speed (every rate scaled by the
+one, every fixed cost per op or tensor by the other; links and shares as calibrated): a second prediction, which
+separates the cost model's error from the machine's drift since the calibration. Then per configuration, the
+predicted and measured step times and ranks;
 the Spearman rank correlation of predicted vs measured (per configuration, per model, and pooled over every
 point); each prediction's error; whether the planner's pick is the measured fastest or within 5% of it; on GPUs,
 each setting's predicted memory against its allocator peak (the other settings' resident bytes left out); a breakdown
@@ -32,6 +35,7 @@ Nothing is written to disk.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -163,22 +167,34 @@ def predict(configs, cluster: Cluster, settings: list[str]) -> dict:
     a setting's is that setting: one configuration, trained and timed once."""
     out = {}
     for model, batch in configs:
-        meta = models.build(model, device="meta")
-        row = meta.example_inputs(1)
-        splits = mesh_candidates(cluster.num_devices, len(block_paths(capture(meta, row))))
+        meta, row, splits = _searchable(model, cluster)
         plan, ranked = search(meta, row, cluster, batch, meshes=splits)
         pick = plan.report["config"]
-        found = {}
-        for text in list(dict.fromkeys(settings + [pick])):
-            alone_plan, alone = search(meta, row, cluster, batch, meshes=splits, fixed=Fixed.parse(text))
-            best = next(c for c in alone if c.describe() == alone_plan.report["chosen"])
-            found[text] = {**figures_of(best), "mesh": tuple(alone_plan.mesh), "plan": alone_plan.to_json()}
+        found = searched_alone(model, batch, cluster, list(dict.fromkeys(settings + [pick])))
         alike = next((t for t in settings if t != pick and same_plan(found[t]["plan"], found[pick]["plan"])), None)
         if alike is not None:
             del found[pick]
             pick = alike
         out[(model, batch)] = {"pick": pick, "settings": found}
     return out
+
+
+def searched_alone(model: str, batch: int, cluster: Cluster, settings: list[str]) -> dict:
+    """Per setting, the predicted figures and the plan (as JSON) of the search over that setting alone."""
+    meta, row, splits = _searchable(model, cluster)
+    found = {}
+    for text in settings:
+        alone_plan, alone = search(meta, row, cluster, batch, meshes=splits, fixed=Fixed.parse(text))
+        best = next(c for c in alone if c.describe() == alone_plan.report["chosen"])
+        found[text] = {**figures_of(best), "mesh": tuple(alone_plan.mesh), "plan": alone_plan.to_json()}
+    return found
+
+
+def _searchable(model: str, cluster: Cluster):
+    """``model`` on the meta device, its one-row example, and every split of the cluster it can take."""
+    meta = models.build(model, device="meta")
+    row = meta.example_inputs(1)
+    return meta, row, mesh_candidates(cluster.num_devices, len(block_paths(capture(meta, row))))
 
 
 # ---------------------------------------------------------------- one mesh, trained for real
@@ -199,6 +215,42 @@ def settle() -> None:
     dist.barrier()
     if ON_GPU:
         torch.cuda.synchronize()
+
+
+def machine_speed() -> tuple[float, float]:
+    """The calibration's fp32 product rate and (on CPU) its fixed cost per op, timed again on every rank at once."""
+    rate = slowest_matmul_rate(torch.float32, MATMUL_SIZE["cuda" if ON_GPU else "cpu"], repeats=3)
+    return rate, (0.0 if ON_GPU else slowest_step_overhead(repeats=3))
+
+
+def at_speed(cluster: Cluster, speed: float, overhead: float) -> Cluster:
+    """``cluster`` on a machine running ``speed`` times as fast and paying ``overhead`` times the fixed costs: every
+    rate (products, pointwise ops, memory) scaled by the one, every fixed cost per op or tensor by the other; links,
+    shares and the ranks' arrival skew as calibrated."""
+    per_op = {f: getattr(cluster, f) * overhead for f in ("op_overhead_s", "split_op_overhead_s",
+                                                         "recompute_op_overhead_s", "watched_op_overhead_s",
+                                                         "optimizer_overhead_s", "host_optimizer_overhead_s")}
+    return dataclasses.replace(
+        cluster, **per_op,
+        op_overheads_s={d: s * overhead for d, s in cluster.op_overheads_s.items()},
+        flops_per_s={d: r * speed for d, r in cluster.flops_per_s.items()},
+        pointwise_rates={d: {op: r * speed for op, r in ops.items()} for d, ops in cluster.pointwise_rates.items()},
+        memory_bandwidth_bytes_per_s=cluster.memory_bandwidth_bytes_per_s * speed,
+        host_memory_bandwidth_bytes_per_s=cluster.host_memory_bandwidth_bytes_per_s * speed)
+
+
+def repriced(configs, cluster: Cluster, predicted: dict, speed: dict, overhead: dict) -> dict:
+    """Per configuration and setting, its search again on ``cluster`` at the speed its rounds ran
+    (:func:`at_speed`): the predicted step time, and whether that search chose the plan that was run."""
+    out = {}
+    for model, batch in configs:
+        settings = predicted[(model, batch)]["settings"]
+        fast = at_speed(cluster, speed[(model, batch)], overhead.get((model, batch), 1.0))
+        again = searched_alone(model, batch, fast, list(settings))
+        out[(model, batch)] = {label: {"step_s": again[label]["step_s"],
+                                       "same_plan": same_plan(f["plan"], again[label]["plan"])}
+                               for label, f in settings.items()}
+    return out
 
 
 class Run:
@@ -335,9 +387,13 @@ def main(argv=None) -> None:
             run = Run(model, batch, label, figures["mesh"], batches, plan)
             group.append(run)
             first_loss.setdefault((model, batch), {})[label] = run.warm(args.warmup)[0]
-        # timed rounds: the settings take turns; the order rotates per round, so noise hits all alike
-        start = args.warmup
+        # timed rounds: the settings take turns; the order rotates per round, so noise hits all alike. Where the
+        # run calibrates, each round first times the calibration's fp32 products (and on CPU its fixed cost per op)
+        # again: the machine's speed while the settings ran
+        start, probes = args.warmup, []
         for r in range(args.rounds):
+            if args.cluster == "calibrate":
+                probes.append(machine_speed())
             order = group[r % len(group):] + group[:r % len(group)]
             if r % 2:
                 order = order[::-1]
@@ -350,12 +406,15 @@ def main(argv=None) -> None:
                 detail[(run.model, run.batch, run.label)] = run.breakdown(args.profile_steps, start)
         for run in group:
             run.close()
-        if args.cluster == "calibrate":
-            # the calibration's fp32 products timed again: how far the machine's speed moved during the rounds
-            rate = slowest_matmul_rate(torch.float32, MATMUL_SIZE["cuda" if ON_GPU else "cpu"], repeats=3)
-            speed[(model, batch)] = rate / cluster.flops_per_s["float32"]
-            if not ON_GPU:  # and the fixed cost per op (a GPU's calibration times launches, not steps)
-                overhead[(model, batch)] = slowest_step_overhead(repeats=3) / cluster.op_overhead_s
+        if probes:
+            if lead:
+                shares = [f"{p[0] / cluster.flops_per_s['float32']:.2f}x" for p in probes]
+                costs = [f"{p[1] / cluster.op_overhead_s:.2f}x" for p in probes] if not ON_GPU else []
+                print(f"{model}:{batch} per round against the calibration: fp32 products {', '.join(shares)}"
+                      + f"; fixed cost per op {', '.join(costs)}" * bool(costs), flush=True)
+            speed[(model, batch)] = statistics.median(p[0] for p in probes) / cluster.flops_per_s["float32"]
+            if not ON_GPU:
+                overhead[(model, batch)] = statistics.median(p[1] for p in probes) / cluster.op_overhead_s
         runs.extend(group)
         gc.collect()
         if ON_GPU:
@@ -371,12 +430,13 @@ def main(argv=None) -> None:
                 f"{m} {v:.6f}" for m, v in by_mesh.items()) + f" (rel spread {spread:.1e})", flush=True)
         for what, ratios in (("fp32 products", speed), ("fixed cost per op", overhead)):
             if ratios:
-                print(f"{what} timed again after each configuration's rounds, against the calibration"
+                print(f"{what} timed again at the start of each round, median against the calibration"
                       f"{' (above 1: slower)' if ratios is overhead else ''}: " +
                       ", ".join(f"{m}:{b} {ratio:.2f}x" for (m, b), ratio in ratios.items()), flush=True)
 
     if lead:
-        report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed, overhead)
+        again = repriced(configs, cluster, predicted, speed, overhead) if speed else {}
+        report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed, overhead, again)
 
     del runs
     gc.collect()
@@ -384,11 +444,14 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
-def report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed, overhead) -> None:
+def report(args, cluster, configs, runs, predicted, picks, detail, first_loss, speed, overhead, again) -> None:
+    """The tables and one JSON line; ``again``: per configuration and setting, its prediction at the speed the
+    rounds ran (:func:`repriced`; empty where the run did not calibrate)."""
     rows, per_config, per_model_pts, pooled = [], {}, {}, []
     print()
-    print("| model | batch | setting | rows/dev | predicted ms | measured ms | error | predicted rank | measured rank |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| model | batch | setting | rows/dev | predicted ms | measured ms | error | predicted rank | measured rank "
+          "| at the rounds' speed ms | error |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model, batch in configs:
         these = [r for r in runs if (r.model, r.batch) == (model, batch)]
         settings = predicted[(model, batch)]["settings"]
@@ -397,15 +460,21 @@ def report(args, cluster, configs, runs, predicted, picks, detail, first_loss, s
         pr, mr = ranks(pred), ranks(meas)
         for r, p, m, a, b in zip(these, pred, meas, pr, mr):
             c = settings[r.label]
+            fast = again.get((model, batch), {}).get(r.label)
+            at = (f"{fast['step_s'] * 1e3:.3f}{'' if fast['same_plan'] else ' (another plan)'} | "
+                  f"{fast['step_s'] / m - 1:+.0%}") if fast else "- | -"
             print(f"| {model} | {batch} | {r.label} | {c['rows']} | {p * 1e3:.3f} | {m * 1e3:.1f} | {p / m - 1:+.0%} "
-                  f"| {a:g} | {b:g} |")
+                  f"| {a:g} | {b:g} | {at} |")
             rows.append({"model": model, "batch": batch, "setting": r.label, "mesh": mesh_text(r.mesh),
                          "rows": int(c["rows"]), "predicted_ms": round(p * 1e3, 3), "measured_ms": round(m * 1e3, 2),
                          "error": round(p / m - 1, 4), "predicted_rank": a, "measured_rank": b,
                          "compute_ms": round(c["compute_s"] * 1e3, 3), "op_comm_ms": round(c["op_comm_s"] * 1e3, 3),
                          "dp_comm_ms": round(c["dp_comm_s"] * 1e3, 3), "skew_ms": round(c["skew_s"] * 1e3, 3),
                          "memory_bytes": int(c["memory_bytes"]), "peak_bytes": r.peak,
-                         "rounds_ms": [round(t * 1e3, 2) for t in r.times]})
+                         "rounds_ms": [round(t * 1e3, 2) for t in r.times]}
+                        | ({"at_speed_ms": round(fast["step_s"] * 1e3, 3),
+                            "at_speed_error": round(fast["step_s"] / m - 1, 4),
+                            "at_speed_same_plan": fast["same_plan"]} if fast else {}))
         pick = picks[(model, batch)]
         fastest = min(zip(meas, these), key=lambda x: x[0])
         pick_meas = next(m for m, r in zip(meas, these) if r.label == pick)
@@ -448,6 +517,12 @@ def report(args, cluster, configs, runs, predicted, picks, detail, first_loss, s
     within = sum(abs(r["error"]) <= ERROR_GOAL for r in rows)
     print(f"predictions within 25% of the measured step: {within}/{len(rows)} "
           f"(median |error| {statistics.median(abs(r['error']) for r in rows):.0%})")
+    if again:
+        fast = [r for r in rows if "at_speed_error" in r]
+        print(f"at the speed the rounds ran: {sum(abs(r['at_speed_error']) <= ERROR_GOAL for r in fast)}/{len(fast)} "
+              f"within 25% (median |error| {statistics.median(abs(r['at_speed_error']) for r in fast):.0%}; "
+              f"Spearman pooled {rho([(r['at_speed_ms'], r['measured_ms']) for r in fast]):+.2f}; "
+              f"searched to another plan than the one run: {sum(not r['at_speed_same_plan'] for r in fast)})")
 
     if any(r["peak_bytes"] for r in rows):  # on a GPU: the planner's memory against the allocator's peak
         print()
