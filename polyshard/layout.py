@@ -145,7 +145,7 @@ class Layout:
         return tuple(out)
 
     def with_dims(self, dims: Sequence[Sequence[str]], partial: Sequence[str] = ()) -> Layout:
-        return Layout(self.axes, tuple(tuple(d) for d in dims), tuple(partial))
+        return _interned(self.axes, tuple(map(tuple, dims)), tuple(partial))
 
     def __str__(self) -> str:
         parts = []
@@ -157,6 +157,13 @@ class Layout:
     def describe(self) -> str:
         """Per-axis form with names, e.g. ``dp=2:S(0) tp=2:R``."""
         return " ".join(f"{n}={s}:{p}" for (n, s), p in zip(self.axes, _split_str(str(self))))
+
+
+@functools.lru_cache(maxsize=2**16)
+def _interned(axes: Axes, dims: tuple[tuple[str, ...], ...], partial: tuple[str, ...]) -> Layout:
+    """One checked Layout per (axes, dims, partial): a search derives the same few layouts from each other a hundred
+    thousand times, and checking each again costs ten times the lookup (layouts are immutable, so one serves all)."""
+    return Layout(axes, dims, partial)
 
 
 @functools.lru_cache(maxsize=None)
