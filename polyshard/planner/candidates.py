@@ -189,7 +189,7 @@ def enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None) -> Enum
         nodes, modules = list(gm.graph.nodes), dict(gm.named_modules())
         rep = _representatives(nodes, blocks(gm), options, copied)
         per_graph[key] = Enumeration(options, copied, rep, modules,
-                                      list(_shared_param_conflicts(nodes, options, rep, modules)),
+                                      list(_shared_param_conflicts(nodes, options, rep, parameters_of(gm).owned)),
                                       [r for r in _repeats(gm) if all(m in copied for m in r.members)])
     return per_graph[key]
 
@@ -272,11 +272,12 @@ def _gathers(src, dst, grad: bool, all_to_all: bool) -> bool:
     return any(step.collective not in allowed for step in plan_transition(*common_axes(src, dst), all_to_all))
 
 
-def _shared_param_conflicts(nodes, options, rep, modules):
-    """Pairs of picks that would lay one shared parameter (a tied embedding) out two ways."""
+def _shared_param_conflicts(nodes, options, rep, owned):
+    """Pairs of picks that would lay one shared parameter (a tied embedding) out two ways (``owned``: each module
+    node's target's own parameters, :func:`parameters_of`)."""
     uses: dict[int, list[tuple[str, str]]] = {}
     for n in nodes:
-        for pname, p in (modules[n.target].named_parameters(recurse=False) if n.op == "call_module" else []):
+        for pname, _, p in (owned[n.target] if n.op == "call_module" else ()):
             uses.setdefault(id(p), []).append((n.name, pname))
     for users in uses.values():
         for (a, pa), (b, pb) in itertools.combinations(users, 2):

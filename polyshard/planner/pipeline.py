@@ -85,6 +85,11 @@ class Units:
     def seconds(self, rows: float) -> np.ndarray:
         return rows * (self.compute_s + self.comm_s) + self.overhead_s + self.latency_s
 
+    @functools.cached_property
+    def unit_numels(self) -> tuple[int, ...]:
+        """Parameters each unit holds (a parameter two units use counted in both): read at every setup."""
+        return tuple(sum(map(sum, unit)) for unit in self.groups)
+
 
 # One model's units under each recompute mode a chunk may run, the fastest first; then, where a stage's operator
 # ranks may split its rows instead, the units of that plan under each mode.
@@ -346,7 +351,7 @@ def best_pipeline(modes: Modes, setup: Setup,
     ``best_s``; the lowest bound of those not tried or not simulated (their cuts fit, but the busiest
     rank's work alone lost; inf when all were costed); and what saving memory may reach (:func:`_freed`)."""
     units = modes[0]
-    numel = sum(sum(g) for unit in units.groups for g in unit)
+    numel = sum(units.unit_numels)
     allowed = list(schedule_options(len(units), setup.rows, setup.pp, setup.fixed))
     options = sorted((bound, *option) for bound, option in zip(_bounds(modes, setup, allowed, numel), allowed))
     best, tried, overflow_at, ranges = None, set(), {}, {}
@@ -499,7 +504,7 @@ class _Ranges:
     @functools.cached_property
     def numel_of(self) -> list[list[int]]:
         """Per mode, the parameters of the units before each cut 0..n (exact: integers)."""
-        return [[0, *itertools.accumulate(sum(map(sum, unit)) for unit in u.groups)] for u in self.modes]
+        return [[0, *itertools.accumulate(u.unit_numels)] for u in self.modes]
 
     @functools.cached_property
     def time(self) -> list[np.ndarray]:
