@@ -148,8 +148,14 @@ class Recomputed:
         """Whether recompute treats a node as its twin: both run again or neither, both outputs are freed, held or
         cached alike, and both are watched alike (a module marked for recompute in one layer only differs from its
         twin)."""
-        return all((name in names) == (twin in names) for names in (self.rerun, self.freed, self.held, self.cached,
-                                                                    self.watched, self.watched_if_split))
+        return self._marks.get(name) == self._marks.get(twin)
+
+    @cached_property
+    def _marks(self) -> dict[str, tuple[bool, ...]]:
+        """Per node in any of the sets :meth:`alike` compares, which of them hold it (a cost model asks of every
+        node with a twin, for every plan it prices)."""
+        sets = (self.rerun, self.freed, self.held, self.cached, self.watched, self.watched_if_split)
+        return {name: tuple(name in names for names in sets) for name in frozenset().union(*sets)}
 
     @cached_property
     def held(self) -> frozenset[str]:
