@@ -167,10 +167,11 @@ def predict(configs, cluster: Cluster, settings: list[str]) -> dict:
     a setting's is that setting: one configuration, trained and timed once."""
     out = {}
     for model, batch in configs:
-        meta, row, splits = _searchable(model, cluster)
+        searchable = _searchable(model, cluster)
+        meta, row, splits = searchable
         plan, ranked = search(meta, row, cluster, batch, meshes=splits)
         pick = plan.report["config"]
-        found = searched_alone(model, batch, cluster, list(dict.fromkeys(settings + [pick])))
+        found = searched_alone(searchable, batch, cluster, list(dict.fromkeys(settings + [pick])))
         alike = next((t for t in settings if t != pick and same_plan(found[t]["plan"], found[pick]["plan"])), None)
         if alike is not None:
             del found[pick]
@@ -179,9 +180,10 @@ def predict(configs, cluster: Cluster, settings: list[str]) -> dict:
     return out
 
 
-def searched_alone(model: str, batch: int, cluster: Cluster, settings: list[str]) -> dict:
-    """Per setting, the predicted figures and the plan (as JSON) of the search over that setting alone."""
-    meta, row, splits = _searchable(model, cluster)
+def searched_alone(searchable, batch: int, cluster: Cluster, settings: list[str]) -> dict:
+    """Per setting, the predicted figures and the plan (as JSON) of the search over that setting alone
+    (``searchable``: what :func:`_searchable` gives)."""
+    meta, row, splits = searchable
     found = {}
     for text in settings:
         alone_plan, alone = search(meta, row, cluster, batch, meshes=splits, fixed=Fixed.parse(text))
@@ -246,7 +248,7 @@ def repriced(configs, cluster: Cluster, predicted: dict, speed: dict, overhead: 
     for model, batch in configs:
         settings = predicted[(model, batch)]["settings"]
         fast = at_speed(cluster, speed[(model, batch)], overhead.get((model, batch), 1.0))
-        again = searched_alone(model, batch, fast, list(settings))
+        again = searched_alone(_searchable(model, cluster), batch, fast, list(settings))
         out[(model, batch)] = {label: {"step_s": again[label]["step_s"],
                                        "same_plan": same_plan(f["plan"], again[label]["plan"])}
                                for label, f in settings.items()}
