@@ -76,10 +76,20 @@ def tp_plan_pins(plan: dict[str, str], calls: dict[str, int], axes: tuple[str, .
     return pins
 
 
+def model_tp_plan(model) -> dict[str, str] | None:
+    """A transformers model's own tensor-parallel plan (its ``_tp_plan``: module patterns and their styles), in
+    module paths from ``model``: found on ``model`` or the outermost submodule carrying one (a wrapper's)."""
+    for prefix, module in model.named_modules():
+        plan = getattr(module, "_tp_plan", None)
+        if plan:
+            return {f"{prefix}.{pattern}" if prefix else pattern: style for pattern, style in plan.items()}
+    return None
+
+
 def tp_plan_agreement(model, params: dict) -> dict | None:
     """Where a plan's weight layouts follow the model's own tensor-parallel plan (its ``_tp_plan``): a module
     follows when its weight is split along its style's dim and nowhere else. None without a tp plan or a split."""
-    plan = getattr(model, "_tp_plan", None)
+    plan = model_tp_plan(model)
     if not plan or not any(layout.axes for layout in params.values()):
         return None
     followed, departures = 0, []

@@ -19,7 +19,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import PIN_ATTR, batch_rows, capture, example_inputs_of, shape_of
 from polyshard.graph.stage_cuts import check_boundary_count, stage_boundaries_of
 from polyshard.mesh import Mesh, current_mesh
-from polyshard.pin import COPIES_ATTR, tp_plan_pins
+from polyshard.pin import COPIES_ATTR, model_tp_plan, tp_plan_pins
 from polyshard.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
 from polyshard.planner.check import check_plan
 from polyshard.planner.config import Fixed
@@ -66,7 +66,9 @@ def plan_captured(model: nn.Module, gm: fx.GraphModule, example_inputs: Sequence
                              "its own inputs); it does not combine with a given plan or a pipeline yet: drop one")
     inputs = input_layouts(gm, dataset_strategy, mesh.op_axes)
     if tp_plan:
-        _pin_tp_plan(model, gm, mesh)
+        if not mesh.op_axes:
+            raise PolyshardError(f"tp_plan=True needs an operator axis to split over; the mesh {mesh} has none")
+        pin_tp_plan(model, gm, tuple(a for a, _ in mesh.op_axes))
     if pp_plan and mesh.pp == 1:
         raise PolyshardError(f"pp_plan=True needs a pipeline axis to cut stages for; the mesh {mesh} has no pp")
     if plan is not None:
@@ -121,16 +123,15 @@ def _warn_once():
     return warn
 
 
-def _pin_tp_plan(model: nn.Module, gm: fx.GraphModule, mesh: Mesh) -> None:
-    """Pins from the model's own tensor-parallel plan, for the modules the graph calls whole."""
-    plan = getattr(model, "_tp_plan", None)
+def pin_tp_plan(model: nn.Module, gm: fx.GraphModule, axes: tuple[str, ...]) -> None:
+    """Pins from the model's own tensor-parallel plan (:func:`model_tp_plan`), splitting over the operator
+    ``axes``, for the modules ``gm`` (the model's capture) calls whole."""
+    plan = model_tp_plan(model)
     if not plan:
         raise PolyshardError(f"tp_plan=True, but {type(model).__name__} carries no tensor-parallel plan "
                              "(transformers models have one in `_tp_plan`)")
-    if not mesh.op_axes:
-        raise PolyshardError(f"tp_plan=True needs an operator axis to split over; the mesh {mesh} has none")
     calls = {n.target: len(shape_of(n.args[0])) for n in gm.graph.nodes if n.op == "call_module"}
-    for path, pin in tp_plan_pins(plan, calls, tuple(a for a, _ in mesh.op_axes)).items():
+    for path, pin in tp_plan_pins(plan, calls, axes).items():
         module = model.get_submodule(path)
         if type(module) not in (nn.Linear, nn.Embedding):
             raise PolyshardError(f"the tp plan splits `{path}`, a {type(module).__name__}; polyshard pins plans "

@@ -135,6 +135,24 @@ def test_tp_plan_styles_become_pins_over_the_operator_axes():
         tp_plan_pins({"lm_head": "sequence_parallel_x"}, calls, ("tp",))
 
 
+def test_the_trainers_wrapper_pins_and_reports_its_models_tp_plan():
+    """polyshard's causal-LM wrapper holds the transformers model one level down: its tp plan is found there, in
+    the wrapper's module paths, pinned for the search, and the pick's report counts the modules that follow it."""
+    from polyshard.pin import model_tp_plan
+    from polyshard.planner.plan_model import pin_tp_plan
+
+    model = models.build("hf:llama", device="meta")
+    plan = model_tp_plan(model)
+    assert plan["model.model.layers.*.self_attn.q_proj"] == "colwise" and "model.lm_head" in plan
+    row = model.example_inputs(1)
+    pin_tp_plan(model, capture(model, row), ("tp",))
+    picked, _ = search(model, row, Cluster.preset("cpu-gloo:2"), 4, fixed=Fixed.parse("tp=2"))
+    q, o = (picked.params[f"model.model.layers.0.self_attn.{n}.weight"] for n in ("q_proj", "o_proj"))
+    assert q.describe() == "tp=2:S(0)" and o.describe() == "tp=2:S(1)", (q.describe(), o.describe())
+    agreement = picked.report["tp_plan"]
+    assert agreement["modules"] == agreement["followed"] > 0 and not agreement["departures"]
+
+
 def test_tp_plan_on_a_model_without_one_is_refused():
     import polyshard as ps
     from polyshard.mesh import Mesh
