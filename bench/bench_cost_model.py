@@ -58,6 +58,7 @@ from polyshard.cluster import Cluster, format_bytes  # noqa: E402
 from polyshard.errors import PolyshardError  # noqa: E402
 from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
+from polyshard.planner.plan_model import pin_tp_plan  # noqa: E402
 from polyshard.plan import Plan  # noqa: E402
 from polyshard.graph.stage_cuts import block_paths  # noqa: E402
 from polyshard.planner.search import search  # noqa: E402
@@ -85,7 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steps per mesh in the profiled breakdown block (0: no breakdown)")
     p.add_argument("--settings", default="",
                    help="semicolon-separated settings in the --config spelling, each searched alone and run "
-                        "(default: every dp x tp split of the ranks)")
+                        "(default: every dp x tp split of the ranks); '+tp_plan' after one pins the model's own "
+                        "tensor-parallel plan (transformers' _tp_plan), e.g. 'tp=4+tp_plan'")
     p.add_argument("--plan", choices=["search", "propagate"], default="search",
                    help="run each split with the plan the search costs for it (default), or with the plan "
                         "ps.parallelize propagates itself")
@@ -168,7 +170,7 @@ def predict(configs, cluster: Cluster, settings: list[str]) -> dict:
     out = {}
     for model, batch in configs:
         searchable = _searchable(model, cluster)
-        meta, row, splits = searchable
+        _, meta, row, splits = searchable
         plan, ranked = search(meta, row, cluster, batch, meshes=splits)
         pick = plan.report["config"]
         found = searched_alone(searchable, batch, cluster, list(dict.fromkeys(settings + [pick])))
@@ -183,20 +185,36 @@ def predict(configs, cluster: Cluster, settings: list[str]) -> dict:
 def searched_alone(searchable, batch: int, cluster: Cluster, settings: list[str]) -> dict:
     """Per setting, the predicted figures and the plan (as JSON) of the search over that setting alone
     (``searchable``: what :func:`_searchable` gives)."""
-    meta, row, splits = searchable
+    name, meta, row, splits = searchable
     found = {}
     for text in settings:
-        alone_plan, alone = search(meta, row, cluster, batch, meshes=splits, fixed=Fixed.parse(text))
+        fixed, tp_plan = parse_setting(text)
+        model = meta
+        if tp_plan:  # a model of its own, whose pins no other setting's search sees
+            model = models.build(name, device="meta")
+            pin_tp_plan(model, capture(model, row), ("tp",))
+        alone_plan, alone = search(model, row, cluster, batch, meshes=splits, fixed=fixed)
         best = next(c for c in alone if c.describe() == alone_plan.report["chosen"])
         found[text] = {**figures_of(best), "mesh": tuple(alone_plan.mesh), "plan": alone_plan.to_json()}
     return found
 
 
+def parse_setting(text: str) -> tuple[Fixed, bool]:
+    """A setting in the --config spelling, and whether it ends in ``+tp_plan``: the model's own tensor-parallel
+    plan pinned (transformers' ``_tp_plan``: Megatron-style column- and row-parallel products), so that its tp
+    ranks split operators where the search alone would rather keep them whole."""
+    config, plus, pins = text.partition("+")
+    if plus and pins != "tp_plan":
+        raise PolyshardError(f"setting {text!r}: after '+' only 'tp_plan' (the model's own tensor-parallel plan)")
+    return Fixed.parse(config), bool(plus)
+
+
 def _searchable(model: str, cluster: Cluster):
-    """``model`` on the meta device, its one-row example, and every split of the cluster it can take."""
+    """``model``'s name, the model on the meta device, its one-row example, and every split of the cluster it can
+    take."""
     meta = models.build(model, device="meta")
     row = meta.example_inputs(1)
-    return meta, row, mesh_candidates(cluster.num_devices, len(block_paths(capture(meta, row))))
+    return model, meta, row, mesh_candidates(cluster.num_devices, len(block_paths(capture(meta, row))))
 
 
 # ---------------------------------------------------------------- one mesh, trained for real
@@ -264,7 +282,8 @@ class Run:
         self.ps_mesh = ps.init(dict(mesh))
         n, i = self.ps_mesh.num_data_shards, self.ps_mesh.data_index
         example = tuple(t.chunk(n)[i] for t in batches[0])  # one rank's rows: the shapes for capture
-        self.pm = ps.parallelize(models.build(model, seed=0), example_inputs=example, plan=plan)
+        self.pm = ps.parallelize(models.build(model, seed=0), example_inputs=example, plan=plan,
+                                 tp_plan=parse_setting(label)[1])  # the pins its plan was searched under
         self.local = [self.pm.local_batch(x, y) for x, y in batches]  # cut once, before timing
         self.opt = make_optimizer(self.pm, LR, "")  # AdamW, at the plan's optimizer-parallel level
         self.times: list[float] = []  # seconds per step, one per round
@@ -359,6 +378,12 @@ def main(argv=None) -> None:
     if min(args.warmup, args.steps, args.rounds) < 1:
         raise SystemExit("--warmup, --steps and --rounds must be at least 1")
     configs = configurations(args)  # a bad model name fails before the calibration
+    settings = [t.strip() for t in args.settings.split(";") if t.strip()] or \
+        [",".join(f"{n}={v}" for n, v in m) for m in mesh_candidates(world)]
+    try:  # and so does a bad setting
+        [parse_setting(t) for t in settings]
+    except PolyshardError as exc:
+        raise SystemExit(f"--settings: {exc}") from exc
     cluster = load_cluster(args.cluster)
     if cluster.num_devices != world:
         raise SystemExit(f"cluster {args.cluster!r} has {cluster.num_devices} devices; the world has {world}")
@@ -369,8 +394,6 @@ def main(argv=None) -> None:
     payload = [None]
     if lead:
         t_search = time.perf_counter()
-        settings = [t.strip() for t in args.settings.split(";") if t.strip()] or \
-            [",".join(f"{n}={v}" for n, v in m) for m in mesh_candidates(world)]
         payload[0] = {"predicted": predict(configs, cluster, settings), "search_s": time.perf_counter() - t_search}
     dist.broadcast_object_list(payload, src=0)
     predicted, t_search = payload[0]["predicted"], payload[0]["search_s"]
