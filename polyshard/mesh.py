@@ -189,14 +189,14 @@ class Mesh:
         op_axes = self.op_axes if op_axes is None else op_axes
         if not op_axes:
             raise PolyshardError(f"mesh {self} has no operator axes to split an operator over")
-        return self._full_mesh(op_axes)[tuple(n for n, _ in op_axes)]
+        return self._sliced(op_axes, tuple(n for n, _ in op_axes))
 
     def axis_mesh(self, axis: str):
         """The one-dimensional DeviceMesh along ``axis`` (data or op) through this rank."""
         size = dict(self.axes).get(axis)
         if size is None or size == 1:
             raise PolyshardError(f"axis {axis!r} of mesh {self} has no ranks to talk to; axes: {dict(self.axes)}")
-        return self._full_mesh(self.op_axes)[axis]
+        return self._sliced(self.op_axes, (axis,))
 
     def data_group(self):
         """The process group over the data axes (None when there is no data parallelism)."""
@@ -214,13 +214,27 @@ class Mesh:
             _GROUPS[key] = (sub._flatten() if len(ordered) > 1 else sub).get_group()
         return _GROUPS[key]
 
+    def _sliced(self, op_axes: Axes, names: tuple[str, ...]):
+        """The full DeviceMesh over ``op_axes`` sliced to the axes ``names`` through this rank; made once, reused:
+        slicing builds a new DeviceMesh each time, and every split op of every step asks for one."""
+        key = (self._full_key(op_axes), names)
+        if key not in _SLICES:
+            _SLICES[key] = self._full_mesh(op_axes)[names]
+        return _SLICES[key]
+
+    def _full_key(self, op_axes: Axes) -> tuple:
+        """What identifies a DeviceMesh of :func:`_full_mesh`: its axes (the pipeline axis and data axes outermost,
+        then ``op_axes``) and this mesh's arrangement."""
+        outer = tuple(a for a in self.axes if a[0] == self.pipeline_axis) + tuple(
+            a for a in self.axes if a[0] in self.data_axes)
+        return outer + op_axes, self.axes, self.data_axes, self.pipeline_axis
+
     def _full_mesh(self, op_axes: Axes):
         """One DeviceMesh per refinement of the op axes, the pipeline axis and data axes outermost;
         made once, reused. Slicing it by other axes keeps this rank's stage."""
-        outer = tuple(a for a in self.axes if a[0] == self.pipeline_axis) + tuple(
-            a for a in self.axes if a[0] in self.data_axes)
-        full = outer + op_axes
-        key = (full, self.axes, self.data_axes, self.pipeline_axis)
+        key = self._full_key(op_axes)
+        full = key[0]
+        outer = full[:len(full) - len(op_axes)]
         if key not in _DEVICE_MESHES:
             import torch
             from torch.distributed.device_mesh import DeviceMesh
@@ -242,6 +256,7 @@ class Mesh:
 _current: Mesh | None = None
 _DEVICE_MESHES: dict = {}  # one DeviceMesh (and its process groups) per arrangement, per process
 _GROUPS: dict = {}  # one process group per set of axes and arrangement, per process
+_SLICES: dict = {}  # one sliced DeviceMesh per full mesh and axes, per process
 
 
 def current_mesh() -> Mesh:
