@@ -20,14 +20,16 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch import nn
 
 from polyshard import models
 from polyshard.cluster import Cluster, Link, format_bytes
+from polyshard.compiler.ops import ShardedModule
 from polyshard.compiler.recompute import apply_recompute
 from polyshard.graph.capture import capture
 from polyshard.graph.regions import recomputed
+from polyshard.layout import Layout
+from polyshard.mesh import Mesh
 from polyshard.optim import build_optimizer
 from polyshard.planner.workers import available_cores
 from polyshard.errors import PolyshardError
@@ -154,14 +156,13 @@ def measure_pointwise_rate(dtype: torch.dtype, op: str, repeats: int) -> float:
 
 def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 100) -> OpOverheads:
     """Fixed seconds per op of forward plus backward on tiny tensors: plain (in float32, and in each of
-    ``dtypes`` where timed apart), and the extra an op run on DTensors pays (split over every rank, no
+    ``dtypes`` where timed apart), and the extra of the runtime's split op (a product run on DTensors, no
     communication); and per tensor of an optimizer step. Every rank must call it."""
     _check_repeats(repeats)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    mesh = DeviceMesh(device.type, list(range(dist.get_world_size())))
 
-    def per_op(op: Callable[[torch.Tensor], torch.Tensor]) -> float:
-        x = torch.ones(8, 8, device=device, requires_grad=True)
+    def per_op(op: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...] = (8, 8)) -> float:
+        x = torch.ones(shape, device=device, requires_grad=True)
 
         def chain():
             y = x
@@ -172,7 +173,15 @@ def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 10
         return statistics.median(_times(chain, repeats, device)) / ops
 
     plain = per_op(lambda y: y * 1.0)
-    split = per_op(lambda y: DTensor.from_local(y, mesh, [Shard(0)], run_check=False).mul(1.0).to_local())
+    # A split op is a module call the runtime wraps (ShardedModule), nearly always a product: it wraps input and
+    # weight as DTensors, dispatches view, t and mm and their backwards on them, and unwraps its output, about
+    # 2.5 times what a split elementwise op pays on CPU. Layouts here are whole, so no rank waits on another.
+    product = nn.Linear(8, 8, bias=False, device=device)
+    axes = (("world", dist.get_world_size()),)
+    mesh = Mesh(axes, (), device.type, dist.get_rank())
+    act = Layout.replicated(axes, 3)
+    split_product = ShardedModule(product, {"weight": Layout.replicated(axes, 2)}, [act], act, mesh)
+    extra = per_op(split_product, (2, 4, 8)) - per_op(product, (2, 4, 8))
     # On CPU the host's time is the device's: a real micro-batch's fixed cost per op (autograd, dispatch, and
     # kernels that differ by dtype) is what the planner needs, and a chain of one op shows a fraction of it;
     # the optimizer's per-tensor work comes once per step. On GPUs the host runs ahead of the kernels, so the
@@ -183,10 +192,10 @@ def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 10
     # each a difference of two timings, which needs more of them to settle (at 5, the policy's figure moved from
     # 130 to 330 us between runs on 4 ranks sharing 2 cores; at 15, from 143 to 152)
     rerun, watched = measure_recompute_overheads(3 * repeats) if device.type == "cpu" else (0.0, 0.0)
-    plain, split, update, rerun, watched, *steps = _all_reduce([plain, split, update, rerun, watched, *steps],
+    plain, extra, update, rerun, watched, *steps = _all_reduce([plain, extra, update, rerun, watched, *steps],
                                                                dist.ReduceOp.MAX, None)
     by_dtype = dict(zip(timed, steps))
-    return OpOverheads(by_dtype.pop("float32", plain), by_dtype, max(split - plain, 0.0), update, rerun, watched)
+    return OpOverheads(by_dtype.pop("float32", plain), by_dtype, max(extra, 0.0), update, rerun, watched)
 
 
 class OpOverheads(NamedTuple):
@@ -617,7 +626,7 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
     lines += ["", "fixed cost per op (forward + backward)",
               f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}"]
     lines += [f"{'plain, ' + name:<24} {_si(s, 's'):>12}" for name, s in cluster.op_overheads_s.items()]
-    lines += [f"{'split (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}",
+    lines += [f"{'split op (DTensor), extra':<24} {_si(cluster.split_op_overhead_s, 's'):>12}",
               f"{'recomputed, extra':<24} {_si(cluster.recompute_op_overhead_s, 's'):>12}  (checkpointing, per op "
               "run again)",
               f"{'watched, extra':<24} {_si(cluster.watched_op_overhead_s, 's'):>12}  (a checkpoint policy, per op "
