@@ -32,9 +32,9 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert set(cluster.pointwise_rates) == set(cluster.flops_per_s) and "pointwise ops" in run.stdout
     assert all(set(rates) == {"gelu", "silu", "tanh", "sigmoid", "exp", "erf"} and min(rates.values()) > 1e6
                for rates in cluster.pointwise_rates.values())
-    # eager dispatch costs microseconds per op; a DTensor op costs more than a plain one; AdamW's step
-    # microseconds per tensor
-    assert 1e-7 < cluster.op_overhead_s < 1e-2 and 0 < cluster.split_op_overhead_s < 1e-1
+    # eager dispatch costs microseconds per op; the runtime's split product, whose DTensors dispatch each of its
+    # steps in Python, more than a whole plain op on top of that; AdamW's step microseconds per tensor
+    assert 1e-7 < cluster.op_overhead_s < cluster.split_op_overhead_s < 1e-1
     assert 1e-7 < cluster.optimizer_overhead_s < 1e-2 and "optimizer, per tensor" in run.stdout
     # checkpointing costs a CPU microseconds per op it reruns, and a policy watching each op more
     assert 1e-7 < cluster.recompute_op_overhead_s < 1e-2 and "recomputed, extra" in run.stdout
