@@ -380,10 +380,11 @@ def main(argv=None) -> None:
     configs = configurations(args)  # a bad model name fails before the calibration
     settings = [t.strip() for t in args.settings.split(";") if t.strip()] or \
         [",".join(f"{n}={v}" for n, v in m) for m in mesh_candidates(world)]
-    try:  # and so does a bad setting
-        [parse_setting(t) for t in settings]
-    except PolyshardError as exc:
-        raise SystemExit(f"--settings: {exc}") from exc
+    for text in settings:  # and so does a bad setting
+        try:
+            parse_setting(text)
+        except PolyshardError as exc:
+            raise SystemExit(f"--settings: {exc}") from exc
     cluster = load_cluster(args.cluster)
     if cluster.num_devices != world:
         raise SystemExit(f"cluster {args.cluster!r} has {cluster.num_devices} devices; the world has {world}")
