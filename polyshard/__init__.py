@@ -1,18 +1,46 @@
-"""polyshard: train one PyTorch model across many devices, combining every kind of parallelism."""
+"""polyshard: train one PyTorch model across many devices, combining every kind of parallelism.
 
-from polyshard.api import compile, parallelize, plan, shard  # noqa: A004
-from polyshard.errors import PolyshardError
-from polyshard.layout import Layout
-from polyshard.mesh import Mesh, current_mesh, init
-from polyshard.plan import Offload, Optimizer, Plan, Precision, Recompute, RecomputeComm, Schedule
-from polyshard.runtime import comm
-from polyshard.runtime.fusion import comm_fusion
-from polyshard.graph.stage_cuts import pipeline_stage
-from polyshard.runtime.parallel import ParallelModule, micro_batch_interleaved
-from polyshard.runtime.pipeline import PipelineModule
-from polyshard.runtime.ps import PSResult, train_ps
-from polyshard.compiler.recompute import recompute
-from polyshard.runtime.training_state import load, save
-from polyshard.runtime.zero import ZeroOptimizer, setup_zero
+The names below load on first use, so the command line starts without importing torch for what needs none
+(``polyshard --help``) and plans without the runtime."""
 
-__all__ = ["comm", "comm_fusion", "compile", "Layout", "Mesh", "Offload", "Optimizer", "ParallelModule", "Plan", "Precision", "Recompute", "RecomputeComm", "Schedule", "PolyshardError", "current_mesh", "init", "load", "micro_batch_interleaved", "parallelize", "pipeline_stage", "PipelineModule", "plan", "PSResult", "recompute", "save", "setup_zero", "shard", "train_ps", "ZeroOptimizer"]
+import importlib
+
+_EXPORTS = {
+    "polyshard.api": ("compile", "parallelize", "plan", "shard"),
+    "polyshard.errors": ("PolyshardError",),
+    "polyshard.layout": ("Layout",),
+    "polyshard.mesh": ("Mesh", "current_mesh", "init"),
+    "polyshard.plan": ("Offload", "Optimizer", "Plan", "Precision", "Recompute", "RecomputeComm", "Schedule"),
+    "polyshard.runtime.fusion": ("comm_fusion",),
+    "polyshard.graph.stage_cuts": ("pipeline_stage",),
+    "polyshard.runtime.parallel": ("ParallelModule", "micro_batch_interleaved"),
+    "polyshard.runtime.pipeline": ("PipelineModule",),
+    "polyshard.runtime.ps": ("PSResult", "train_ps"),
+    "polyshard.compiler.recompute": ("recompute",),
+    "polyshard.runtime.training_state": ("load", "save"),
+    "polyshard.runtime.zero": ("ZeroOptimizer", "setup_zero"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_SUBMODULES = {"comm": "polyshard.runtime.comm"}
+
+__all__ = sorted([*_MODULE_OF, *_SUBMODULES])
+
+# `plan` names both a submodule (Plan and its settings) and polyshard.api's function: the submodule is loaded now
+# (it needs no torch), so that no later import of it rebinds the name, which then finds the function
+importlib.import_module("polyshard.plan")
+del globals()["plan"]
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+    elif name in _MODULE_OF:
+        value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    else:
+        raise AttributeError(f"module 'polyshard' has no attribute {name!r}")
+    globals()[name] = value  # the next lookup finds it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

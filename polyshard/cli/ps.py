@@ -6,12 +6,10 @@ import argparse
 import functools
 import os
 
-import torch
-
 from polyshard.errors import PolyshardError, check_output_file
 
 KEY_ENV = "POLYSHARD_PS_KEY"  # the run's shared secret, hex, for roles started one by one (e.g. by Kubernetes)
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+OPTIMIZERS = {"sgd": "SGD", "adam": "Adam"}  # flag -> torch.optim's class (torch loads once a job runs)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def job_of(args: argparse.Namespace) -> dict:
+    import torch
+
     from polyshard.runtime.ps.jobs import NamedBatches, NamedModel, check_name
 
     check_name(args.model)
@@ -64,9 +64,9 @@ def job_of(args: argparse.Namespace) -> dict:
         raise PolyshardError("--straggler-timeout is how long a sync update waits for a silent worker, and async "
                              "applies each gradient as it arrives; leave it out or use --mode sync")
     waits = {} if args.straggler_timeout is None else {"straggler_seconds": args.straggler_timeout}
+    optimizer = functools.partial(getattr(torch.optim, OPTIMIZERS[args.optimizer]), lr=args.lr)
     return dict(model_fn=NamedModel(args.model), batch_fn=NamedBatches(args.model, args.batch_size, args.seed),
-                workers=args.workers, steps=args.steps, optimizer=functools.partial(OPTIMIZERS[args.optimizer],
-                                                                                    lr=args.lr),
+                workers=args.workers, steps=args.steps, optimizer=optimizer,
                 mode=args.mode, staleness=args.staleness, seed=args.seed, snapshot_every=args.snapshot_every,
                 log_every=args.log_every, **waits)
 
@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
           + (f"; {result.lost} update(s) lost to a server restart and redone" if result.lost else "")
           + (f"; {result.stale} stale gradient(s) dropped" if result.stale else ""))
     if args.out:
+        import torch
+
         torch.save(result.params, args.out)
         print(f"polyshard ps: parameters written to {args.out}")
     return 0

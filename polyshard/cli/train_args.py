@@ -7,7 +7,7 @@ import dataclasses
 
 from polyshard.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
                             ZERO_LEVELS, most_recompute)
-from polyshard.train.config import TrainConfig
+from polyshard.train.options import TrainConfig
 
 
 def _recompute_modes(text: str) -> tuple[str, ...]:

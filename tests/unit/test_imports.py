@@ -1,7 +1,11 @@
 """The package's import graph: no module reaches itself again, and planning never touches torch.distributed."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import polyshard
 
@@ -93,3 +97,30 @@ def test_each_layer_imports_only_those_below_it():
         assert above == [], above
     for name in VOCABULARY:
         assert {m.split(".")[1] for m in graph[f"polyshard.{name}"]} <= set(VOCABULARY), name
+
+
+def _fresh(code: str) -> str:
+    """What ``code`` prints in a new interpreter (this one has torch loaded already)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=ROOT.parent).stdout.strip()
+
+
+def test_the_command_line_starts_without_torch():
+    """`polyshard --help` and every command's flags come up without loading torch (seconds on a small machine)."""
+    assert _fresh("import sys; from polyshard.cli.main import _parser; _parser().format_help(); "
+                  "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))") == "[]"
+
+
+def test_the_package_names_load_on_first_use():
+    import polyshard.api
+    from polyshard.plan import Plan
+
+    assert polyshard.plan is polyshard.api.plan and polyshard.Plan is Plan  # the function, not the Plan module
+    assert polyshard.comm.__name__ == "polyshard.runtime.comm"
+    assert all(getattr(polyshard, name) is not None for name in polyshard.__all__)
+    assert set(polyshard.__all__) <= set(dir(polyshard))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        polyshard.nothing  # noqa: B018
+    # a fresh process that loads the Plan module before the function still finds the function
+    assert _fresh("import polyshard.plan, polyshard; print(callable(polyshard.plan))") == "True"
+
