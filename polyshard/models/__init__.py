@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 
 from polyshard.errors import PolyshardError
+from polyshard.models.device import building_on
 from polyshard.models.gpt import GPT, GPTConfig, flops_per_token
 from polyshard.models.mlp import MLPClassifier
 
@@ -111,7 +112,7 @@ def build(name: str, device: str | torch.device = "cpu", seed: int = 0, seq_len:
         return causal_lm(name[3:], device, seed, seq_len)
     cfg = config(name, seq_len)
     torch.manual_seed(seed)
-    with torch.device(device):
+    with building_on(device):
         return GPT(cfg)
 
 

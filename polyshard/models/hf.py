@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from polyshard.errors import PolyshardError
+from polyshard.models.device import building_on
 
 # Tiny members of each family: the family's own modules at test sizes (dropout off, so runs compare).
 TINY: dict[str, dict] = {
@@ -80,7 +81,7 @@ def build(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.dev
     except (ValueError, KeyError) as exc:
         raise PolyshardError(f"transformers has no model type {model_type!r}: {exc}") from exc
     cfg.use_cache = False
-    with torch.device(device):
+    with building_on(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.loss_type = "ForCausalLM"  # what from_config leaves unset, and transformers warns about on first use
     if weights is not None and str(device) != "meta":

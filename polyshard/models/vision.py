@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from polyshard.errors import PolyshardError
+from polyshard.models.device import building_on
 from polyshard.models.resnet import ResNet
 from polyshard.models.unet import UNet
 
@@ -36,7 +37,7 @@ def build_vision(name: str, image_size: int, device: str | torch.device = "cpu",
     spec = VISION[name]
     labels = {"classes": spec.classes} if spec.per_pixel else {"num_classes": spec.classes}
     torch.manual_seed(seed)
-    with torch.device(device):
+    with building_on(device):
         return spec.build(image_size=image_size, **spec.options, **labels)
 
 

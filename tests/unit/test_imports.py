@@ -124,3 +124,20 @@ def test_the_package_names_load_on_first_use():
     # a fresh process that loads the Plan module before the function still finds the function
     assert _fresh("import polyshard.plan, polyshard; print(callable(polyshard.plan))") == "True"
 
+
+def test_a_model_built_on_meta_fills_nothing_and_keeps_its_shapes():
+    """On meta a model's init fills are skipped (torch would run them through its Python references, loading
+    torch._dynamo); the shapes are the model's, and a model built elsewhere is filled as before."""
+    import torch
+
+    from polyshard import models
+
+    assert _fresh("import sys; from polyshard import models; models.build('gpt-tiny', device='meta'); "
+                  "print('torch._dynamo' in sys.modules)") == "False"
+    meta, real = models.build("gpt-tiny", device="meta"), models.build("gpt-tiny", seed=3)
+    assert [(n, p.shape) for n, p in meta.named_parameters()] == [(n, p.shape) for n, p in real.named_parameters()]
+    torch.manual_seed(3)
+    with torch.device("cpu"):
+        again = models.GPT(real.cfg)
+    assert all(torch.equal(a, b) for a, b in zip(real.parameters(), again.parameters()))
+    assert real.wte.weight.std() > 0
