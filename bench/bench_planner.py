@@ -3,9 +3,10 @@
     python bench/bench_planner.py
     python bench/bench_planner.py --case pangu-alpha-2.6b:8xA100-80G --repeats 3
 
-For each case a new Python process imports polyshard, then plans the model twice: the first
-plan ("cold") also pays for what torch loads lazily on first use (torch._dynamo, which its meta
-kernels import, about 0.7 s here); the second ("warm") is the planner alone. Each plan is what
+For each case a new Python process imports the command line (which loads torch only once a
+command needs it), then plans the model twice: the first plan ("cold") also pays for loading torch
+and what torch loads lazily on first use (torch._dynamo, which its meta kernels import, about 0.7 s
+here); the second ("warm") is the planner alone. Each plan is what
 `polyshard plan --model M --cluster C` does: build on meta, capture, search every mesh split,
 and render the answer, which may be that the model does not fit (the planner's answer then says by
 how much). ratio = warm seconds / the target.
