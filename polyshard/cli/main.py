@@ -175,6 +175,16 @@ def _planning_flags(p: argparse.ArgumentParser) -> None:
                    "one per core this process may use on a cluster of several nodes, else 1)")
 
 
+def _progress_line() -> Callable[[int, int], None] | None:
+    """On a terminal, the search's splits costed so far, on one line of stderr; elsewhere (logs, pipes) nothing."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        print(f"\rplanning: {done} of {total} splits costed", end="", file=sys.stderr, flush=True)
+    return show
+
+
 def _plan(args) -> int:
     import json
     import time
@@ -212,13 +222,17 @@ def _plan(args) -> int:
         apply_strategies(model, args.pin)
     graph = capture(model, model.example_inputs(1))
     options = dict(meshes=planned.meshes, dataset_strategy=planned.dataset_strategy, reserve_bytes=reserve,
-                   pp_plan=args.pp_plan, graph=graph, workers=args.workers)
-    plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, **options)
-    plan = dataclasses.replace(plan, model=planned.name)
-    seconds = time.perf_counter() - start
-    pick = None
-    if getattr(args, "compare", False):
-        pick, _ = search(model, model.example_inputs(1), cluster, batch, limit, **options)
+                   pp_plan=args.pp_plan, graph=graph, workers=args.workers, progress=_progress_line())
+    try:
+        plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, **options)
+        plan = dataclasses.replace(plan, model=planned.name)
+        seconds = time.perf_counter() - start
+        pick = None
+        if getattr(args, "compare", False):
+            pick, _ = search(model, model.example_inputs(1), cluster, batch, limit, **options)
+    finally:
+        if options["progress"] is not None:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)  # the answer, or the error, on a clean line
     if args.json:
         print(json.dumps({**summary(plan, planned.cfg, cluster.num_devices), "planning_s": round(seconds, 3),
                           "fixed": fixed.text(),

@@ -62,7 +62,7 @@ from polyshard.planner.pipeline import (Setup, Units, best_pipeline, crossing_by
 from polyshard.planner.config import Fixed
 from polyshard.planner.split import (Candidate, data_size, mesh_candidates, mesh_text, operator_axes, operator_size,
                                      search_report, spatial_sizes, stage_count)
-from polyshard.planner.workers import SharedBest, available_cores, run_items
+from polyshard.planner.workers import SharedBest, SharedTally, available_cores, run_items
 from polyshard.planner.dataset import input_layouts
 from polyshard.pin import tp_plan_agreement
 from polyshard.plan import (DTYPES, OFFLOADS, RECOMPUTE_MODES, ZERO_LEVELS, ZERO_THRESHOLD_BYTES, Plan,
@@ -114,7 +114,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
            memory_limit_bytes: float | None = None, meshes=None, data_axes: tuple[str, ...] = ("dp",),
            fixed: Fixed = Fixed(), reserve_bytes: float | None = None,
            pp_plan: bool = False, dataset_strategy: Sequence | None = None,
-           graph: fx.GraphModule | None = None, workers: int | None = None) -> tuple[Plan, list[Candidate]]:
+           graph: fx.GraphModule | None = None, workers: int | None = None,
+           progress: Callable[[int, int], None] | None = None) -> tuple[Plan, list[Candidate]]:
     """The best plan over ``meshes`` (default: every dp x pp x tp split) and every candidate's costs.
 
     ``example_row``: inputs for one row (batch dim 1); ``global_batch``: rows per step in all;
@@ -125,7 +126,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     ``dataset_strategy``: per positional input, how its dims split (slice counts, or axis names: a mesh
     without the axis keeps the dim whole), so the search weighs splitting images by height and width;
     ``graph``: the model already captured at ``example_row`` (:func:`capture`), so a second search skips it;
-    ``workers``: processes that cost splits side by side (default: see :func:`_default_workers`).
+    ``workers``: processes that cost splits side by side (default: see :func:`_default_workers`);
+    ``progress(done, total)``: told, in this process, of the splits costed as the search goes.
     """
     reserve = default_reserve_bytes(cluster) if reserve_bytes is None else reserve_bytes
     limit = (memory_limit_bytes or cluster.memory_bytes) - reserve
@@ -142,10 +144,17 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     ordered = costs.order(allowed)
     workers = _default_workers(cluster) if workers is None else workers
     best = SharedBest(shared=workers > 1)
+    tally = SharedTally(workers > 1, lambda done: progress(done, len(ordered))) if progress else None
+
+    def cost(meshes: list) -> _Tried:
+        found = costs.tried(meshes, best)
+        if tally is not None:
+            tally.add(len(meshes))
+        return found
+
     # the first split sets the incumbent and solves the program the likeliest splits share before any fork
-    tried = [costs.tried(ordered[:1], best)] if ordered else []
-    tried += run_items(costs.items(ordered[1:], grouped=workers > 1), functools.partial(costs.tried, best=best),
-                       workers)
+    tried = [cost(ordered[:1])] if ordered else []
+    tried += run_items(costs.items(ordered[1:], grouped=workers > 1), cost, workers)
     candidates = [c for t in tried for c in t.candidates]
     plans = {key: plan for t in tried for key, plan in t.plans.items()}
     skipped = [s for t in tried for s in t.skipped]

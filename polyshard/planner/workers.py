@@ -44,6 +44,28 @@ class SharedBest:
                 self._value.value = value
 
 
+class SharedTally:
+    """Work any process has done (splits costed), counted under a lock where processes share it, and told by the
+    process that made the tally (``tell(done)``) after each piece it does itself: the others only count."""
+
+    def __init__(self, shared: bool, tell: Callable[[int], None]):
+        self._value = multiprocessing.get_context("fork").Value("i", 0) if shared and FORKS else None
+        self._local = 0
+        self._owner = os.getpid()
+        self._tell = tell
+
+    def add(self, count: int) -> None:
+        if self._value is None:
+            self._local += count
+            done = self._local
+        else:
+            with self._value.get_lock():
+                self._value.value += count
+                done = self._value.value
+        if os.getpid() == self._owner:
+            self._tell(done)
+
+
 def run_items(items: Sequence[Any], work: Callable[[Any], Any], workers: int) -> list[Any]:
     """``[work(item) for item in items]``, computed by this process and ``workers - 1`` forked ones, each taking
     the next item when it is free. An exception raised by ``work`` is raised here (the first item's, in order)."""

@@ -19,8 +19,9 @@ def _run(capsys, *args) -> tuple[int, str, str]:
 
 
 def test_plan_json_has_the_figures_scripts_compare(capsys):
-    code, out, _ = _run(capsys, "plan", "--model", SHAPE, "--cluster", "2x8xA100-80G", "--global-batch", "64", "--json")
-    assert code == 0
+    code, out, err = _run(capsys, "plan", "--model", SHAPE, "--cluster", "2x8xA100-80G", "--global-batch", "64",
+                          "--json")
+    assert code == 0 and err == ""  # no progress where stderr is not a terminal
     result = json.loads(out)  # one JSON object and nothing else on stdout
     assert result["step_s"] > 0 and 0 < result["memory_bytes_per_device"] <= result["limit_bytes"]
     assert set(result["breakdown"]) == {"compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s",
@@ -28,6 +29,19 @@ def test_plan_json_has_the_figures_scripts_compare(capsys):
     config = dict(kv.split("=") for kv in result["config"].split(","))
     assert int(config["dp"]) * int(config["tp"]) * int(config["pp"]) == 16
     assert result["model_tflops_per_device"] > 0 and result["planning_s"] < 60
+
+
+def test_plan_on_a_terminal_shows_its_progress_then_clears_it(capsys, monkeypatch):
+    """On a terminal the splits costed count up on one line of stderr, cleared before the answer; in a pipe (as
+    above) stderr stays empty."""
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = _run(capsys, "plan", "--model", SHAPE, "--cluster", "2x8xA100-80G", "--global-batch", "64")
+    assert code == 0 and out.startswith("planned ")
+    shown = [line for line in err.split("\r") if line.startswith("planning: ")]
+    assert shown and shown[0].startswith("planning: 1 of ") and err.endswith("\r\033[K")
+    assert "planning" not in out
 
 
 def test_cost_prices_the_given_configuration_and_says_what_it_chose(capsys):

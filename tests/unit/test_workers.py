@@ -75,3 +75,19 @@ def test_processes_side_by_side_pick_what_one_process_picks(name, cluster, batch
     assert both.nodes == alone.nodes
     assert chosen_row(both.report)["step_s"] == chosen_row(alone.report)["step_s"]
     assert {c.mesh for c in ranked} == {c.mesh for c in ranked_both}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_search_tells_its_progress_in_splits_costed(workers):
+    """Told in this process after each piece of work it does: the count never falls, the total is every split the
+    search tries, and one process alone counts them all."""
+    model, cluster = models.build("gpt-small", "meta"), Cluster.preset("2x4xH100-80G")
+    told = []
+    _, ranked = search(model, model.example_inputs(1), cluster, 32, workers=workers,
+                       progress=lambda done, total: told.append((done, total)))
+    totals = {total for _, total in told}
+    assert totals == {len({c.mesh for c in ranked})}
+    done = [d for d, _ in told]
+    assert done == sorted(done) and done[0] >= 1 and done[-1] <= totals.pop()
+    if workers == 1:
+        assert done == list(range(1, len(done) + 1)) and len(done) == told[0][1]
