@@ -11,6 +11,7 @@ _EXPORTS = {
     "polyshard.layout": ("Layout",),
     "polyshard.mesh": ("Mesh", "current_mesh", "init"),
     "polyshard.plan": ("Offload", "Optimizer", "Plan", "Precision", "Recompute", "RecomputeComm", "Schedule"),
+    "polyshard.runtime": ("comm",),
     "polyshard.runtime.fusion": ("comm_fusion",),
     "polyshard.graph.stage_cuts": ("pipeline_stage",),
     "polyshard.runtime.parallel": ("ParallelModule", "micro_batch_interleaved"),
@@ -21,9 +22,8 @@ _EXPORTS = {
     "polyshard.runtime.zero": ("ZeroOptimizer", "setup_zero"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-_SUBMODULES = {"comm": "polyshard.runtime.comm"}
 
-__all__ = sorted([*_MODULE_OF, *_SUBMODULES])
+__all__ = sorted(_MODULE_OF)
 
 # `plan` names both a submodule (Plan and its settings) and polyshard.api's function: the submodule is loaded now
 # (it needs no torch), so that no later import of it rebinds the name, which then finds the function
@@ -32,12 +32,11 @@ del globals()["plan"]
 
 
 def __getattr__(name: str):
-    if name in _SUBMODULES:
-        value = importlib.import_module(_SUBMODULES[name])
-    elif name in _MODULE_OF:
-        value = getattr(importlib.import_module(_MODULE_OF[name]), name)
-    else:
+    """``from MODULE import name`` for the exported ``name``: the module's attribute, or its submodule (comm)."""
+    if name not in _MODULE_OF:
         raise AttributeError(f"module 'polyshard' has no attribute {name!r}")
+    module = importlib.import_module(_MODULE_OF[name])
+    value = getattr(module, name) if hasattr(module, name) else importlib.import_module(f"{module.__name__}.{name}")
     globals()[name] = value  # the next lookup finds it without this function
     return value
 

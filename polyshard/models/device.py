@@ -29,5 +29,6 @@ class _SkippedFills(TorchFunctionMode):
 def building_on(device: str | torch.device) -> Iterator[None]:
     """``torch.device(device)``; on meta, modules' init fills nothing: there is nothing to fill, and torch runs a
     meta tensor's random fill through its Python references (a third of a build of the largest GPTs)."""
-    with torch.device(device), (_SkippedFills() if torch.device(device).type == "meta" else contextlib.nullcontext()):
+    device = torch.device(device)
+    with device, (_SkippedFills() if device.type == "meta" else contextlib.nullcontext()):
         yield
