@@ -52,6 +52,7 @@ _SKEW_SIDE, _SKEW_WORK_S, _SKEW_REPEATS, _SKEW_PAYLOAD = 128, (0.01, 0.02, 0.04)
 # A product timed for a rate is no larger than one that takes about this long: a type the device only emulates
 # (bfloat16 on a CPU without it) runs at a hundredth of float32's rate at every size, so a smaller one times it.
 _MATMUL_BUDGET_S = 0.25
+_SIZING_TIMINGS = 3
 # On CPUs, products are also timed by contraction depth, the other two sides at _MATMUL_SIDE (a small model's
 # tokens and width per rank), in calls of about _PRODUCT_CALL_FLOPS; GPUs keep their preset's depth table.
 _MATMUL_DEPTHS = {"cpu": (32, 64, 128, 256, 512, 1024), "cuda": ()}
@@ -115,12 +116,14 @@ def slowest_matmul_rate(dtype: torch.dtype, size: int, repeats: int) -> float:
 
 def timeable_matmul_size(dtype: torch.dtype, size: int) -> int:
     """The largest n of ``size`` / 8, / 4, / 2 and ``size`` whose (n x n) @ (n x n) product on this rank's
-    device takes no more than _MATMUL_BUDGET_S (each doubling costs eight times the last)."""
+    device takes no more than _MATMUL_BUDGET_S (each doubling costs eight times the last), by the quickest of
+    _SIZING_TIMINGS timings: a process that shares its cores loses whole time slices in some, which says
+    nothing of the device."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     n = max(1, size // 8)
     while n < size:
         a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-        if 8 * _times(lambda: torch.matmul(a, b), 1, device)[0] > _MATMUL_BUDGET_S:
+        if 8 * min(_times(lambda: torch.matmul(a, b), _SIZING_TIMINGS, device)) > _MATMUL_BUDGET_S:
             break
         n *= 2
     return n

@@ -73,6 +73,18 @@ def test_products_are_timed_at_the_largest_size_within_the_budget(budget_s, expe
     assert calibrate.timeable_matmul_size(torch.float32, 128) == expected
 
 
+def test_a_product_slowed_once_by_a_lost_time_slice_is_still_timed_at_full_size(monkeypatch):
+    """A rank sharing its cores may lose a time slice in one timing: the quickest of several sizes the product
+    (one timing of a second would say that float32 must be timed on the smallest products)."""
+    timed = calibrate._times
+
+    def one_slow(op, repeats, device, *args):
+        return [1.0] + timed(op, repeats, device, *args)[1:]
+
+    monkeypatch.setattr(calibrate, "_times", one_slow)
+    assert calibrate.timeable_matmul_size(torch.float32, 128) == 128
+
+
 def test_ranks_sharing_cores_are_noted():
     assert calibrate.shared_cores_note(4, 1, 2) == ("4 ranks of 1 thread share 2 cores: every figure is timed as they "
                                                     "share them, as training on this machine does")
