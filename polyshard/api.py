@@ -11,9 +11,9 @@ from torch.utils._pytree import tree_map_only
 
 from polyshard.compiler.eager import ShardedCallable
 from polyshard.errors import PolyshardError
-from polyshard.graph.capture import PIN_ATTR, capture, example_inputs_of
+from polyshard.graph.capture import capture, example_inputs_of
 from polyshard.mesh import Mesh, current_mesh
-from polyshard.pin import Strategy, make_pin
+from polyshard.pin import Strategy, make_pin, pin_module
 from polyshard.plan import Plan
 from polyshard.planner.check import check_plan
 from polyshard.planner.plan_model import plan_captured, plan_model
@@ -37,11 +37,7 @@ def shard(target: T, in_strategy: Strategy, out_strategy: Sequence | None = None
     rows, looks up the ids they hold, and the pieces' lookups are summed.
     """
     if isinstance(target, nn.Module):
-        if manual_split is not None and not isinstance(target, nn.Embedding):
-            raise PolyshardError(f"manual_split splits an embedding table's rows; {type(target).__name__} is "
-                                 "not an nn.Embedding")
-        setattr(target, PIN_ATTR, make_pin(in_strategy, out_strategy, None, type(target).__name__, manual_split))
-        return target
+        return pin_module(target, in_strategy, out_strategy, manual_split)
     if manual_split is not None:
         raise PolyshardError("manual_split splits an nn.Embedding's table; pin the module, not a function")
     if callable(target):

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 from polyshard.errors import PolyshardError
 
+PIN_ATTR = "_polyshard_pin"  # what a pinned module or function carries its Pin in
 COPIES_ATTR = "_polyshard_copies"  # set by micro_batch_interleaved: the copies a model asks to be split into
 
 Strategy = Sequence[Sequence[Any]]
@@ -105,3 +106,16 @@ def tp_plan_agreement(model, params: dict) -> dict | None:
         else:
             departures.append([path, style, layout.describe() or "R"])
     return {"followed": followed, "modules": followed + len(departures), "departures": departures}
+
+
+def pin_module(module, in_strategy: Strategy, out_strategy: Sequence | None = None,
+               manual_split: Sequence[int] | None = None):
+    """Mark ``module`` with its pinned strategy (what :func:`polyshard.shard` does to a module), without loading
+    the runtime."""
+    from torch import nn
+
+    if manual_split is not None and not isinstance(module, nn.Embedding):
+        raise PolyshardError(f"manual_split splits an embedding table's rows; {type(module).__name__} is "
+                             "not an nn.Embedding")
+    setattr(module, PIN_ATTR, make_pin(in_strategy, out_strategy, None, type(module).__name__, manual_split))
+    return module

@@ -9,10 +9,9 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 from polyshard.compiler.redistribute import redistribute, to_dtensor
-from polyshard.graph.capture import PIN_ATTR
 from polyshard.layout import Layout
 from polyshard.mesh import current_mesh
-from polyshard.pin import Pin
+from polyshard.pin import PIN_ATTR, Pin
 from polyshard.planner.rules.einsum import pin_layouts, pin_output_layout
 from polyshard.planner.rules.table import spec_for_function
 

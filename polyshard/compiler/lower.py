@@ -20,11 +20,12 @@ from polyshard.compiler.rows import RowSplitEmbedding, gather_rows, row_slice
 from polyshard.compiler.spatial import (
     SpatialBatchNorm2d, SpatialCrossEntropy, SpatialGlobalPool, SpatialUpsample, SpatialWindow, Split,
 )
-from polyshard.graph.capture import PIN_ATTR, shape_of
+from polyshard.graph.capture import shape_of
 from polyshard.graph.ops import op_key
 from polyshard.halo import BILINEAR_HALO, SPLIT_DIMS, halo, pair
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
+from polyshard.pin import PIN_ATTR
 from polyshard.plan import Plan, takes_moved_dtensor
 from polyshard.planner.rules.spatial import upsampling
 

@@ -26,11 +26,11 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.export import SIGNATURE_KEY, export_graph, graph_module
 from polyshard.graph.export import at_rows as exported_at_rows
 from polyshard.graph.ops import op_key
+from polyshard.pin import PIN_ATTR
 
 LEAF_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm)
 _MATMULS = (torch.matmul, operator.matmul, "matmul")
 _PRODUCTS = (*_MATMULS, torch.bmm, torch.mm, torch.baddbmm, torch.addmm, F.linear, "bmm")
-PIN_ATTR = "_polyshard_pin"
 
 
 def is_conv1d(m: nn.Module) -> bool:

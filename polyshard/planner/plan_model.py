@@ -16,10 +16,10 @@ from torch.utils._pytree import tree_map
 
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
-from polyshard.graph.capture import PIN_ATTR, batch_rows, capture, example_inputs_of, shape_of
+from polyshard.graph.capture import batch_rows, capture, example_inputs_of, shape_of
 from polyshard.graph.stage_cuts import check_boundary_count, stage_boundaries_of
 from polyshard.mesh import Mesh, current_mesh
-from polyshard.pin import COPIES_ATTR, model_tp_plan, tp_plan_pins
+from polyshard.pin import COPIES_ATTR, PIN_ATTR, model_tp_plan, tp_plan_pins
 from polyshard.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, Plan, check_choice
 from polyshard.planner.check import check_plan
 from polyshard.planner.config import Fixed

@@ -17,13 +17,13 @@ import torch
 import yaml
 
 from polyshard import models
-from polyshard.api import shard
 from polyshard.cluster import parse_bytes
 from polyshard.data.images import open_images
 from polyshard.data.token_file import check_tokens, open_tokens, tokenized
 from polyshard.errors import PolyshardError, file_in_the_way
 from polyshard.mesh import PIPELINE_AXIS, check_mesh, check_roles, parse_mesh
 from polyshard.models.vision import VISION, build_vision, check_image_size
+from polyshard.pin import pin_module
 from polyshard.plan import Plan
 from polyshard.train.options import TrainConfig
 
@@ -409,8 +409,8 @@ def apply_strategies(model: torch.nn.Module, path: str) -> list[str]:
                                      "make the patterns disjoint")
             by[name] = str(pattern)
             try:
-                shard(names[name], _tuples(spec["in_strategy"]), _tuples(spec.get("out_strategy")),
-                         _tuples(spec.get("manual_split")))
+                pin_module(names[name], _tuples(spec["in_strategy"]), _tuples(spec.get("out_strategy")),
+                           _tuples(spec.get("manual_split")))
             except PolyshardError as exc:
                 raise PolyshardError(f"{path}: module {name}: {exc}") from exc
     return list(by)

@@ -111,6 +111,13 @@ def test_the_command_line_starts_without_torch():
                   "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))") == "[]"
 
 
+def test_the_launchers_checks_load_neither_dtensor_nor_the_runtime():
+    """`polyshard train` checks its flags, model and plan before it starts any rank: that needs the model and
+    its capture, not DTensor (a second on a small machine) or the runtime that the ranks load."""
+    assert _fresh("import sys; import polyshard.train.config; print(sorted(m for m in ('torch.distributed.tensor', "
+                  "'polyshard.api', 'polyshard.runtime.parallel') if m in sys.modules))") == "[]"
+
+
 def test_the_package_names_load_on_first_use():
     import polyshard.api
     from polyshard.plan import Plan

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from polyshard.graph.capture import PIN_ATTR, is_conv1d, is_rms_norm, linear_dims, shape_of, shapes_of
+from polyshard.graph.capture import is_conv1d, is_rms_norm, linear_dims, shape_of, shapes_of
 from polyshard.graph.ops import op_key
 from polyshard.graph.params import parameters_of
 from polyshard.errors import PolyshardError
 from polyshard.layout import Layout
+from polyshard.pin import PIN_ATTR
 from polyshard.plan import NodePlan
 from polyshard.planner.rules.base import RuleContext
 from polyshard.planner.rules.spatial import SPATIAL_MODULES, upsample, cross_entropy as spatial_cross_entropy
