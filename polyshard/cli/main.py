@@ -175,14 +175,15 @@ def _planning_flags(p: argparse.ArgumentParser) -> None:
                    "one per core this process may use on a cluster of several nodes, else 1)")
 
 
-def _progress_line() -> Callable[[int, int], None] | None:
-    """On a terminal, the search's splits costed so far, on one line of stderr; elsewhere (logs, pipes) nothing."""
+def _status_line() -> Callable[[str], None] | None:
+    """On a terminal, what planning is doing, on one line of stderr ("" clears it); elsewhere (logs, pipes)
+    nothing."""
     if not sys.stderr.isatty():
         return None
 
-    def show(done: int, total: int) -> None:
-        print(f"\rplanning: {done} of {total} splits costed", end="", file=sys.stderr, flush=True)
-    return show
+    def say(text: str) -> None:
+        print("\r\033[K" + (f"planning: {text}" if text else ""), end="", file=sys.stderr, flush=True)
+    return say
 
 
 def _plan(args) -> int:
@@ -214,16 +215,20 @@ def _plan(args) -> int:
     if args.out:
         check_output_file("--out", args.out)
     planned = _planned_model(args, cluster.num_devices, batch, fixed)
+    say = _status_line()
     start = time.perf_counter()
-    model = planned.build()
-    if args.pin:
-        from polyshard.train.config import apply_strategies
-
-        apply_strategies(model, args.pin)
-    graph = capture(model, model.example_inputs(1))
-    options = dict(meshes=planned.meshes, dataset_strategy=planned.dataset_strategy, reserve_bytes=reserve,
-                   pp_plan=args.pp_plan, graph=graph, workers=args.workers, progress=_progress_line())
     try:
+        if say:
+            say(f"building and capturing {args.model}")
+        model = planned.build()
+        if args.pin:
+            from polyshard.train.config import apply_strategies
+
+            apply_strategies(model, args.pin)
+        graph = capture(model, model.example_inputs(1))
+        counted = None if say is None else lambda done, total: say(f"{done} of {total} splits costed")
+        options = dict(meshes=planned.meshes, dataset_strategy=planned.dataset_strategy, reserve_bytes=reserve,
+                       pp_plan=args.pp_plan, graph=graph, workers=args.workers, progress=counted)
         plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, **options)
         plan = dataclasses.replace(plan, model=planned.name)
         seconds = time.perf_counter() - start
@@ -231,8 +236,8 @@ def _plan(args) -> int:
         if getattr(args, "compare", False):
             pick, _ = search(model, model.example_inputs(1), cluster, batch, limit, **options)
     finally:
-        if options["progress"] is not None:
-            print("\r\033[K", end="", file=sys.stderr, flush=True)  # the answer, or the error, on a clean line
+        if say:
+            say("")  # the answer, or the error, on a clean line
     if args.json:
         print(json.dumps({**summary(plan, planned.cfg, cluster.num_devices), "planning_s": round(seconds, 3),
                           "fixed": fixed.text(),

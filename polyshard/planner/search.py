@@ -145,6 +145,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     workers = _default_workers(cluster) if workers is None else workers
     best = SharedBest(shared=workers > 1)
     tally = SharedTally(workers > 1, lambda done: progress(done, len(ordered))) if progress else None
+    if progress:
+        progress(0, len(ordered))  # the first split may take seconds (it solves the program most share)
 
     def cost(meshes: list) -> _Tried:
         found = costs.tried(meshes, best)

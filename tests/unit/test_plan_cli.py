@@ -32,16 +32,21 @@ def test_plan_json_has_the_figures_scripts_compare(capsys):
 
 
 def test_plan_on_a_terminal_shows_its_progress_then_clears_it(capsys, monkeypatch):
-    """On a terminal the splits costed count up on one line of stderr, cleared before the answer; in a pipe (as
-    above) stderr stays empty."""
+    """On a terminal the model's capture, then the splits costed counting up, show on one line of stderr, cleared
+    before the answer; in a pipe (as above) stderr stays empty."""
     import sys
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     code, out, err = _run(capsys, "plan", "--model", SHAPE, "--cluster", "2x8xA100-80G", "--global-batch", "64")
     assert code == 0 and out.startswith("planned ")
-    shown = [line for line in err.split("\r") if line.startswith("planning: ")]
-    assert shown and shown[0].startswith("planning: 1 of ") and err.endswith("\r\033[K")
+    shown = [line.removeprefix("\033[K") for line in err.split("\r")]
+    shown = [line for line in shown if line.startswith("planning: ")]
+    assert shown[0] == f"planning: building and capturing {SHAPE}" and shown[1].startswith("planning: 0 of ")
+    assert shown[-1].startswith("planning: ") and err.endswith("\r\033[K")
     assert "planning" not in out
+    code, _, err = _run(capsys, "plan", "--model", SHAPE, "--cluster", "2x8xA100-80G", "--memory-limit", "1MiB",
+                        "--memory-reserve", "0")
+    assert code == 2 and "\r\033[Kpolyshard: error: the model does not fit" in err  # the error on a clean line
 
 
 def test_cost_prices_the_given_configuration_and_says_what_it_chose(capsys):
