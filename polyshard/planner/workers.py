@@ -13,6 +13,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from polyshard.errors import PolyshardError
 
 FORKS = "fork" in multiprocessing.get_all_start_methods()  # elsewhere every item runs in this process
@@ -114,7 +116,10 @@ def run_items(items: Sequence[Any], work: Callable[[Any], Any], workers: int) ->
 
 
 def _child(drain: Callable[[], dict], send) -> None:
-    """A forked worker: drain items and send back what it computed (as text what pickle cannot carry)."""
+    """A forked worker: drain items and send back what it computed (as text what pickle cannot carry), on one
+    thread (it has a core of its own, and GNU OpenMP's threads, which the parent may have started, do not survive
+    a fork: an op that reached for them would wait forever)."""
+    torch.set_num_threads(1)
     done = drain()
     try:
         send.send(done)

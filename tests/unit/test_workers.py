@@ -2,6 +2,8 @@
 and the same plan as one process finds."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -49,6 +51,22 @@ def test_the_first_error_in_item_order_is_raised():
 
     with pytest.raises(ValueError, match="item 3"):
         run_items(list(range(8)), work, workers=2)
+
+
+FORK_AFTER_THREADS = """
+import os, torch
+from polyshard.planner.workers import run_items
+torch.set_num_threads(2)
+torch.ones(1 << 22).repeat(4)  # the parent starts OpenMP's threads
+out = run_items(list(range(4)), lambda i: (float(torch.ones(1 << 22).repeat(4).sum()), os.getpid()), workers=2)
+assert len({pid for _, pid in out}) == 2, out
+print("done")
+"""
+
+
+def test_a_worker_forked_after_the_parent_ran_threads_runs_ops_that_would_use_them():
+    run = subprocess.run([sys.executable, "-c", FORK_AFTER_THREADS], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr[-2000:]
 
 
 def test_a_worker_that_dies_is_reported():
