@@ -3,6 +3,7 @@ uninterrupted run ends; a stopped rank fails the run by name; bad checkpoints ar
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -73,32 +74,24 @@ def _matches_the_whole_run(tmp_path: Path, whole: Path) -> None:
     assert all(a[k].equal(b[k]) for k in a)
 
 
-def test_a_killed_rank_restarts_the_job_which_resumes_and_matches_the_uninterrupted_run(tmp_path, whole):
-    proc = start(tmp_path, "killed", "--steps", "20", "--save-dir", str(tmp_path / "killed"), "--save-every", "5",
-                 "--max-restarts", "2")
-    at = signal_rank_at(proc, tmp_path / "killed.jsonl", 12, rank=1, sig=signal.SIGKILL)
-    assert proc.wait(timeout=300) == 0, (tmp_path / "killed.err").read_text()[-3000:]
-    assert at < 20 and "resumed from" in (tmp_path / "killed.out").read_text()
-    _matches_the_whole_run(tmp_path, whole)
-    left = [p.name for p in (tmp_path / "scratch").iterdir() if p.name.startswith(("polyshard-", "torchelastic_"))]
-    assert not left  # no run folder stays behind, a killed rank's included
-
-
-def test_a_rank_killed_while_an_async_save_is_uncommitted_resumes_from_the_one_before(tmp_path, whole):
-    """Training goes on while a save is written, committed when the next one starts: a kill in between leaves
-    a hidden partial directory; the restarted job resumes from the checkpoint before and replaces it."""
+def test_a_rank_killed_while_an_async_save_is_uncommitted_restarts_the_job_from_the_save_before(tmp_path, whole):
+    """A killed rank restarts the job, which resumes and ends as the uninterrupted run does. Training goes on
+    while a save is written, committed when the next one starts: a kill in between leaves a hidden partial
+    directory; the restarted job resumes from the checkpoint before and replaces it."""
     proc = start(tmp_path, "killed", "--steps", "20", "--save-dir", str(tmp_path / "killed"), "--save-every", "5",
                  "--async-save", "--keep", "2", "--max-restarts", "1")
     partial = tmp_path / "killed" / ".step-00000010.partial"  # committed when step 15 saves
     while not partial.exists():
         assert proc.poll() is None, "the run ended before its save of step 10"
         time.sleep(0.001)
-    signal_rank_at(proc, tmp_path / "killed.jsonl", 10, rank=1, sig=signal.SIGKILL)
+    at = signal_rank_at(proc, tmp_path / "killed.jsonl", 10, rank=1, sig=signal.SIGKILL)
     assert proc.wait(timeout=300) == 0, (tmp_path / "killed.err").read_text()[-3000:]
     out = (tmp_path / "killed.out").read_text()
-    assert "resumed from" in out and "(step 5)" in out, out[-2000:]
+    assert at < 20 and "resumed from" in out and "(step 5)" in out, out[-2000:]
     _matches_the_whole_run(tmp_path, whole)
     assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["step-00000015", "step-00000020"]
+    left = [p.name for p in (tmp_path / "scratch").iterdir() if p.name.startswith(("polyshard-", "torchelastic_"))]
+    assert not left  # no run folder stays behind, a killed rank's included
 
 
 def test_a_stopped_rank_fails_the_run_within_the_timeout_naming_it(tmp_path):
@@ -206,15 +199,20 @@ def _logits_of_checkpoint(name: str, ck: Path, ids):
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "hf:llama"])
 def test_export_writes_a_model_transformers_loads_with_the_same_logits(whole, tmp_path, model):
+    """A checkpoint of polyshard's GPT, or of transformers' Llama named by its family and trained with its
+    projections split over 2 ranks (which must learn), exported whole for transformers."""
     import torch
     import transformers
 
     ck = whole / "ck"
     if model != "gpt-tiny":
         ck = tmp_path / "ck"
-        out = polyshard("train", "--model", model, "--steps", "2", "--save-dir", str(ck), "--metrics",
-                        str(tmp_path / "m.jsonl"))
+        out = polyshard("train", "--nproc", "2", "--mesh", "tp=2", "--model", model, "--steps", "12",
+                        "--batch-size", "4", "--save-dir", str(ck), "--metrics", str(tmp_path / "m.jsonl"))
         assert out.returncode == 0, out.stderr[-3000:]
+        assert re.search(r"model\.layers\.0\.self_attn\.q_proj\.weight +tp=2:S\(0\)", out.stdout)  # column-parallel
+        trained = losses(tmp_path / "m.jsonl")
+        assert len(trained) == 12 and sum(trained[-3:]) < sum(trained[:3])  # it learns
     out = polyshard("export", str(ck), "--to", "hf", "--out", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr[-3000:]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
