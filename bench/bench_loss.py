@@ -1,7 +1,7 @@
 """The loss's price against its measured time: cross-entropy's forward and backward over logits of a few shapes.
 
     polyshard calibrate --nproc 1 --out cluster.yaml          # this device's rates, once
-    python bench/bench_loss.py --cluster cluster.yaml         # about a minute on a CPU
+    python bench/bench_loss.py --cluster cluster.yaml         # under a minute on a CPU
 
 For each (rows, classes) the cost model prices the captured `F.cross_entropy` node as the planner does (its
 training compute and fixed cost on the calibrated cluster); the same loss is then timed forward and backward
@@ -13,12 +13,12 @@ the loss is priced as it runs), and the measured time in copies of the logits.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polyshard.calibrate import _times
 from polyshard.cluster import Cluster
 from polyshard.graph.capture import capture
 from polyshard.planner.cost.overlap import op_costs
@@ -41,13 +41,8 @@ def predicted_s(rows: int, classes: int, cluster: Cluster) -> float:
 
 
 def quickest_s(run, repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    """Seconds of ``run`` timed as the calibration times its probes (a warm-up, then ``repeats``): the quickest."""
+    return min(_times(run, repeats, torch.device("cpu")))
 
 
 def main(argv=None) -> None:
