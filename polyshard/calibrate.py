@@ -20,11 +20,12 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from polyshard import models
 from polyshard.cluster import Cluster, Link, format_bytes
-from polyshard.compiler.ops import ShardedModule
+from polyshard.compiler.ops import ShardedModule, vocab_parallel_cross_entropy
 from polyshard.compiler.recompute import apply_recompute
 from polyshard.graph.capture import capture
 from polyshard.graph.regions import recomputed
@@ -46,6 +47,10 @@ MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
 # bytes they move, bounds them (bf16 GELU at about a third of a billion elements per second per core).
 POINTWISE_OPS = ("gelu", "silu", "tanh", "sigmoid", "exp", "erf")
 _POINTWISE_ELEMENTS = {"cpu": 2**18, "cuda": 2**26}
+# Cross-entropy timed as torch's and the runtime's vocabulary-parallel one run, on as many logits as a pointwise op
+# has elements, in rows of this many classes (a few dozen rows on a CPU).
+LOSS_OPS = ("cross_entropy", "vocab_parallel_cross_entropy")
+_LOSS_CLASSES = {"cpu": 2**12, "cuda": 2**15}
 # Arrival skew: products of this side run for each of these seconds before a small all-reduce, each timed
 # this many times at least (ranks time-sliced on shared cores drift apart by a share of the work).
 _SKEW_SIDE, _SKEW_WORK_S, _SKEW_REPEATS, _SKEW_PAYLOAD = 128, (0.01, 0.02, 0.04), 20, 64 * 2**10
@@ -155,6 +160,21 @@ def measure_pointwise_rate(dtype: torch.dtype, op: str, repeats: int) -> float:
     grad = torch.randn(n, device=device).to(dtype)
     fn = getattr(torch, op, None) or getattr(torch.nn.functional, op)
     return 3 * n / statistics.median(_compute_times(lambda: fn(x).backward(grad), repeats, device))
+
+
+def measure_loss_rate(dtype: torch.dtype, op: str, group: dist.ProcessGroup, repeats: int) -> float:
+    """Logits per second of cross-entropy (``op``: one of LOSS_OPS) in training, counted as the cost model counts
+    it: three forward-equivalents, each one element per logit. ``group`` holds this rank alone, so the
+    vocabulary-parallel loss's collectives move nothing."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    classes = _LOSS_CLASSES[device.type]
+    rows = _POINTWISE_ELEMENTS[device.type] // classes
+    logits = torch.randn(rows, classes, device=device).to(dtype).requires_grad_()
+    target = torch.randint(0, classes, (rows,), device=device, generator=torch.Generator(device).manual_seed(0))
+    loss = F.cross_entropy if op == "cross_entropy" else functools.partial(vocab_parallel_cross_entropy,
+                                                                           shard_index=0, group=group)
+    return 3 * rows * classes / statistics.median(_compute_times(lambda: loss(logits, target).backward(), repeats,
+                                                                 device))
 
 
 def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 100) -> OpOverheads:
@@ -430,6 +450,10 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     pointwise = {name: dict(zip(POINTWISE_OPS, _all_reduce([measure_pointwise_rate(getattr(torch, name), op, repeats)
                                                             for op in POINTWISE_OPS], dist.ReduceOp.MIN, None)))
                  for name in flops}
+    alone = dist.new_subgroups(group_size=1)[0]
+    for name, rates in pointwise.items():
+        rates |= zip(LOSS_OPS, _all_reduce([measure_loss_rate(getattr(torch, name), op, alone, repeats)
+                                            for op in LOSS_OPS], dist.ReduceOp.MIN, None))
     overheads = measure_op_overheads(repeats, [name for name in flops if name != "float32"])
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
@@ -623,7 +647,7 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
     lines += ["", "attention (causal, forward + backward): share of the matmul rate by head dim, then sequence"]
     lines += [f"{f'{name}, {dim:.0f}':<24} " + ", ".join(f"{seq:.0f}: {sh:.3f}" for seq, d, sh in points if d == dim)
               for name, points in cluster.attention_shares.items() for dim in sorted({d for _, d, _ in points})]
-    lines += ["", "pointwise ops (forward + backward, as three forwards): elements per second"]
+    lines += ["", "pointwise ops (forward + backward, as three forwards): elements per second (cross-entropy: logits)"]
     lines += [f"{name:<24} " + ", ".join(f"{op} {_si(rate, '')}" for op, rate in rates.items())
               for name, rates in cluster.pointwise_rates.items()]
     lines += ["", "fixed cost per op (forward + backward)",

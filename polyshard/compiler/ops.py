@@ -87,7 +87,13 @@ class VocabParallelCrossEntropy:
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, **defaults) -> torch.Tensor:
         """Takes F.cross_entropy's arguments; the rule admits only their defaults besides ignore_index."""
-        return _VocabCE.apply(logits, target, self.shard_index, self.group, ignore_index)
+        return vocab_parallel_cross_entropy(logits, target, self.shard_index, self.group, ignore_index)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, shard_index: int,
+                                 group: dist.ProcessGroup, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of this rank's ``shard_index``-th slice of the classes, the slices spread over ``group``."""
+    return _VocabCE.apply(logits, target, shard_index, group, ignore_index)
 
 
 class _VocabCE(torch.autograd.Function):

@@ -15,6 +15,8 @@ _ATEN_AS = {"scaled_dot_product_attention": F.scaled_dot_product_attention, "_so
 # ops (by op_name) that only reinterpret their input's storage: they move no data and keep nothing for backward
 SHAPE_OPS = {"view", "reshape", "transpose", "permute", "size", "expand", "unsqueeze", "flatten", "squeeze", "t",
              "alias", "slice", "select", "split", "getitem", "getattr"}
+# the loss over logits, by op_name: torch's function and aten's op it is exported as
+CROSS_ENTROPY = ("cross_entropy", "cross_entropy_loss")
 
 
 def op_key(node: fx.Node):

@@ -30,7 +30,8 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert "call skew" in run.stdout and cluster.call_skew_s == 0  # two ranks: no group smaller than the node
     # transcendental pointwise ops timed in each dtype whose products were
     assert set(cluster.pointwise_rates) == set(cluster.flops_per_s) and "pointwise ops" in run.stdout
-    assert all(set(rates) == {"gelu", "silu", "tanh", "sigmoid", "exp", "erf"} and min(rates.values()) > 1e6
+    assert all(set(rates) == {"gelu", "silu", "tanh", "sigmoid", "exp", "erf", "cross_entropy",
+                              "vocab_parallel_cross_entropy"} and min(rates.values()) > 1e6
                for rates in cluster.pointwise_rates.values())
     # eager dispatch costs microseconds per op; the runtime's split product, whose DTensors dispatch each of its
     # steps in Python, more than a whole plain op on top of that; AdamW's step microseconds per tensor

@@ -18,6 +18,7 @@ from polyshard.planner.cost.comm import DataSync, axis_link, comm_seconds
 from polyshard.graph.capture import capture, shape_of
 from polyshard.planner.cost.overlap import first_bucket_bytes, op_costs
 from polyshard.planner.precision import precisions_to_cost
+from polyshard.planner.propagate import propagate
 from polyshard.planner.candidates import covers, enumerated
 from polyshard.planner.intra_op import solve
 from polyshard.planner.cost.data_parallel import dp_seconds
@@ -426,6 +427,23 @@ def test_a_transcendental_pointwise_op_is_no_faster_than_its_measured_rate():
         base = dict(zip(costs, [c.compute_s for c in op_costs(gm, plan, plain)]))
         assert all(base[n.name] < costs[n.name] / 10 for n in gelus)
         assert all(base[k] == costs[k] for k in costs if k not in {n.name for n in gelus})
+
+
+def test_cross_entropy_works_through_its_logits_at_the_rate_measured_for_what_runs_it():
+    """The loss returns one number but computes over every logit: on CPUs its exponentials bound it, at torch's
+    measured rate over whole logits, at the vocabulary-parallel loss's over a rank's slice of the classes."""
+    model = models.build("gpt-tiny", "meta")
+    gm = capture(model, model.example_inputs(4))
+    loss = next(n for n in gm.graph.nodes if n.name == "cross_entropy")
+    logits = math.prod(shape_of(loss.args[0]))
+    rated = dataclasses.replace(Cluster.preset("cpu-gloo:4"), pointwise_rates={
+        "float32": {"cross_entropy": 1e6, "vocab_parallel_cross_entropy": 2e5}})
+    for mesh, seconds in (((), 3 * logits / 1e6), ((("tp", 4),), 3 * logits / 4 / 2e5)):
+        plan = propagate(gm, mesh, lambda msg: None)
+        assert (plan.nodes[loss.name].impl == "vocab_ce") == bool(mesh)
+        costs = dict(zip([n.name for n in gm.graph.nodes if n.name in plan.nodes and n.op.startswith("call_")],
+                         [c.compute_s for c in op_costs(gm, plan, rated)]))
+        assert costs[loss.name] == pytest.approx(seconds)
 
 
 class _TwoAttentions(torch.nn.Module):

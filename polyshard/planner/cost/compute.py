@@ -6,7 +6,8 @@ Products run at the share of peak their contraction depths reach (``Cluster.matm
 other op at the slower of its FLOPs at peak and the bytes it reads and writes over the memory
 bandwidth (the roofline model: LayerNorm, GELU or a residual add are bound by memory, not FLOPs), and a
 pointwise op with a transcendental function no faster than its elements at the rate measured for it
-(``Cluster.pointwise_rate``: on CPUs bf16 GELU is bound by its arithmetic).
+(``Cluster.pointwise_rate``: on CPUs bf16 GELU is bound by its arithmetic). Cross-entropy works through every
+element of its logits, at the rate measured for its implementation, in the passes over memory that makes.
 Training costs 3x forward (backward does two products per forward one, and reads and writes about
 twice the bytes); an op that recompute runs again in backward costs one forward more. Fused
 attention runs at its own share of peak (``Cluster.attention_share``, by head shape), and the optimizer step
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from polyshard.graph.capture import is_product, linear_dims, shape_of
-from polyshard.graph.ops import is_shape_op, op_key, op_name
+from polyshard.graph.ops import CROSS_ENTROPY, is_shape_op, op_key, op_name
 from polyshard.graph.upcast import moved_bytes
 from polyshard.layout import Layout
 from polyshard.cluster import Cluster
@@ -32,6 +33,15 @@ from polyshard.plan import NodePlan
 
 TRAIN_FLOPS_PER_FORWARD = 3
 _POINTWISE_MODULES = {nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
+# Passes over its logits cross-entropy makes in training, by implementation. torch's: log-softmax reads the logits
+# and writes log-probabilities; backward writes the loss's gradient of them, reads it and them, and writes the
+# logits' gradient (an H100's profile: both softmax kernels stream at about 3 TB/s). Vocabulary-parallel
+# (compiler.ops): the maximum, the shift, its exponentials, their sum and the softmax in forward (8), scaling and
+# scaling again in backward (4).
+_LOSS_PASSES = {"vocab_ce": 12}
+_TORCH_LOSS_PASSES = 6
+# the rate each implementation of cross-entropy is measured under (Cluster.pointwise_rates)
+_LOSS_RATE_NAMES = {"vocab_ce": "vocab_parallel_cross_entropy"}
 
 
 def forward_flops(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module]) -> float:
@@ -41,6 +51,8 @@ def forward_flops(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module])
     if shape is None or not isinstance(out, Layout):
         return 0.0
     local = math.prod(shape) / out.pieces
+    if op_name(node) in CROSS_ENTROPY:
+        return _logits_elements(node, entry)
     if node.op == "call_module":
         module, order = modules[node.target], linear_dims(modules[node.target])
         if order is not None:
@@ -76,7 +88,7 @@ def forward_seconds(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module
         peak *= cluster.matmul_share(*_product_dims(node, entry, modules, flops), dtype)
     bandwidth = cluster.memory_bandwidth_bytes_per_s
     moved = forward_bytes(node, entry, modules, itemsize) if bandwidth else 0.0
-    rate = cluster.pointwise_rate(_pointwise_name(node, modules), dtype)
+    rate = cluster.pointwise_rate(_pointwise_name(node, entry, modules), dtype)
     return max(flops / peak, moved / bandwidth if bandwidth else 0.0, flops / rate if rate else 0.0)
 
 
@@ -98,6 +110,9 @@ def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module],
     and its output; for a norm of Python code, what its own ops move (measured when it was captured)."""
     if node.op in ("placeholder", "output", "get_attr") or is_shape_op(node):
         return 0.0
+    if op_name(node) in CROSS_ENTROPY:
+        passes = _LOSS_PASSES.get(entry.impl, _TORCH_LOSS_PASSES)
+        return _logits_elements(node, entry) * itemsize * passes / TRAIN_FLOPS_PER_FORWARD
     total = 0.0
     if node.op == "call_module":
         for name, p in modules[node.target].named_parameters(recurse=False):
@@ -140,11 +155,21 @@ def _product_dims(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module],
     return m, n, flops / 2 / max(numel, 1.0)
 
 
-def _pointwise_name(node: fx.Node, modules: dict[str, nn.Module]) -> str:
-    """The op name a pointwise rate is measured under ("gelu" for F.gelu, nn.GELU or aten.gelu)."""
+def _pointwise_name(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module]) -> str:
+    """The op name a pointwise rate is measured under ("gelu" for F.gelu, nn.GELU or aten.gelu; cross-entropy's
+    by the implementation that runs it)."""
     if node.op == "call_module":
         return _POINTWISE_MODULES.get(type(modules[node.target]), "")
+    if op_name(node) in CROSS_ENTROPY:
+        return _LOSS_RATE_NAMES.get(entry.impl, "cross_entropy")
     return op_name(node)
+
+
+def _logits_elements(node: fx.Node, entry: NodePlan) -> float:
+    """Elements of a cross-entropy's logits on this rank under ``entry``."""
+    logits = node.args[0]
+    layout = entry.inputs.get(logits.name)
+    return math.prod(shape_of(logits)) / (layout.pieces if isinstance(layout, Layout) else 1)
 
 
 def _split(entry: NodePlan, arg: fx.Node, dim: int) -> int:

@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
-from polyshard.graph.ops import is_shape_op, op_name
+from polyshard.graph.ops import CROSS_ENTROPY, is_shape_op, op_name
 from polyshard.graph.saved import KEPT_INSIDE, needs_grad, saved
 from polyshard.graph.upcast import kept_inside_half
 from polyshard.graph.regions import Recomputed, recomputed
@@ -112,7 +112,7 @@ def _backward(gm: fx.GraphModule) -> _Backward:
         kept = {half: {n.name: copies for n in nodes if (copies := _kept(n, 2 if half else 4))}
                 for half in (False, True)}
         grad_inputs = {n.name: (tuple(i.name for i in n.all_input_nodes if needs_grad(i)),
-                                op_name(n) in ("cross_entropy", "cross_entropy_loss"))
+                                op_name(n) in CROSS_ENTROPY)
                        for n in nodes if not is_shape_op(n) and needs_grad(n)}
         params = {n.name: tuple((name, p) for _, name, p in owned[n.target]) for n in nodes if n.op == "call_module"}
         found = _BACKWARD[gm.graph] = _Backward(tuple(n.name for n in reversed(nodes)), numel, kept, grad_inputs,
