@@ -349,21 +349,7 @@ def best_pipeline(modes: Modes, setup: Setup,
     """The fastest (micro-batch count, schedule, virtual stages) whose cuts let every stage fit,
     tried in the order of their lower bounds until the bound loses to the best found or
     ``best_s``; the lowest bound of those not tried or not simulated (their cuts fit, but the busiest
-    rank's work alone lost; inf when all were costed); and what saving memory may reach (:func:`_freed`).
-    Where chunks may split rows or operators, every chunk splitting operators is costed too: each chunk takes
-    the split it runs faster in, blind to the optimizer step whole weights lengthen."""
-    found, bound, freed = _best_pipeline(modes, setup, best_s)
-    ops = tuple(u for u in modes if u.tp_split == "ops")
-    if len(ops) in (0, len(modes)):
-        return found, bound, freed
-    alone, alone_bound, alone_freed = _best_pipeline(ops, setup, min(best_s, found.step_s if found else best_s))
-    freed = min(freed, alone_freed)
-    best = alone if alone and (not found or alone.step_s < found.step_s) else found
-    return best and dataclasses.replace(best, refused_s=freed), min(bound, alone_bound), freed
-
-
-def _best_pipeline(modes: Modes, setup: Setup, best_s: float) -> tuple[PipelineCost | None, float, float]:
-    """:func:`best_pipeline` over ``modes`` as given."""
+    rank's work alone lost; inf when all were costed); and what saving memory may reach (:func:`_freed`)."""
     units = modes[0]
     numel = sum(units.unit_numels)
     allowed = list(schedule_options(len(units), setup.rows, setup.pp, setup.fixed))
@@ -394,8 +380,20 @@ def _best_pipeline(modes: Modes, setup: Setup, best_s: float) -> tuple[PipelineC
             best = found
     else:
         bound = float("inf")  # every option was tried
+    best = best and _uniform_if_faster(modes, setup, best)
     freed = _freed(modes, setup, refused, ranges)
     return best and dataclasses.replace(best, refused_s=freed), min(bound, lost_bound), freed
+
+
+def _uniform_if_faster(modes: Modes, s: Setup, found: PipelineCost) -> PipelineCost:
+    """``found``, or where some of its chunks split rows and every chunk splitting operators on its schedule is
+    faster, that: each chunk takes the split it runs faster in, blind to the optimizer step whole weights
+    lengthen and to how evenly the cuts then share the work."""
+    ops = tuple(u for u in modes if u.tp_split == "ops")
+    if "rows" not in found.tp_split or not ops:
+        return found
+    alone = cost_pipeline(ops, s, found.micro_batches, found.schedule, found.virtual_stages, beat_s=found.step_s)
+    return alone if isinstance(alone, PipelineCost) and alone.step_s < found.step_s else found
 
 
 def _freed(modes: Modes, s: Setup, refused: list[tuple], ranges: dict | None = None) -> float:
