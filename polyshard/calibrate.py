@@ -47,8 +47,9 @@ MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
 # bytes they move, bounds them (bf16 GELU at about a third of a billion elements per second per core).
 POINTWISE_OPS = ("gelu", "silu", "tanh", "sigmoid", "exp", "erf")
 _POINTWISE_ELEMENTS = {"cpu": 2**18, "cuda": 2**26}
-# Cross-entropy timed as torch's and the runtime's vocabulary-parallel one run, on as many logits as a pointwise op
-# has elements, in rows of this many classes (a few dozen rows on a CPU).
+# Cross-entropy timed as torch's and the runtime's vocabulary-parallel one run, in rows of this many classes, on as
+# many logits as a pointwise op has elements and on a quarter of them: the rate from the difference, the rest the
+# fixed cost of a call (the vocabulary-parallel loss runs thirty-odd ops: on a CPU half its time at 2^18 logits).
 LOSS_OPS = ("cross_entropy", "vocab_parallel_cross_entropy")
 _LOSS_CLASSES = {"cpu": 2**12, "cuda": 2**15}
 # Arrival skew: products of this side run for each of these seconds before a small all-reduce, each timed
@@ -162,19 +163,26 @@ def measure_pointwise_rate(dtype: torch.dtype, op: str, repeats: int) -> float:
     return 3 * n / statistics.median(_compute_times(lambda: fn(x).backward(grad), repeats, device))
 
 
-def measure_loss_rate(dtype: torch.dtype, op: str, group: dist.ProcessGroup, repeats: int) -> float:
-    """Logits per second of cross-entropy (``op``: one of LOSS_OPS) in training, counted as the cost model counts
-    it: three forward-equivalents, each one element per logit. ``group`` holds this rank alone, so the
-    vocabulary-parallel loss's collectives move nothing."""
+def measure_loss(dtype: torch.dtype, op: str, group: dist.ProcessGroup, repeats: int) -> tuple[float, float]:
+    """Cross-entropy (``op``: one of LOSS_OPS) in training: (logits per second, counted as the cost model counts
+    them: three forward-equivalents, each one element per logit; fixed seconds of a call). ``group`` holds this
+    rank alone, so the vocabulary-parallel loss's collectives move nothing."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     classes = _LOSS_CLASSES[device.type]
-    rows = _POINTWISE_ELEMENTS[device.type] // classes
-    logits = torch.randn(rows, classes, device=device).to(dtype).requires_grad_()
-    target = torch.randint(0, classes, (rows,), device=device, generator=torch.Generator(device).manual_seed(0))
     loss = F.cross_entropy if op == "cross_entropy" else functools.partial(vocab_parallel_cross_entropy,
                                                                            shard_index=0, group=group)
-    return 3 * rows * classes / statistics.median(_compute_times(lambda: loss(logits, target).backward(), repeats,
-                                                                 device))
+
+    def seconds(rows: int) -> float:
+        logits = torch.randn(rows, classes, device=device).to(dtype).requires_grad_()
+        target = torch.randint(0, classes, (rows,), device=device, generator=torch.Generator(device).manual_seed(0))
+        return statistics.median(_compute_times(lambda: loss(logits, target).backward(), repeats, device))
+
+    rows = _POINTWISE_ELEMENTS[device.type] // classes
+    few, many = seconds(rows // 4), seconds(rows)
+    if many <= few:  # the difference lost in noise: the whole call's rate, no fixed cost apart
+        return 3 * rows * classes / many, 0.0
+    rate = 3 * (rows - rows // 4) * classes / (many - few)
+    return rate, max(0.0, few - 3 * (rows // 4) * classes / rate)
 
 
 def measure_op_overheads(repeats: int, dtypes: Sequence[str] = (), ops: int = 100) -> OpOverheads:
@@ -450,10 +458,11 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     pointwise = {name: dict(zip(POINTWISE_OPS, _all_reduce([measure_pointwise_rate(getattr(torch, name), op, repeats)
                                                             for op in POINTWISE_OPS], dist.ReduceOp.MIN, None)))
                  for name in flops}
-    alone = dist.new_subgroups(group_size=1)[0]
+    alone, loss_overheads = dist.new_subgroups(group_size=1)[0], {}
     for name, rates in pointwise.items():
-        rates |= zip(LOSS_OPS, _all_reduce([measure_loss_rate(getattr(torch, name), op, alone, repeats)
-                                            for op in LOSS_OPS], dist.ReduceOp.MIN, None))
+        measured = [measure_loss(getattr(torch, name), op, alone, repeats) for op in LOSS_OPS]
+        rates |= zip(LOSS_OPS, _all_reduce([rate for rate, _ in measured], dist.ReduceOp.MIN, None))
+        loss_overheads[name] = dict(zip(LOSS_OPS, _all_reduce([s for _, s in measured], dist.ReduceOp.MAX, None)))
     overheads = measure_op_overheads(repeats, [name for name in flops if name != "float32"])
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
@@ -495,6 +504,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         matmul_shares=products,
         attention_shares=attention,
         pointwise_rates=pointwise,
+        loss_overheads_s=loss_overheads,
         **overheads._asdict(),
         memory_bandwidth_bytes_per_s=memory_bw,
         host_bandwidth_bytes_per_s=host_bw,
@@ -647,9 +657,12 @@ def _report(cluster: Cluster, sweeps: dict[str, Sweep], sizes: list[int], fits: 
     lines += ["", "attention (causal, forward + backward): share of the matmul rate by head dim, then sequence"]
     lines += [f"{f'{name}, {dim:.0f}':<24} " + ", ".join(f"{seq:.0f}: {sh:.3f}" for seq, d, sh in points if d == dim)
               for name, points in cluster.attention_shares.items() for dim in sorted({d for _, d, _ in points})]
-    lines += ["", "pointwise ops (forward + backward, as three forwards): elements per second (cross-entropy: logits)"]
+    lines += ["", "pointwise ops (forward + backward, as three forwards): elements per second (cross-entropy: logits,"
+              " and the fixed cost of a call)"]
     lines += [f"{name:<24} " + ", ".join(f"{op} {_si(rate, '')}" for op, rate in rates.items())
               for name, rates in cluster.pointwise_rates.items()]
+    lines += [f"{name + ', fixed':<24} " + ", ".join(f"{op} {_si(s, 's')}" for op, s in costs.items())
+              for name, costs in cluster.loss_overheads_s.items()]
     lines += ["", "fixed cost per op (forward + backward)",
               f"{'plain':<24} {_si(cluster.op_overhead_s, 's'):>12}"]
     lines += [f"{'plain, ' + name:<24} {_si(s, 's'):>12}" for name, s in cluster.op_overheads_s.items()]

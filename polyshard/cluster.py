@@ -196,6 +196,10 @@ class Cluster:
     # ({"bfloat16": {"gelu": 3e8, ...}}), counted as three forwards per training step; where one is measured it
     # bounds the op beside its bytes (on CPUs bf16 GELU is bound by its arithmetic). Left out of the hash.
     pointwise_rates: dict[str, dict[str, float]] = field(default_factory=dict, hash=False)
+    # Measured fixed seconds of one training call of each implementation of cross-entropy (its forward and backward
+    # run dozens of small ops: the vocabulary-parallel one thirty-odd), per dtype name, then op name as in
+    # pointwise_rates; where measured it stands for the loss node's fixed cost per op. Left out of the hash.
+    loss_overheads_s: dict[str, dict[str, float]] = field(default_factory=dict, hash=False)
     # Whether the network runs all-to-all; without it a split moving between dims is gathered and sliced.
     all_to_all: bool = True
     # Of the compute between two collectives, how much later than the average rank the last one reaches the
@@ -230,6 +234,10 @@ class Cluster:
     def pointwise_rate(self, op: str, dtype: str) -> float | None:
         """Elements per second ``op`` runs at in ``dtype`` (per forward-equivalent), where it was measured."""
         return self.pointwise_rates.get(dtype, {}).get(op)
+
+    def loss_overhead(self, op: str, dtype: str) -> float | None:
+        """Fixed seconds of one training call of the loss ``op`` in ``dtype``, where it was measured."""
+        return self.loss_overheads_s.get(dtype, {}).get(op)
 
     @property
     def shares_grow_with_size(self) -> bool:
@@ -276,6 +284,8 @@ class Cluster:
         at_least_zero |= {f"op_overheads_s.{dtype}": s for dtype, s in self.op_overheads_s.items()}
         positive |= {f"pointwise_rates.{dtype}.{op}": rate for dtype, rates in self.pointwise_rates.items()
                      for op, rate in rates.items()}
+        at_least_zero |= {f"loss_overheads_s.{dtype}.{op}": s for dtype, costs in self.loss_overheads_s.items()
+                          for op, s in costs.items()}
         for key, value in positive.items():
             if not value > 0:
                 raise PolyshardError(f"cluster {key} must be positive; got {value!r}")
@@ -351,7 +361,7 @@ class Cluster:
                     "memory_bandwidth_bytes_per_s": 0.0, "matmul_efficiency": 1.0, "attention_efficiency": 1.0,
                     "matmul_depth_shares": [], "matmul_shares": {}, "attention_shares": {}, "op_overheads_s": {},
                     "all_to_all": True, **dict.fromkeys(_SKEW_KEYS + _RECOMPUTE_KEYS, 0.0), "pointwise_rates": {},
-                    "overlap_slowdown": like.overlap_slowdown, **data}
+                    "loss_overheads_s": {}, "overlap_slowdown": like.overlap_slowdown, **data}
         data = _check_keys(data, {f.name for f in fields(cls)}, str(path))
         if not isinstance(data["all_to_all"], bool):
             raise PolyshardError(f"cluster file {str(path)!r}: all_to_all must be true or false, got "
@@ -381,6 +391,8 @@ class Cluster:
                                   for k, v in dict(data["attention_shares"] or {}).items()},
                 pointwise_rates={str(d): {str(op): float(r) for op, r in dict(rates).items()}
                                  for d, rates in dict(data["pointwise_rates"] or {}).items()},
+                loss_overheads_s={str(d): {str(op): float(c) for op, c in dict(costs).items()}
+                                  for d, costs in dict(data["loss_overheads_s"] or {}).items()},
                 all_to_all=data["all_to_all"],
             )
         except PolyshardError:

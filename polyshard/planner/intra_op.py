@@ -529,7 +529,7 @@ def _op_seconds(node, d: NodePlan, forward: float, modules, axes, cluster, dtype
     sent, back = (collectives_seconds(c, axes, cluster) for c in own_collectives(node, d, modules, itemsize,
                                                                                    cluster.backend))
     transfer, latency = ((comm_passes - 1) * f + b for f, b in zip(sent, back))
-    overhead = op_overhead(d, cluster, compute_passes, dtype) + \
+    overhead = op_overhead(node, d, cluster, compute_passes, dtype) + \
         recompute_overhead(node.name, rc, cluster, splits_operators(axes)) if node.op.startswith("call_") else 0.0
     summed = weight_sum_seconds(node, d, modules, itemsize, axes, cluster)
     return compute_passes * forward + transfer, latency + overhead + summed

@@ -166,8 +166,8 @@ def chunk_seconds(gm: fx.GraphModule, plan: Plan, cluster: Cluster) -> tuple[lis
         if c is not None:
             entry = plan.nodes[node.name]
             seconds = forward_seconds(node, entry, modules, cluster, dtype, itemsize)
-            forward[c] += seconds + op_overhead(entry, cluster, 1, dtype)
-            backward[c] += back * seconds + op_overhead(entry, cluster, back, dtype)
+            forward[c] += seconds + op_overhead(node, entry, cluster, 1, dtype)
+            backward[c] += back * seconds + op_overhead(node, entry, cluster, back, dtype)
     return forward, backward
 
 

@@ -33,6 +33,10 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert all(set(rates) == {"gelu", "silu", "tanh", "sigmoid", "exp", "erf", "cross_entropy",
                               "vocab_parallel_cross_entropy"} and min(rates.values()) > 1e6
                for rates in cluster.pointwise_rates.values())
+    # cross-entropy's fixed cost of a call apart from its rate, per implementation, in each dtype
+    assert set(cluster.loss_overheads_s) == set(cluster.flops_per_s) and all(
+        set(costs) == {"cross_entropy", "vocab_parallel_cross_entropy"} and 0 <= min(costs.values()) < 0.1
+        for costs in cluster.loss_overheads_s.values())
     # eager dispatch costs microseconds per op; the runtime's split product, whose DTensors dispatch each of its
     # steps in Python, more than a whole plain op on top of that; AdamW's step microseconds per tensor
     assert 1e-7 < cluster.op_overhead_s < cluster.split_op_overhead_s < 1e-1

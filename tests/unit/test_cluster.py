@@ -139,7 +139,7 @@ def test_yaml_written_before_overheads_takes_its_device_types(tmp_path):
     for key in ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s", "host_bandwidth_bytes_per_s",
                 "disk_bandwidth_bytes_per_s", "host_memory_bandwidth_bytes_per_s", "host_optimizer_overhead_s",
                 "memory_bandwidth_bytes_per_s", "matmul_efficiency", "attention_efficiency", "arrival_skew",
-                "node_call_skew_s", "call_skew_s", "pointwise_rates"):
+                "node_call_skew_s", "call_skew_s", "pointwise_rates", "loss_overheads_s"):
         del data[key]
     path.write_text(yaml.safe_dump(data))
     assert Cluster.from_yaml(path) == c

@@ -431,19 +431,25 @@ def test_a_transcendental_pointwise_op_is_no_faster_than_its_measured_rate():
 
 def test_cross_entropy_works_through_its_logits_at_the_rate_measured_for_what_runs_it():
     """The loss returns one number but computes over every logit: on CPUs its exponentials bound it, at torch's
-    measured rate over whole logits, at the vocabulary-parallel loss's over a rank's slice of the classes."""
+    measured rate over whole logits, at the vocabulary-parallel loss's over a rank's slice of the classes; and its
+    fixed cost is what a call of that implementation was measured to take (dozens of ops), not one op's."""
     model = models.build("gpt-tiny", "meta")
     gm = capture(model, model.example_inputs(4))
     loss = next(n for n in gm.graph.nodes if n.name == "cross_entropy")
     logits = math.prod(shape_of(loss.args[0]))
     rated = dataclasses.replace(Cluster.preset("cpu-gloo:4"), pointwise_rates={
         "float32": {"cross_entropy": 1e6, "vocab_parallel_cross_entropy": 2e5}})
-    for mesh, seconds in (((), 3 * logits / 1e6), ((("tp", 4),), 3 * logits / 4 / 2e5)):
+    fixed = dataclasses.replace(rated, loss_overheads_s={
+        "float32": {"cross_entropy": 1e-3, "vocab_parallel_cross_entropy": 4e-3}})
+    for mesh, seconds, call_s in (((), 3 * logits / 1e6, 1e-3), ((("tp", 4),), 3 * logits / 4 / 2e5, 4e-3)):
         plan = propagate(gm, mesh, lambda msg: None)
         assert (plan.nodes[loss.name].impl == "vocab_ce") == bool(mesh)
-        costs = dict(zip([n.name for n in gm.graph.nodes if n.name in plan.nodes and n.op.startswith("call_")],
-                         [c.compute_s for c in op_costs(gm, plan, rated)]))
-        assert costs[loss.name] == pytest.approx(seconds)
+        names = [n.name for n in gm.graph.nodes if n.name in plan.nodes and n.op.startswith("call_")]
+        costs, measured = (dict(zip(names, op_costs(gm, plan, c))) for c in (rated, fixed))
+        assert costs[loss.name].compute_s == pytest.approx(seconds)
+        assert measured[loss.name].overhead_s - costs[loss.name].overhead_s == \
+            pytest.approx(call_s - rated.op_overhead_s)
+        assert all(measured[k] == costs[k] for k in names if k != loss.name)
 
 
 class _TwoAttentions(torch.nn.Module):

@@ -40,8 +40,8 @@ _POINTWISE_MODULES = {nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigm
 # scaling again in backward (4).
 _LOSS_PASSES = {"vocab_ce": 12}
 _TORCH_LOSS_PASSES = 6
-# the rate each implementation of cross-entropy is measured under (Cluster.pointwise_rates)
-_LOSS_RATE_NAMES = {"vocab_ce": "vocab_parallel_cross_entropy"}
+# the name each implementation of cross-entropy is measured under, by its plan's impl
+_LOSS_NAMES = {"vocab_ce": "vocab_parallel_cross_entropy"}
 
 
 def forward_flops(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module]) -> float:
@@ -161,8 +161,13 @@ def _pointwise_name(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module
     if node.op == "call_module":
         return _POINTWISE_MODULES.get(type(modules[node.target]), "")
     if op_name(node) in CROSS_ENTROPY:
-        return _LOSS_RATE_NAMES.get(entry.impl, "cross_entropy")
+        return _loss_name(entry)
     return op_name(node)
+
+
+def _loss_name(entry: NodePlan) -> str:
+    """The name cross-entropy run as ``entry`` plans is measured under (Cluster.pointwise_rates, loss_overheads_s)."""
+    return _LOSS_NAMES.get(entry.impl, "cross_entropy")
 
 
 def _logits_elements(node: fx.Node, entry: NodePlan) -> float:
@@ -192,13 +197,16 @@ def passes(name: str, recomputed: Recomputed) -> tuple[int, int]:
     return TRAIN_FLOPS_PER_FORWARD + again, 2 + (again and recomputed.comm == "recompute")
 
 
-def op_overhead(entry: NodePlan, cluster: Cluster, compute_passes: int = TRAIN_FLOPS_PER_FORWARD,
+def op_overhead(node: fx.Node, entry: NodePlan, cluster: Cluster, compute_passes: int = TRAIN_FLOPS_PER_FORWARD,
                 dtype: str = "float32") -> float:
     """Fixed cost of one op per training step in ``dtype``, however small: more when it runs on split tensors
     (DTensor's Python dispatch), except on GPUs, where the host dispatches ahead of the device
-    (kernels launch asynchronously) and only the launches cost device time."""
+    (kernels launch asynchronously) and only the launches cost device time. A loss costs what its implementation's
+    call was measured to, where it was (its forward and backward run dozens of ops)."""
     split = cluster.split_op_overhead_s if entry.impl != "local" and cluster.device_type != "cuda" else 0.0
-    return (cluster.op_overhead_for(dtype) + split) * compute_passes / TRAIN_FLOPS_PER_FORWARD
+    loss = cluster.loss_overhead(_loss_name(entry), dtype) if op_name(node) in CROSS_ENTROPY else None
+    return ((cluster.op_overhead_for(dtype) if loss is None else loss) + split) * compute_passes / \
+        TRAIN_FLOPS_PER_FORWARD
 
 
 def recompute_overhead(name: str, recomputed: Recomputed, cluster: Cluster, splits: bool) -> float:

@@ -64,7 +64,7 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
             _collectives_seconds(node, plan, modules, itemsize, cluster, sent) for sent in (node_comm_bytes,
                                                                                        node_backward_bytes))
         summed = weight_sum_seconds(node, plan.nodes[node.name], modules, itemsize, plan.mesh or plan.op_axes, cluster)
-        fixed = op_overhead(plan.nodes[node.name], cluster, compute_passes, dtype) + \
+        fixed = op_overhead(node, plan.nodes[node.name], cluster, compute_passes, dtype) + \
             recompute_overhead(node.name, rc, cluster, plan.splits_operators)
         forwards = comm_passes - 1  # forward's collectives, and again where recompute runs them
         by_name[node.name] = OpCost(seconds, forwards * transfer + back,
