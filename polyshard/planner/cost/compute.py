@@ -33,15 +33,14 @@ from polyshard.plan import NodePlan
 
 TRAIN_FLOPS_PER_FORWARD = 3
 _POINTWISE_MODULES = {nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
-# Passes over its logits cross-entropy makes in training, by implementation. torch's: log-softmax reads the logits
-# and writes log-probabilities; backward writes the loss's gradient of them, reads it and them, and writes the
-# logits' gradient (an H100's profile: both softmax kernels stream at about 3 TB/s). Vocabulary-parallel
+# Each implementation of cross-entropy, by its plan's impl: the name it is measured under (Cluster.pointwise_rates,
+# loss_overheads_s) and the passes over its logits it makes in training. torch's (any other impl): log-softmax reads
+# the logits and writes log-probabilities; backward writes the loss's gradient of them, reads it and them, and writes
+# the logits' gradient (an H100's profile: both softmax kernels stream at about 3 TB/s). Vocabulary-parallel
 # (compiler.ops): the maximum, the shift, its exponentials, their sum and the softmax in forward (8), scaling and
 # scaling again in backward (4).
-_LOSS_PASSES = {"vocab_ce": 12}
-_TORCH_LOSS_PASSES = 6
-# the name each implementation of cross-entropy is measured under, by its plan's impl
-_LOSS_NAMES = {"vocab_ce": "vocab_parallel_cross_entropy"}
+_LOSSES = {"vocab_ce": ("vocab_parallel_cross_entropy", 12)}
+_TORCH_LOSS = ("cross_entropy", 6)
 
 
 def forward_flops(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module]) -> float:
@@ -50,9 +49,9 @@ def forward_flops(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module])
     out = computed_layout(node, entry, modules)
     if shape is None or not isinstance(out, Layout):
         return 0.0
-    local = math.prod(shape) / out.pieces
     if op_name(node) in CROSS_ENTROPY:
         return _logits_elements(node, entry)
+    local = math.prod(shape) / out.pieces
     if node.op == "call_module":
         module, order = modules[node.target], linear_dims(modules[node.target])
         if order is not None:
@@ -111,7 +110,7 @@ def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module],
     if node.op in ("placeholder", "output", "get_attr") or is_shape_op(node):
         return 0.0
     if op_name(node) in CROSS_ENTROPY:
-        passes = _LOSS_PASSES.get(entry.impl, _TORCH_LOSS_PASSES)
+        _, passes = _LOSSES.get(entry.impl, _TORCH_LOSS)
         return _logits_elements(node, entry) * itemsize * passes / TRAIN_FLOPS_PER_FORWARD
     total = 0.0
     if node.op == "call_module":
@@ -167,7 +166,7 @@ def _pointwise_name(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module
 
 def _loss_name(entry: NodePlan) -> str:
     """The name cross-entropy run as ``entry`` plans is measured under (Cluster.pointwise_rates, loss_overheads_s)."""
-    return _LOSS_NAMES.get(entry.impl, "cross_entropy")
+    return _LOSSES.get(entry.impl, _TORCH_LOSS)[0]
 
 
 def _logits_elements(node: fx.Node, entry: NodePlan) -> float:
