@@ -75,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt-tiny,gpt-small",
                    help="comma-separated model names (each gets its own meshes): " + ", ".join(models.CONFIGS) +
-                        ", or a transformers model as hf:FAMILY (hf:gpt2, hf:llama, ...)")
+                        ", or a transformers model as hf:FAMILY (hf:gpt2, hf:llama, ...) or hf:CONFIG.json "
+                        "(bench/configs/ holds two at gpt-small's size)")
     p.add_argument("--batch", default="8", help="comma-separated global batches (sequences per step)")
     p.add_argument("--extra", action="append", default=[], metavar="MODEL:BATCH",
                    help="one more configuration, e.g. gpt-small:16 (repeatable)")
