@@ -15,7 +15,7 @@ from polyshard.cluster import Cluster
 def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     out = tmp_path / "cluster.yaml"
     run = subprocess.run([sys.executable, "-m", "polyshard.cli.main", "calibrate", "--nproc", "2", "--out", str(out),
-                          "--max-bytes", "4MiB", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+                          "--max-bytes", "4MiB", "--repeats", "3"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     for needle in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "bus bandwidth",
                    "inter_node is a copy of intra_node", "fixed cost per op", "host <-> disk"):
