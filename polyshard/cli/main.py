@@ -194,7 +194,7 @@ def _plan(args) -> int:
     from polyshard.planner.config import Fixed
     from polyshard.planner.report import compare, render, summary
     from polyshard.graph.capture import capture
-    from polyshard.planner.search import default_reserve_bytes, search
+    from polyshard.planner.search import default_reserve_bytes, refuse_where_nothing_fits, search
 
     cluster = Cluster.load(args.cluster)
     if hasattr(args, "compare") and not args.config.strip():  # `cost`: a configuration to price
@@ -225,6 +225,7 @@ def _plan(args) -> int:
             from polyshard.train.config import apply_strategies
 
             apply_strategies(model, args.pin)
+        refuse_where_nothing_fits(model, cluster, limit, reserve, fixed)
         graph = capture(model, model.example_inputs(1))
         counted = None if say is None else lambda done, total: say(f"{done} of {total} splits costed")
         options = dict(meshes=planned.meshes, dataset_strategy=planned.dataset_strategy, reserve_bytes=reserve,

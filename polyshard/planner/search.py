@@ -129,12 +129,7 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     ``workers``: processes that cost splits side by side (default: see :func:`_default_workers`);
     ``progress(done, total)``: told, in this process, of the splits costed as the search goes.
     """
-    reserve = default_reserve_bytes(cluster) if reserve_bytes is None else reserve_bytes
-    limit = (memory_limit_bytes or cluster.memory_bytes) - reserve
-    if limit <= 0:
-        raise PolyshardError(f"the memory reserve of {format_bytes(reserve)} leaves nothing of the "
-                             f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the "
-                             "reserve")
+    limit, reserve = refuse_where_nothing_fits(model, cluster, memory_limit_bytes, reserve_bytes, fixed)
     gm = capture(model, example_row) if graph is None else graph
     costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else (),
                    dataset_strategy, lambda rows: at_rows(model, gm, example_row, rows))
@@ -173,9 +168,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
         raise PolyshardError(
             f"the model does not fit: the leanest split ({least.describe()}) needs "
             f"{'at least ' * least.memory_floor}{format_bytes(least.memory.total_bytes)} per device, "
-            f"{format_bytes(least.memory.total_bytes - limit)} over the {format_bytes(limit)} limit"
-            + (f" ({format_bytes(limit + reserve)} less a {format_bytes(reserve)} reserve)" if reserve else "")
-            + "; add devices, shrink the batch, or raise --memory-limit"
+            f"{format_bytes(least.memory.total_bytes - limit)} over the {_limit_text(limit, reserve)}; add devices, "
+            "shrink the batch, or raise --memory-limit"
         )
     best = min(fitting, key=lambda c: c.step_s)
     ranked = sorted(candidates, key=lambda c: c.step_s)
@@ -202,6 +196,39 @@ class _Tried:
     def keep(self, candidate: Candidate, plan: Plan) -> None:
         if candidate.step_s < self.fastest_s:
             self.plans, self.fastest_s = {candidate.key: plan}, candidate.step_s
+
+
+def refuse_where_nothing_fits(model: nn.Module, cluster: Cluster, memory_limit_bytes: float | None = None,
+                              reserve_bytes: float | None = None, fixed: Fixed = Fixed()) -> tuple[float, float]:
+    """The bytes per device plans may fill and the reserve they leave (as :func:`search` takes them); raises,
+    without capturing ``model``, where no split can fit: every plan holds each parameter, its gradient and (unless
+    offloaded) its optimizer state somewhere, in the narrowest precision its offload setting allows, and at best
+    spread evenly over every device with nothing else beside them."""
+    reserve = default_reserve_bytes(cluster) if reserve_bytes is None else reserve_bytes
+    limit = (memory_limit_bytes or cluster.memory_bytes) - reserve
+    if limit <= 0:
+        raise PolyshardError(f"the memory reserve of {format_bytes(reserve)} leaves nothing of the "
+                             f"{format_bytes(memory_limit_bytes or cluster.memory_bytes)} per device; lower the "
+                             "reserve")
+    numel = sum(p.numel() for p in model.parameters())
+    per_param, offload = min((device_bytes_per_param(offload, DTYPES[precision][1]), offload)
+                             for offload in ((fixed.offload,) if fixed.offload else OFFLOADS)
+                             for precision in precisions_to_cost(cluster, offload, fixed.precision))
+    floor = numel * per_param / cluster.num_devices
+    if floor > limit:
+        kept = "weight, gradient and optimizer state" if offload == "none" else "weight and gradient, the optimizer " \
+            "state offloaded"
+        raise PolyshardError(
+            f"the model does not fit: its {numel:,} parameters need {per_param} bytes each at the least ({kept}), "
+            f"{format_bytes(floor)} per device spread over all {cluster.num_devices}, {format_bytes(floor - limit)} "
+            f"over the {_limit_text(limit, reserve)}; add devices or raise --memory-limit")
+    return limit, reserve
+
+
+def _limit_text(limit: float, reserve: float) -> str:
+    """The memory limit plans must keep, and the reserve it leaves, for an error message."""
+    return f"{format_bytes(limit)} limit" + (f" ({format_bytes(limit + reserve)} less a {format_bytes(reserve)} "
+                                             "reserve)" if reserve else "")
 
 
 def _default_workers(cluster: Cluster) -> int:

@@ -85,6 +85,27 @@ def test_a_model_that_cannot_fit_is_told_by_how_much():
         _search(parse_bytes("1MiB"))
 
 
+def test_a_model_no_split_can_hold_is_refused_before_its_capture(monkeypatch):
+    """No plan holds less than each parameter's fp32 weight and gradient (offload keeps fp32 and moves only the
+    optimizer state) spread over every device: every candidate the search costs lies above that floor, the leanest
+    fits at its own memory, and a limit under the floor is refused without capturing the model."""
+    import polyshard.planner.search as search_module
+
+    model, cluster = models.build("gpt-small", "meta"), Cluster.preset("cpu-gloo:4")
+    floor = sum(p.numel() for p in model.parameters()) * (4 + 4) / cluster.num_devices
+    lean = Fixed(pp=4, offload="host", recompute="full")
+    costed = [c for fixed in (Fixed(), lean) for c in search(model, model.example_inputs(1), cluster, 8,
+                                                              fixed=fixed)[1] if not c.pruned]
+    assert min(c.memory.total_bytes for c in costed) > floor
+    leanest = min(c.memory.total_bytes for c in costed if c.offload == "host")
+    plan, _ = search(model, model.example_inputs(1), cluster, 8, leanest, reserve_bytes=0, fixed=lean)
+    assert plan.offload == "host"
+    monkeypatch.setattr(search_module, "capture", lambda *a: pytest.fail("captured a model that cannot fit"))
+    with pytest.raises(PolyshardError, match=r"does not fit: its [\d,]+ parameters need 8 bytes each at the least "
+                                             r"\(weight and gradient, the optimizer state offloaded\)"):
+        search(model, model.example_inputs(1), cluster, 8, 0.99 * floor, reserve_bytes=0)
+
+
 def test_parameter_memory_follows_the_layouts():
     model = models.build("gpt-tiny", "meta")
     gm = capture(model, model.example_inputs(1))

@@ -110,8 +110,7 @@ def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module],
     if node.op in ("placeholder", "output", "get_attr") or is_shape_op(node):
         return 0.0
     if op_name(node) in CROSS_ENTROPY:
-        _, passes = _LOSSES.get(entry.impl, _TORCH_LOSS)
-        return _logits_elements(node, entry) * itemsize * passes / TRAIN_FLOPS_PER_FORWARD
+        return _logits_elements(node, entry) * itemsize * _loss(entry)[1] / TRAIN_FLOPS_PER_FORWARD
     total = 0.0
     if node.op == "call_module":
         for name, p in modules[node.target].named_parameters(recurse=False):
@@ -160,13 +159,14 @@ def _pointwise_name(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module
     if node.op == "call_module":
         return _POINTWISE_MODULES.get(type(modules[node.target]), "")
     if op_name(node) in CROSS_ENTROPY:
-        return _loss_name(entry)
+        return _loss(entry)[0]
     return op_name(node)
 
 
-def _loss_name(entry: NodePlan) -> str:
-    """The name cross-entropy run as ``entry`` plans is measured under (Cluster.pointwise_rates, loss_overheads_s)."""
-    return _LOSSES.get(entry.impl, _TORCH_LOSS)[0]
+def _loss(entry: NodePlan) -> tuple[str, int]:
+    """The implementation cross-entropy run as ``entry`` plans: the name it is measured under
+    (Cluster.pointwise_rates, loss_overheads_s) and its passes over the logits in training."""
+    return _LOSSES.get(entry.impl, _TORCH_LOSS)
 
 
 def _logits_elements(node: fx.Node, entry: NodePlan) -> float:
@@ -203,7 +203,7 @@ def op_overhead(node: fx.Node, entry: NodePlan, cluster: Cluster, compute_passes
     (kernels launch asynchronously) and only the launches cost device time. A loss costs what its implementation's
     call was measured to, where it was (its forward and backward run dozens of ops)."""
     split = cluster.split_op_overhead_s if entry.impl != "local" and cluster.device_type != "cuda" else 0.0
-    loss = cluster.loss_overhead(_loss_name(entry), dtype) if op_name(node) in CROSS_ENTROPY else None
+    loss = cluster.loss_overhead(_loss(entry)[0], dtype) if op_name(node) in CROSS_ENTROPY else None
     return ((cluster.op_overhead_for(dtype) if loss is None else loss) + split) * compute_passes / \
         TRAIN_FLOPS_PER_FORWARD
 
