@@ -24,7 +24,8 @@ Costs use one capture of the model at one row, scaled by the rows each split giv
 the gradient bucket size (of BUCKET_CHOICES) that syncs and steps its gradients fastest.
 On a cluster of several nodes, processes forked once the first split is costed cost the rest side by side
 (:mod:`polyshard.planner.workers`), sharing the best step time found so far.
-A ``Fixed`` restricts the search to the settings a user gives (``polyshard cost --config``).
+A ``Fixed`` restricts the search to the settings a user gives (``polyshard cost --config``). A model whose
+parameters alone, spread over every device, exceed the limit is refused before it is captured.
 """
 
 from __future__ import annotations
