@@ -345,8 +345,13 @@ class Cluster:
                 f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}; "
                 "launch the same number of processes on every node"
             )
+        return cls.of_machines(world // local, local)
+
+    @classmethod
+    def of_machines(cls, nodes: int, per_node: int) -> Cluster:
+        """``nodes`` machines like this one, ``per_node`` ranks on each (what a launch from here makes)."""
         name, device = _detect_device()
-        return _cluster(world // local, local, name, device)
+        return _cluster(nodes, per_node, name, device)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Cluster:

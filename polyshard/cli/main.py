@@ -128,7 +128,7 @@ def _train(args) -> int:
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun else (args.nproc or 1) * args.nnodes
     cfg, shape, plan = check_config(cfg, world)
     if not in_torchrun:
-        check_against_model(cfg, shape, plan)
+        check_against_model(cfg, shape, plan, args.nnodes)
         if rendezvous is not None:
             reach_rendezvous(rendezvous, args.node_rank, args.rdzv_timeout)
         rest = args.argv

@@ -317,15 +317,21 @@ def _plan_settings(plan: Plan | None) -> dict:
                                           "virtual_stages", "recompute", "stage_recompute")}
 
 
-def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | None) -> None:
+def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | None, nodes: int = 1) -> None:
     """On the meta device, before launch: pins fit the model, ``plan`` (the --plan file's) fits its graph,
-    stages fit its blocks."""
+    stages fit its blocks, and where the ranks will search (--auto, --memory-limit), some split can hold its
+    parameters on ``nodes`` machines like this one."""
+    from polyshard.cluster import Cluster
     from polyshard.planner.check import check_plan
     from polyshard.graph.capture import capture
     from polyshard.planner.propagate import propagate
+    from polyshard.planner.search import refuse_where_nothing_fits
     from polyshard.graph.stage_cuts import block_paths
 
     model = build_model(cfg, cfg.model, device="meta")
+    if cfg.auto or cfg.memory_limit:
+        limit = parse_bytes(cfg.memory_limit) if cfg.memory_limit else None
+        refuse_where_nothing_fits(model, Cluster.of_machines(nodes, math.prod(shape.values()) // nodes), limit)
     if cfg.data and not cfg.vision:
         check_tokens(open_tokens(*token_source(cfg)), cfg.data, model.cfg.vocab_size, model.cfg.seq_len)
     if cfg.strategies:

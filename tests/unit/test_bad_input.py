@@ -264,6 +264,8 @@ CLI_CASES = [
     ("memory-limit-word", TRAIN + ["--memory-limit", "lots"], ["lots", "GiB"]),
     ("memory-limit-negative", TRAIN + ["--memory-limit=-1GiB"], ["-1GiB"]),
     ("memory-limit-zero", TRAIN + ["--memory-limit", "0"], ["'0'", "positive"]),
+    ("memory-limit-below-parameters", TRAIN + ["--memory-limit", "64KiB"],
+     ["does not fit", "parameters need 8 bytes each", "64 KiB limit", "--memory-limit"]),
     ("zero-level", TRAIN + ["--zero", "5"], ["--zero", "5"]),
     ("zero-without-dp", TRAIN + ["--mesh", "tp=2", "--zero", "1"], ["--zero", "dp"]),
     ("precision-unknown", TRAIN + ["--precision", "fp64"], ["--precision", "fp64"]),
