@@ -28,6 +28,7 @@ from polyshard.cluster import Cluster, Link, format_bytes
 from polyshard.compiler.ops import ShardedModule, vocab_parallel_cross_entropy
 from polyshard.compiler.recompute import apply_recompute
 from polyshard.graph.capture import capture
+from polyshard.graph.ops import LOSS_DTYPE
 from polyshard.graph.regions import recomputed
 from polyshard.layout import Layout
 from polyshard.mesh import Mesh
@@ -164,9 +165,10 @@ def measure_pointwise_rate(dtype: torch.dtype, op: str, repeats: int) -> float:
 
 
 def measure_loss(dtype: torch.dtype, op: str, group: dist.ProcessGroup, repeats: int) -> tuple[float, float]:
-    """Cross-entropy (``op``: one of LOSS_OPS) in training: (logits per second, counted as the cost model counts
-    them: three forward-equivalents, each one element per logit; fixed seconds of a call). ``group`` holds this
-    rank alone, so the vocabulary-parallel loss's collectives move nothing."""
+    """Cross-entropy (``op``: one of LOSS_OPS) in training as the runtime runs it under ``dtype`` (over the logits
+    cast up to ``LOSS_DTYPE``): (logits per second, counted as the cost model counts them: three forward-equivalents,
+    each one element per logit; fixed seconds of a call). ``group`` holds this rank alone, so the
+    vocabulary-parallel loss's collectives move nothing."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     classes = _LOSS_CLASSES[device.type]
     loss = F.cross_entropy if op == "cross_entropy" else functools.partial(vocab_parallel_cross_entropy,
@@ -175,7 +177,8 @@ def measure_loss(dtype: torch.dtype, op: str, group: dist.ProcessGroup, repeats:
     def seconds(rows: int) -> float:
         logits = torch.randn(rows, classes, device=device).to(dtype).requires_grad_()
         target = torch.randint(0, classes, (rows,), device=device, generator=torch.Generator(device).manual_seed(0))
-        return statistics.median(_compute_times(lambda: loss(logits, target).backward(), repeats, device))
+        return statistics.median(_compute_times(lambda: loss(logits.to(LOSS_DTYPE), target).backward(), repeats,
+                                                device))
 
     rows = _POINTWISE_ELEMENTS[device.type] // classes
     few, many = seconds(rows // 4), seconds(rows)

@@ -17,6 +17,12 @@ SHAPE_OPS = {"view", "reshape", "transpose", "permute", "size", "expand", "unsqu
              "alias", "slice", "select", "split", "getitem", "getattr"}
 # the loss over logits, by op_name: torch's function and aten's op it is exported as
 CROSS_ENTROPY = ("cross_entropy", "cross_entropy_loss")
+# ... and the runtime's vocabulary-parallel implementation that a program may call instead (compiler.ops)
+LOSSES = (*CROSS_ENTROPY, "vocab_parallel_cross_entropy")
+# The dtype a loss runs in under every precision: its logits are cast up to it, as Megatron-LM
+# (fp16_lm_cross_entropy off by default), torchtitan's cross_entropy_loss and transformers' losses do, so the
+# log-softmax over a large vocabulary is summed, kept and differentiated in float32.
+LOSS_DTYPE = torch.float32
 
 
 def op_key(node: fx.Node):

@@ -7,7 +7,8 @@ by a value without gradient keeps only the other factor, and an op whose output 
 no backward at all. Views keep their base; an expanded value that a view then copies (GQA's repeated
 keys and values) is kept at its expanded size. A module captured as one op (a norm written in Python)
 also keeps what its own ops keep inside: ``KEPT_INSIDE`` in its node's meta, as a multiple of its output
-(under half precision a norm written in Python may keep more: :mod:`polyshard.graph.upcast` measures it).
+(under half precision a norm written in Python may keep more: :mod:`polyshard.graph.upcast` measures it, and a
+loss keeps the log-probabilities of its logits cast up to ``LOSS_DTYPE``: :func:`read_by_loss`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 
 from torch import fx
 
-from polyshard.graph.ops import SHAPE_OPS, op_name
+from polyshard.graph.ops import LOSSES, SHAPE_OPS, op_name
 
 KEPT_INSIDE = "kept_inside"
 
@@ -54,6 +55,11 @@ def is_kept(node: fx.Node, grad: Callable[[fx.Node], bool] = needs_grad, within:
     if op_name(node) in _READS_OUTPUT and grad(node):
         return True
     return _read_in_backward(node, grad, within)
+
+
+def read_by_loss(node: fx.Node) -> bool:
+    """Whether a loss reads ``node``'s value (seen through views): the logits it runs over in ``LOSS_DTYPE``."""
+    return any(op_name(u) in LOSSES or op_name(u) in _VIEWS and read_by_loss(u) for u in node.users)
 
 
 def kept_inside(nodes: list[fx.Node], output: fx.Node) -> float:

@@ -1,4 +1,4 @@
-"""Mixed precision: forward, backward and gradient communication in bf16 or fp16, the step in fp32.
+"""Mixed precision: forward, backward and gradient communication in bf16 or fp16, the loss and the step in fp32.
 
 The model's parameters are cast to the low precision; the optimizer keeps fp32 master copies (and fp32
 state), receives the communicated gradients cast up, steps, and the masters are copied down (all done by
@@ -16,6 +16,7 @@ from torch import fx, nn
 
 from polyshard.errors import PolyshardError
 from polyshard.graph.export import CASTS
+from polyshard.graph.ops import LOSS_DTYPE, LOSSES, op_name
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,23 +39,33 @@ def cast_inputs(module: nn.Module, dtype: torch.dtype):
 def compute_casts_in(module: nn.Module, dtype: torch.dtype) -> None:
     """Casts to float32 written into captured programs (transformers' norms and logits ``.float()``,
     recorded by torch.export at the capture's dtype) cast to ``dtype`` instead, so a program computes
-    in ``dtype`` throughout rather than mixing it with float32."""
+    in ``dtype`` throughout rather than mixing it with float32; only each loss reads its logits cast up to
+    ``LOSS_DTYPE`` (export drops a cast its capture made no change by, so none is left before a loss)."""
     programs = [m for m in module.modules() if isinstance(m, fx.GraphModule)]
     programs += [getattr(module, "_single_copy")] if hasattr(module, "_single_copy") else []
     for gm in programs:
         changed = False
-        for node in gm.graph.nodes:
-            if node.op != "call_function" or node.target not in CASTS:
-                continue
-            at = CASTS[node.target]
-            if node.kwargs.get("dtype") == torch.float32:
-                node.kwargs = {**node.kwargs, "dtype": dtype}
-                changed = True
-            elif at is not None and len(node.args) > at and node.args[at] == torch.float32:
-                node.args = (*node.args[:at], dtype, *node.args[at + 1:])
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target in CASTS:
+                changed |= _retarget_cast(node, dtype)
+            elif op_name(node) in LOSSES:
+                with gm.graph.inserting_before(node):
+                    node.update_arg(0, gm.graph.call_method("to", (node.args[0], LOSS_DTYPE)))
                 changed = True
         if changed:
             gm.recompile()
+
+
+def _retarget_cast(node: fx.Node, dtype: torch.dtype) -> bool:
+    """Make a cast to float32 cast to ``dtype``; whether it was one."""
+    at = CASTS[node.target]
+    if node.kwargs.get("dtype") == torch.float32:
+        node.kwargs = {**node.kwargs, "dtype": dtype}
+        return True
+    if at is not None and len(node.args) > at and node.args[at] == torch.float32:
+        node.args = (*node.args[:at], dtype, *node.args[at + 1:])
+        return True
+    return False
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""Half precision over programs torch.export captured: the model's own float32 casts, in each form export records
-them and inside the bodies of the higher-order ops it wraps regions in, compute in the half dtype."""
+"""Half precision over captured programs: the model's own float32 casts, in each form torch.export records them and
+inside the bodies of the higher-order ops it wraps regions in, compute in the half dtype; the loss in float32."""
 
 import copy
 import tempfile
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,9 +49,60 @@ def test_casts_in_every_form_and_in_wrapped_regions_compute_in_bf16():
         opt = make_optimizer(pm, 1e-2, scratch)
         for batch in batches:
             loss, ref_loss = pm(**batch), ref(**batch)
-            assert loss.dtype == torch.bfloat16
+            assert loss.dtype == torch.float32  # the loss over float32 logits
             for one, step in ((loss, opt), (ref_loss, ref_opt)):
                 one.backward()
                 step.step()
                 step.zero_grad()
             assert abs(loss.item() - ref_loss.item()) < 1e-2 * ref_loss.item(), (loss, ref_loss)
+
+
+def test_the_loss_runs_over_its_logits_cast_to_float32():
+    """A loss over bf16 logits (no cast in the model's code) runs as Megatron-LM, torchtitan and transformers run
+    theirs: over the logits cast to float32, exactly; the same loss in bf16 differs (what the test tells apart)."""
+    ps.init()
+    torch.manual_seed(0)
+    model = _Head()
+    x, y = torch.randn(64, 16), torch.randint(0, 512, (64,))
+    pm = ps.parallelize(copy.deepcopy(model), example_inputs=(x, y), settings={"precision": "bf16"})
+    with tempfile.TemporaryDirectory() as scratch:
+        make_optimizer(pm, 1e-2, scratch)  # casts the parameters to bf16
+        loss = pm(x, y)
+    logits = model.to(torch.bfloat16).head(x.to(torch.bfloat16))
+    want = F.cross_entropy(logits.float(), y)
+    assert loss.dtype == torch.float32 and torch.equal(loss, want), (loss, want)
+    assert not torch.equal(F.cross_entropy(logits, y).float(), want)
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 512)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(x), y)
+
+
+def test_the_loss_is_priced_as_it_runs_cast_to_float32():
+    """What the cost model adds for a loss under bf16 over fp32 is what running it so adds, counted op by op (the
+    logits cast up, their gradient cast down): a bf16 loss moves more than a float32 one, not half as much."""
+    from polyshard.graph.capture import capture
+    from polyshard.graph.ops import CROSS_ENTROPY, LOSS_DTYPE, op_name
+    from polyshard.graph.upcast import _Traffic
+    from polyshard.planner.cost.compute import TRAIN_FLOPS_PER_FORWARD, forward_bytes
+    from polyshard.planner.propagate import propagate
+
+    x, y = torch.randn(64, 16), torch.randint(0, 512, (64,))
+    gm = capture(_Head(), (x, y))
+    plan, modules = propagate(gm, (), lambda _: None), dict(gm.named_modules())
+    loss = next(n for n in gm.graph.nodes if op_name(n) in CROSS_ENTROPY)
+    priced = {size: forward_bytes(loss, plan.nodes[loss.name], modules, size) * TRAIN_FLOPS_PER_FORWARD
+              for size in (2, 4)}
+    counted = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(64, 512, dtype=dtype, requires_grad=True)
+        with _Traffic() as traffic:
+            F.cross_entropy(logits.to(LOSS_DTYPE), y).backward()
+        counted[dtype.itemsize] = traffic.bytes
+    assert priced[2] > priced[4]
+    assert priced[2] - priced[4] == pytest.approx(counted[2] - counted[4], rel=0.01), (priced, counted)

@@ -7,7 +7,8 @@ other op at the slower of its FLOPs at peak and the bytes it reads and writes ov
 bandwidth (the roofline model: LayerNorm, GELU or a residual add are bound by memory, not FLOPs), and a
 pointwise op with a transcendental function no faster than its elements at the rate measured for it
 (``Cluster.pointwise_rate``: on CPUs bf16 GELU is bound by its arithmetic). Cross-entropy works through every
-element of its logits, at the rate measured for its implementation, in the passes over memory that makes.
+element of its logits, at the rate measured for its implementation, in the passes over memory that makes, in float32
+whatever the precision (the runtime casts its logits up).
 Training costs 3x forward (backward does two products per forward one, and reads and writes about
 twice the bytes); an op that recompute runs again in backward costs one forward more. Fused
 attention runs at its own share of peak (``Cluster.attention_share``, by head shape), and the optimizer step
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from polyshard.graph.capture import is_product, linear_dims, shape_of
-from polyshard.graph.ops import CROSS_ENTROPY, is_shape_op, op_key, op_name
+from polyshard.graph.ops import CROSS_ENTROPY, LOSS_DTYPE, is_shape_op, op_key, op_name
 from polyshard.graph.upcast import moved_bytes
 from polyshard.layout import Layout
 from polyshard.cluster import Cluster
@@ -34,8 +35,8 @@ from polyshard.plan import NodePlan
 TRAIN_FLOPS_PER_FORWARD = 3
 _POINTWISE_MODULES = {nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
 # Each implementation of cross-entropy, by its plan's impl: the name it is measured under (Cluster.pointwise_rates,
-# loss_overheads_s) and the passes over its logits it makes in training. torch's (any other impl): log-softmax reads
-# the logits and writes log-probabilities; backward writes the loss's gradient of them, reads it and them, and writes
+# loss_overheads_s) and the passes over its logits it makes in training, in LOSS_DTYPE. torch's (any other impl):
+# log-softmax reads the logits and writes log-probabilities; backward writes the loss's gradient of them, reads it and them, and writes
 # the logits' gradient (an H100's profile: both softmax kernels stream at about 3 TB/s). Vocabulary-parallel
 # (compiler.ops): the maximum, the shift, its exponentials, their sum and the softmax in forward (8), scaling and
 # scaling again in backward (4).
@@ -110,7 +111,7 @@ def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module],
     if node.op in ("placeholder", "output", "get_attr") or is_shape_op(node):
         return 0.0
     if op_name(node) in CROSS_ENTROPY:
-        return _logits_elements(node, entry) * itemsize * _loss(entry)[1] / TRAIN_FLOPS_PER_FORWARD
+        return _logits_elements(node, entry) * _loss_bytes_per_logit(entry, itemsize) / TRAIN_FLOPS_PER_FORWARD
     total = 0.0
     if node.op == "call_module":
         for name, p in modules[node.target].named_parameters(recurse=False):
@@ -167,6 +168,13 @@ def _loss(entry: NodePlan) -> tuple[str, int]:
     """The implementation cross-entropy run as ``entry`` plans: the name it is measured under
     (Cluster.pointwise_rates, loss_overheads_s) and its passes over the logits in training."""
     return _LOSSES.get(entry.impl, _TORCH_LOSS)
+
+
+def _loss_bytes_per_logit(entry: NodePlan, itemsize: int) -> int:
+    """Bytes a loss run as ``entry`` plans moves per logit in training: its passes in ``LOSS_DTYPE`` and, where the
+    logits are narrower, their cast up and their gradient's cast down (each read in one dtype, written in the other)."""
+    wide = LOSS_DTYPE.itemsize
+    return wide * _loss(entry)[1] + (2 * (itemsize + wide) if itemsize < wide else 0)
 
 
 def _logits_elements(node: fx.Node, entry: NodePlan) -> float:

@@ -16,8 +16,8 @@ from torch import fx, nn
 
 from polyshard.graph.capture import shape_of
 from polyshard.graph.params import parameters_of
-from polyshard.graph.ops import CROSS_ENTROPY, is_shape_op, op_name
-from polyshard.graph.saved import KEPT_INSIDE, needs_grad, saved
+from polyshard.graph.ops import CROSS_ENTROPY, LOSS_DTYPE, is_shape_op, op_name
+from polyshard.graph.saved import KEPT_INSIDE, needs_grad, read_by_loss, saved
 from polyshard.graph.upcast import kept_inside_half
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.layout import Layout
@@ -82,7 +82,10 @@ def _kept(node: fx.Node, itemsize: int = 4) -> float:
     inside = node.meta.get(KEPT_INSIDE, 0.0)
     if itemsize < 4 and (half := kept_inside_half(node)) is not None:  # a norm keeping float32 copies
         inside = half
-    return max((node.name in saved(node.graph)) + inside, 0.0)
+    copies = float(node.name in saved(node.graph))
+    if copies and itemsize < LOSS_DTYPE.itemsize and read_by_loss(node):  # the loss keeps its log-probabilities
+        copies = LOSS_DTYPE.itemsize / itemsize
+    return max(copies + inside, 0.0)
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,8 @@ def gradient_transients(gm: fx.GraphModule, plan: Plan, itemsize: int = 4) -> di
     and of its inputs (and of the loss's log-probabilities)."""
     graph = _backward(gm)
     held = _value_bytes(graph, plan, itemsize)
-    return {name: held(name) + sum(map(held, inputs)) * (1 + through_log_probs)
+    widened = max(LOSS_DTYPE.itemsize / itemsize, 1.0)  # the loss's gradients are in its own dtype
+    return {name: held(name) + sum(map(held, inputs)) * (2 * widened if through_log_probs else 1)
             for name, (inputs, through_log_probs) in graph.grad_inputs.items()}
 
 
