@@ -376,11 +376,11 @@ def best_pipeline(modes: Modes, setup: Setup,
             overflow_at[(schedule, v)] = max(m, overflow_at.get((schedule, v), 0))
         if found is None or found.squeezed:
             refused.append((bound, m, schedule, v))
+        found = found and _uniform_if_faster(modes, setup, found)
         if found is not None and (best is None or found.step_s < best.step_s):
             best = found
     else:
         bound = float("inf")  # every option was tried
-    best = best and _uniform_if_faster(modes, setup, best)
     freed = _freed(modes, setup, refused, ranges)
     return best and dataclasses.replace(best, refused_s=freed), min(bound, lost_bound), freed
 
