@@ -376,7 +376,7 @@ def best_pipeline(modes: Modes, setup: Setup,
             overflow_at[(schedule, v)] = max(m, overflow_at.get((schedule, v), 0))
         if found is None or found.squeezed:
             refused.append((bound, m, schedule, v))
-        found = found and _uniform_if_faster(modes, setup, found)
+        found = found and _uniform_if_faster(modes, setup, found, beat)
         if found is not None and (best is None or found.step_s < best.step_s):
             best = found
     else:
@@ -385,14 +385,15 @@ def best_pipeline(modes: Modes, setup: Setup,
     return best and dataclasses.replace(best, refused_s=freed), min(bound, lost_bound), freed
 
 
-def _uniform_if_faster(modes: Modes, s: Setup, found: PipelineCost) -> PipelineCost:
+def _uniform_if_faster(modes: Modes, s: Setup, found: PipelineCost, beat_s: float) -> PipelineCost:
     """``found``, or where some of its chunks split rows and every chunk splitting operators on its schedule is
-    faster, that: each chunk takes the split it runs faster in, blind to the optimizer step whole weights
-    lengthen and to how evenly the cuts then share the work."""
+    faster than it and than ``beat_s`` (the best found so far), that: each chunk takes the split it runs faster in,
+    blind to the optimizer step whole weights lengthen and to how evenly the cuts then share the work."""
     ops = tuple(u for u in modes if u.tp_split == "ops")
     if "rows" not in found.tp_split or not ops:
         return found
-    alone = cost_pipeline(ops, s, found.micro_batches, found.schedule, found.virtual_stages, beat_s=found.step_s)
+    alone = cost_pipeline(ops, s, found.micro_batches, found.schedule, found.virtual_stages,
+                          beat_s=min(found.step_s, beat_s))
     return alone if isinstance(alone, PipelineCost) and alone.step_s < found.step_s else found
 
 
