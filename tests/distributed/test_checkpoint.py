@@ -9,9 +9,9 @@ import pytest
 from tests.distributed import checkpoint_cases
 
 TOL = 1e-5
-# bf16 keeps 8 bits of mantissa: a run that continues in full precision departs from the bf16 run by about
-# that much in its losses (test_zero.py measures 2.3e-3 over 6 steps); its parameters are not compared, since
-# AdamW turns the bf16 rounding of near-zero gradients into full-size updates of its own sign
+# bf16 keeps 8 bits of mantissa: a run that continues in full precision computes from weights the bf16 run
+# rounded to it, and departs from that run by up to about that much in its losses; its parameters are not
+# compared, since AdamW turns the bf16 rounding of near-zero gradients into full-size updates of its own sign
 BF16_TOL = 1e-2
 
 CASES = {
