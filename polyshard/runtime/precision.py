@@ -48,12 +48,17 @@ def compute_casts_in(module: nn.Module, dtype: torch.dtype) -> None:
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and node.target in CASTS:
                 changed |= _retarget_cast(node, dtype)
-            elif op_name(node) in LOSSES:
+            elif op_name(node) in LOSSES and not _cast_up(node.args[0]):  # once, however often it is called
                 with gm.graph.inserting_before(node):
                     node.update_arg(0, gm.graph.call_method("to", (node.args[0], LOSS_DTYPE)))
                 changed = True
         if changed:
             gm.recompile()
+
+
+def _cast_up(value) -> bool:
+    """Whether ``value`` is a loss's logits as this module casts them up."""
+    return isinstance(value, fx.Node) and value.op == "call_method" and value.args[1:] == (LOSS_DTYPE,)
 
 
 def _retarget_cast(node: fx.Node, dtype: torch.dtype) -> bool:

@@ -7,9 +7,10 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 
 import polyshard as ps
+from polyshard.runtime.precision import compute_casts_in
 from polyshard.train.trainer import make_optimizer
 
 
@@ -67,7 +68,11 @@ def test_the_loss_runs_over_its_logits_cast_to_float32():
     pm = ps.parallelize(copy.deepcopy(model), example_inputs=(x, y), settings={"precision": "bf16"})
     with tempfile.TemporaryDirectory() as scratch:
         make_optimizer(pm, 1e-2, scratch)  # casts the parameters to bf16
+        compute_casts_in(pm, torch.bfloat16)  # again: the loss's cast is not doubled
         loss = pm(x, y)
+    casts = [n for m in pm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
+             if n.op == "call_method" and n.args[1:] == (torch.float32,)]
+    assert len(casts) == 1, casts
     logits = model.to(torch.bfloat16).head(x.to(torch.bfloat16))
     want = F.cross_entropy(logits.float(), y)
     assert loss.dtype == torch.float32 and torch.equal(loss, want), (loss, want)

@@ -36,10 +36,10 @@ TRAIN_FLOPS_PER_FORWARD = 3
 _POINTWISE_MODULES = {nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
 # Each implementation of cross-entropy, by its plan's impl: the name it is measured under (Cluster.pointwise_rates,
 # loss_overheads_s) and the passes over its logits it makes in training, in LOSS_DTYPE. torch's (any other impl):
-# log-softmax reads the logits and writes log-probabilities; backward writes the loss's gradient of them, reads it and them, and writes
-# the logits' gradient (an H100's profile: both softmax kernels stream at about 3 TB/s). Vocabulary-parallel
-# (compiler.ops): the maximum, the shift, its exponentials, their sum and the softmax in forward (8), scaling and
-# scaling again in backward (4).
+# log-softmax reads the logits and writes log-probabilities; backward writes the loss's gradient of them, reads it
+# and them, and writes the logits' gradient (an H100's profile: both softmax kernels stream at about 3 TB/s).
+# Vocabulary-parallel (compiler.ops): the maximum, the shift, its exponentials, their sum and the softmax in forward
+# (8), scaling and scaling again in backward (4).
 _LOSSES = {"vocab_ce": ("vocab_parallel_cross_entropy", 12)}
 _TORCH_LOSS = ("cross_entropy", 6)
 
