@@ -58,7 +58,8 @@ def compute_casts_in(module: nn.Module, dtype: torch.dtype) -> None:
 
 def _cast_up(value) -> bool:
     """Whether ``value`` is a loss's logits as this module casts them up."""
-    return isinstance(value, fx.Node) and value.op == "call_method" and value.args[1:] == (LOSS_DTYPE,)
+    return isinstance(value, fx.Node) and value.op == "call_method" and value.target == "to" and \
+        value.args[1:] == (LOSS_DTYPE,)
 
 
 def _retarget_cast(node: fx.Node, dtype: torch.dtype) -> bool:

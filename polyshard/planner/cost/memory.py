@@ -84,8 +84,13 @@ def _kept(node: fx.Node, itemsize: int = 4) -> float:
         inside = half
     copies = float(node.name in saved(node.graph))
     if copies and itemsize < LOSS_DTYPE.itemsize and read_by_loss(node):  # the loss keeps its log-probabilities
-        copies = LOSS_DTYPE.itemsize / itemsize
+        copies = _loss_widening(itemsize)
     return max(copies + inside, 0.0)
+
+
+def _loss_widening(itemsize: int) -> float:
+    """Items of ``itemsize`` bytes a loss's value of one element takes (it runs in ``LOSS_DTYPE``)."""
+    return max(LOSS_DTYPE.itemsize / itemsize, 1.0)
 
 
 @dataclass(frozen=True)
@@ -135,11 +140,10 @@ def _value_bytes(graph: _Backward, plan: Plan, itemsize: float):
 
 def gradient_transients(gm: fx.GraphModule, plan: Plan, itemsize: int = 4) -> dict[str, float]:
     """Per op with a backward, the gradient bytes alive while that backward runs, at one row: of its output
-    and of its inputs (and of the loss's log-probabilities)."""
+    and of its inputs (and of the loss's log-probabilities; the loss's in its own dtype)."""
     graph = _backward(gm)
     held = _value_bytes(graph, plan, itemsize)
-    widened = max(LOSS_DTYPE.itemsize / itemsize, 1.0)  # the loss's gradients are in its own dtype
-    return {name: held(name) + sum(map(held, inputs)) * (2 * widened if through_log_probs else 1)
+    return {name: held(name) + sum(map(held, inputs)) * (2 * _loss_widening(itemsize) if through_log_probs else 1)
             for name, (inputs, through_log_probs) in graph.grad_inputs.items()}
 
 
