@@ -24,6 +24,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, t
 
 from polyshard.errors import PolyshardError
 from polyshard.graph.causal import run_causal_attention_unmasked
+from polyshard.graph.fused_norm import FUSED_NORM, FusedRMSNorm, fused_eps
 from polyshard.graph.saved import KEPT_INSIDE, kept_inside
 from polyshard.graph.stamp import find_stack, first_layers, stamp
 from polyshard.graph.structure import structure_key
@@ -105,7 +106,16 @@ def _over(model: nn.Module, graph: fx.Graph, extras: dict[str, Any], signature: 
         setattr(root, name, value)
     gm = graph_module(root, graph, type(model).__name__)
     gm.meta[SIGNATURE_KEY] = signature
+    _fuse_norms(gm)
     return gm
+
+
+def _fuse_norms(gm: fx.GraphModule) -> None:
+    """Each norm capture found to be an RMSNorm runs as :class:`FusedRMSNorm` over its own weight. A graph module
+    holds modules of its own above its leaves (fx copies the path), so the user's model keeps its norms."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and (eps := node.meta.get(FUSED_NORM)) is not None:
+            gm.set_submodule(node.target, FusedRMSNorm(gm.get_submodule(node.target).weight, eps))
 
 
 def _root(model: nn.Module) -> nn.Module:
@@ -359,8 +369,14 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         with graph.inserting_before(nodes[0]):
             call = graph.call_module(path, (inputs[0],))
         call.meta = dict(outputs[0].meta) | {KEPT_INSIDE: kept_inside(nodes, outputs[0])}
-        if may_upcast(module) and (probed := probe(module, tuple(inputs[0].meta["val"].shape[-1:]))):
-            call.meta[PROBED] = probed
+        if may_upcast(module):
+            features = tuple(inputs[0].meta["val"].shape[-1:])
+            if (eps := fused_eps(module, features[0])) is not None:  # runs as FusedRMSNorm: see _over
+                call.meta[FUSED_NORM], module = eps, FusedRMSNorm(module.weight, eps)
+            if probed := probe(module, features):
+                call.meta[PROBED] = probed
+                if eps is not None:  # what the fused norm keeps, measured, not what the Python's ops would
+                    call.meta[KEPT_INSIDE] = probed.kept_inside_full
         outputs[0].replace_all_uses_with(call)
         for n in reversed(nodes):
             graph.erase_node(n)

@@ -23,9 +23,10 @@ PROBED = "norm_probe"  # a probed call's node meta: its Probed
 
 
 class Probed(NamedTuple):
-    """Per element of a norm's output: copies of it kept inside under half precision (beyond the input copy the
-    graph counts as kept by its caller), and forward bytes its own ops read and write, in float32 and in bf16."""
+    """Per element of a norm's output: copies of it kept inside (beyond the input copy the graph counts as kept by
+    its caller), and forward bytes its own ops read and write, in float32 and in bf16."""
 
+    kept_inside_full: float
     kept_inside_half: float
     moved_bytes_full: float
     moved_bytes_half: float
@@ -53,11 +54,11 @@ def probe(module: nn.Module, features: tuple[int, ...]) -> Probed | None:
     """``module`` run on a few rows of ``features`` (its input's last dims) in float32 and in bf16; None where it
     will not run so on the CPU (its graph's figures stand then)."""
     try:
-        kept, moved_half = _run(module, features, torch.bfloat16)
-        _, moved_full = _run(module, features, torch.float32)
+        kept_half, moved_half = _run(module, features, torch.bfloat16)
+        kept_full, moved_full = _run(module, features, torch.float32)
     except RuntimeError:
         return None
-    return Probed(kept, moved_full, moved_half)
+    return Probed(kept_full, kept_half, moved_full, moved_half)
 
 
 def _run(module: nn.Module, features: tuple[int, ...], dtype: torch.dtype) -> tuple[float, float]:
