@@ -25,7 +25,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from polyshard.errors import PolyshardError
 from polyshard.graph.export import SIGNATURE_KEY, export_graph, graph_module
 from polyshard.graph.export import at_rows as exported_at_rows
+from polyshard.graph.fused_norm import FUSED_NORM, fused_eps_alike, install_fused_norms
 from polyshard.graph.ops import op_key
+from polyshard.graph.upcast import may_upcast
 from polyshard.pin import PIN_ATTR
 
 LEAF_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm)
@@ -200,7 +202,21 @@ def _with_shapes(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         _RepeatShapeProp(gm, fake_mode=mode).propagate(
             *[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
-    return gm
+    _mark_fused_norms(gm)
+    return install_fused_norms(gm)
+
+
+def _mark_fused_norms(gm: fx.GraphModule) -> None:
+    """A traced RMSNorm of Python code that :class:`FusedRMSNorm` reproduces is marked to run as it (the estimate
+    of a leaf's memory counts what a fused norm keeps: its input)."""
+    seen: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or FUSED_NORM in node.meta or (shape := shape_of(node)) is None:
+            continue
+        module = gm.get_submodule(node.target)
+        if is_rms_norm(module) and may_upcast(module) and \
+                (eps := fused_eps_alike(module, shape[-1], seen)) is not None:
+            node.meta[FUSED_NORM] = eps
 
 
 def at_rows(model: nn.Module, gm: fx.GraphModule, example_row: Sequence | Mapping, rows: int) -> fx.GraphModule:

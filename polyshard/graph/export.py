@@ -24,7 +24,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, t
 
 from polyshard.errors import PolyshardError
 from polyshard.graph.causal import run_causal_attention_unmasked
-from polyshard.graph.fused_norm import FUSED_NORM, FusedRMSNorm, fused_eps
+from polyshard.graph.fused_norm import FUSED_NORM, FusedRMSNorm, fused_eps, install_fused_norms
 from polyshard.graph.saved import KEPT_INSIDE, kept_inside
 from polyshard.graph.stamp import find_stack, first_layers, stamp
 from polyshard.graph.structure import structure_key
@@ -106,16 +106,7 @@ def _over(model: nn.Module, graph: fx.Graph, extras: dict[str, Any], signature: 
         setattr(root, name, value)
     gm = graph_module(root, graph, type(model).__name__)
     gm.meta[SIGNATURE_KEY] = signature
-    _fuse_norms(gm)
-    return gm
-
-
-def _fuse_norms(gm: fx.GraphModule) -> None:
-    """Each norm capture found to be an RMSNorm runs as :class:`FusedRMSNorm` over its own weight. A graph module
-    holds modules of its own above its leaves (fx copies the path), so the user's model keeps its norms."""
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and (eps := node.meta.get(FUSED_NORM)) is not None:
-            gm.set_submodule(node.target, FusedRMSNorm(gm.get_submodule(node.target).weight, eps))
+    return install_fused_norms(gm)
 
 
 def _root(model: nn.Module) -> nn.Module:

@@ -9,7 +9,7 @@ and a backward that normalizes the kept input again.
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.func import functional_call
 
 FUSED_NORM = "fused_norm"  # a captured norm call's node meta: the eps it runs as FusedRMSNorm with
@@ -80,3 +80,22 @@ def fused_eps(module: nn.Module, features: int) -> float | None:
     except RuntimeError:
         return None
     return eps
+
+
+def fused_eps_alike(module: nn.Module, features: int, seen: dict) -> float | None:
+    """:func:`fused_eps`, found once per class, features and settings (``seen`` holds what was found)."""
+    settings = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                            if not k.startswith("_") and not isinstance(v, (nn.Module, torch.Tensor))))
+    key = (type(module), features, settings)
+    if key not in seen:
+        seen[key] = fused_eps(module, features)
+    return seen[key]
+
+
+def install_fused_norms(gm: fx.GraphModule) -> fx.GraphModule:
+    """Each norm call marked ``FUSED_NORM`` runs as :class:`FusedRMSNorm` over its own weight. A graph module holds
+    modules of its own above its leaves (fx copies the path), so the user's model keeps its norms."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and (eps := node.meta.get(FUSED_NORM)) is not None:
+            gm.set_submodule(node.target, FusedRMSNorm(gm.get_submodule(node.target).weight, eps))
+    return gm

@@ -87,3 +87,33 @@ def test_a_llama_capture_runs_its_norms_fused_over_the_users_own_weights():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_traced_models_rms_norm_runs_fused_at_every_row_count():
+    """A model fx traces (a user's own, with transformers' Llama norm in it): its capture and the capture at more
+    rows run the norm fused, and a step of either gives the model's loss and gradients to the bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from polyshard.graph.capture import at_rows
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.norm, self.head = torch.nn.Linear(8, 16), LlamaRMSNorm(16, eps=1e-5), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(self.norm(self.up(x))).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(4, 8)
+    gm = capture(model, (x[:1],))
+    wider = at_rows(model, gm, (x[:1],), 4)
+    for program in (gm, wider):
+        assert isinstance(program.get_submodule("norm"), FusedRMSNorm)
+    assert isinstance(model.norm, LlamaRMSNorm)
+    results = []
+    for run in (model, wider):
+        loss = run(x)
+        results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
+    for theirs, ours in zip(*results):
+        assert torch.equal(theirs, ours)
