@@ -1,9 +1,9 @@
 """An RMSNorm that keeps only its input and each row's scale for backward, as fused kernels do.
 
-transformers' RMSNorm (Llama, Mistral, Qwen) is Python: autograd keeps its float32 copy of the input and the
-normalized value besides, two to three copies more than a fused norm (torchtitan's, Megatron's) keeps. A norm
-whose output this one reproduces bit for bit, in float32 and in bf16, runs as this one: the same forward ops,
-and a backward that normalizes the kept input again.
+transformers' RMSNorm (Llama, Mistral, Qwen) is Python: autograd keeps the normalized value besides its input (under
+bf16, a float32 copy of the input in its place), a copy more than a fused norm (torchtitan's, Megatron's) keeps in
+float32 and two more under bf16. A norm whose output and gradients this one reproduces bit for bit, in float32 and in
+bf16, runs as this one: the same forward ops, and a backward that normalizes the kept input again.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def fused_eps(module: nn.Module, features: int) -> float | None:
     eps = next((v for v in (getattr(module, n, None) for n in ("variance_epsilon", "eps")) if isinstance(v, float)),
                None)
     params = dict(module.named_parameters())
-    if eps is None or list(params) != ["weight"] or tuple(params["weight"].shape) != (features,) or \
+    if eps is None or _told(module) or list(params) != ["weight"] or tuple(params["weight"].shape) != (features,) or \
             any(True for _ in module.buffers()):
         return None
     g = torch.Generator().manual_seed(0)
@@ -82,11 +82,18 @@ def fused_eps(module: nn.Module, features: int) -> float | None:
     return eps
 
 
+def _told(module: nn.Module) -> bool:
+    """Whether the user told polyshard something of this module (a pin, recompute, a stage): it runs as written."""
+    return any(k.startswith("_polyshard") for k in vars(module))
+
+
 def fused_eps_alike(module: nn.Module, features: int, seen: dict) -> float | None:
     """:func:`fused_eps`, found once per class, features and settings (``seen`` holds what was found)."""
     settings = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
                             if not k.startswith("_") and not isinstance(v, (nn.Module, torch.Tensor))))
     key = (type(module), features, settings)
+    if _told(module):
+        return None
     if key not in seen:
         seen[key] = fused_eps(module, features)
     return seen[key]

@@ -117,3 +117,22 @@ def test_a_traced_models_rms_norm_runs_fused_at_every_row_count():
         results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
     for theirs, ours in zip(*results):
         assert torch.equal(theirs, ours)
+
+
+def test_a_norm_polyshard_was_told_of_runs_as_written():
+    """A pinned norm keeps its class (and its pin) in the capture; the same class unpinned beside it is fused."""
+    import polyshard as ps
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = LlamaRMSNorm(16), LlamaRMSNorm(16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(self.b(self.a(x))).square().mean()
+
+    model = Model()
+    ps.shard(model.a, in_strategy=((1, 1),))
+    gm = capture(model, (torch.randn(2, 16),))
+    assert isinstance(gm.get_submodule("a"), LlamaRMSNorm) and isinstance(gm.get_submodule("b"), FusedRMSNorm)
