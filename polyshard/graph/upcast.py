@@ -24,7 +24,7 @@ PROBED = "norm_probe"  # a probed call's node meta: its Probed
 
 class Probed(NamedTuple):
     """Per element of a norm's output: copies of it kept inside (beyond the input copy the graph counts as kept by
-    its caller), and forward bytes its own ops read and write, in float32 and in bf16."""
+    its caller), and bytes its own ops read and write in forward and backward, in float32 and in bf16."""
 
     kept_inside_full: float
     kept_inside_half: float
@@ -45,7 +45,7 @@ def kept_inside_half(node) -> float | None:
 
 
 def moved_bytes(node, itemsize: int) -> float | None:
-    """Forward bytes per output element a probed call moves at ``itemsize`` (None: not probed)."""
+    """Bytes per output element a probed call moves in forward and backward at ``itemsize`` (None: not probed)."""
     probed = node.meta.get(PROBED)
     return None if probed is None else probed.moved_bytes_half if itemsize < 4 else probed.moved_bytes_full
 
@@ -62,7 +62,7 @@ def probe(module: nn.Module, features: tuple[int, ...]) -> Probed | None:
 
 
 def _run(module: nn.Module, features: tuple[int, ...], dtype: torch.dtype) -> tuple[float, float]:
-    """(copies kept inside, bytes moved) per output element of one forward in ``dtype``."""
+    """(copies kept inside, bytes moved by forward and backward) per output element of one step in ``dtype``."""
     x = torch.randn(_ROWS, *features, dtype=dtype, requires_grad=True)
     state = {name: torch.ones(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                               requires_grad=t.is_floating_point())
@@ -77,6 +77,7 @@ def _run(module: nn.Module, features: tuple[int, ...], dtype: torch.dtype) -> tu
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Traffic() as traffic:
         out = functional_call(module, state, (x,))
+        out.backward(torch.ones_like(out))
     input_kept = kept.pop(x.untyped_storage().data_ptr(), None) is not None
     out_bytes = out.numel() * out.element_size()
     return sum(kept.values()) / out_bytes - (not input_kept), traffic.bytes / out.numel()

@@ -107,7 +107,8 @@ def step_seconds(numel: float, precision: str, bandwidth: float, per_tensor_s: f
 
 def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module], itemsize: int) -> float:
     """Bytes ``node``'s forward reads and writes on this rank under ``entry``: its tensor inputs, its parameters
-    and its output; for a norm of Python code, what its own ops move (measured when it was captured)."""
+    and its output; for a norm of Python code, a third of what its own ops move in forward and backward (measured
+    when it was captured; a pass recompute adds is priced at that share too)."""
     if node.op in ("placeholder", "output", "get_attr") or is_shape_op(node):
         return 0.0
     if op_name(node) in CROSS_ENTROPY:
@@ -119,9 +120,9 @@ def forward_bytes(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module],
             shards = layout.pieces if layout is not None else 1
             total += p.numel() / shards * itemsize
     computed = computed_layout(node, entry, modules)
-    per_element = moved_bytes(node, itemsize)  # a norm's own passes, measured when captured
-    if per_element is not None and isinstance(computed, Layout):
-        return total + math.prod(shape_of(node)) / computed.pieces * per_element
+    per_element = moved_bytes(node, itemsize)  # a norm's own forward and backward, measured when captured
+    if per_element is not None and isinstance(computed, Layout):  # a pass's share: training is priced as three
+        return total + math.prod(shape_of(node)) / computed.pieces * per_element / TRAIN_FLOPS_PER_FORWARD
     for value, layout in [(node, computed)] + [(i, entry.inputs.get(i.name)) for i in node.all_input_nodes]:
         shape = shape_of(value)
         if isinstance(layout, Layout) and shape is not None:
