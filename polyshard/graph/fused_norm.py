@@ -12,6 +12,8 @@ import torch
 from torch import fx, nn
 from torch.func import functional_call
 
+from polyshard.graph.stamp import settings_of
+
 FUSED_NORM = "fused_norm"  # a captured norm call's node meta: the eps it runs as FusedRMSNorm with
 _ROWS = 8
 
@@ -89,11 +91,9 @@ def _told(module: nn.Module) -> bool:
 
 def fused_eps_alike(module: nn.Module, features: int, seen: dict) -> float | None:
     """:func:`fused_eps`, found once per class, features and settings (``seen`` holds what was found)."""
-    settings = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
-                            if not k.startswith("_") and not isinstance(v, (nn.Module, torch.Tensor))))
-    key = (type(module), features, settings)
     if _told(module):
         return None
+    key = (type(module), features, tuple(sorted((k, repr(v)) for k, v in settings_of(module).items())))
     if key not in seen:
         seen[key] = fused_eps(module, features)
     return seen[key]

@@ -44,13 +44,13 @@ def find_stack(model: nn.Module) -> Stack | None:
 
 def _alike(layers: nn.ModuleList) -> bool:
     """Every layer is layer 0 again: the same modules, tensor shapes and settings, but for an index."""
-    first = [(name, type(m), _tensors(m), _settings(m)) for name, m in layers[0].named_modules()]
+    first = [(name, type(m), _tensors(m), settings_of(m)) for name, m in layers[0].named_modules()]
     for i, layer in enumerate(layers):
         mods = list(layer.named_modules())
         if len(mods) != len(first):
             return False
         for (name, kind, tensors, settings), (other, m) in zip(first, mods):
-            mine = _settings(m)
+            mine = settings_of(m)
             if (name != other or kind is not type(m) or tensors != _tensors(m) or mine.keys() != settings.keys()
                     or not all(_same_setting(v, settings[k], i) for k, v in mine.items())):
                 return False
@@ -62,7 +62,7 @@ def _tensors(m: nn.Module) -> tuple:
                  [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)])
 
 
-def _settings(m: nn.Module) -> dict:
+def settings_of(m: nn.Module) -> dict:
     """A module's settings: its attributes that are neither modules nor tensors."""
     return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"
             and not isinstance(v, (nn.Module, torch.Tensor))}
