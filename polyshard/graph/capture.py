@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_aggregate
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata, _extract_tensor_metadata
 from torch.utils._pytree import tree_leaves, tree_map
 
 from polyshard.errors import PolyshardError
@@ -88,6 +88,37 @@ class _RepeatShapeProp(ShapeProp):
     def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode | None = None):
         super().__init__(gm, fake_mode)
         self._seen: dict = {}
+        self._metadata: dict[_TensorKey, TensorMetadata] = {}
+
+    def run_node(self, n: fx.Node):
+        """ShapeProp's record of ``n``, each distinct meta tensor's metadata read once (reading it checks every
+        memory format: a third of the propagation)."""
+        if self.fake_mode is not None:
+            return super().run_node(n)
+        try:
+            result = fx.Interpreter.run_node(self, n)
+        except Exception as exc:
+            raise RuntimeError(f"shape propagation failed at {n.format_node()}") from exc
+        found = False
+
+        def metadata(value):
+            nonlocal found
+            if not isinstance(value, torch.Tensor):
+                return value
+            found = True
+            return self._metadata_of(value)
+
+        meta = map_aggregate(result, metadata)
+        if found:
+            n.meta["tensor_meta"] = meta
+        n.meta["type"] = type(result)
+        return result
+
+    def _metadata_of(self, t: torch.Tensor) -> TensorMetadata:
+        key = _tensor_key(t)
+        if key not in self._metadata:
+            self._metadata[key] = _extract_tensor_metadata(t)
+        return self._metadata[key]
 
     def call_function(self, target, args, kwargs):
         return self._cached(("f", target), args, kwargs, partial(super().call_function, target, args, kwargs))
