@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -106,24 +107,24 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
               if node.op not in ("placeholder", "output", "get_attr") and node.name in plan.nodes]
     fields = {key: np.bincount(costed, [getattr(cost, key) for cost in costs], minlength=n)
               for key in ("compute_s", "comm_s", "overhead_s", "latency_s")}
-    activation, rerun, transient, crossing = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n + 1)
+    transient = np.zeros(n)
     for name, size in gradient_transients(gm, plan, itemsize).items():
         if name in unit_of:
             transient[unit_of[name]] = max(transient[unit_of[name]], size)
     groups: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
     model_groups = []
-    for node, u, shape, reach, copies_by_precision in facts.values:
-        copies = with_cached(copies_by_precision[itemsize < 4], node.name, rc)
-        out = plan.nodes[node.name].output
-        if isinstance(out, Layout):
-            size = local_numel(shape, out) * itemsize
-            if node.name in rc.freed:  # recompute frees it (alive again while its region's backward runs)
-                rerun[u] += size * copies
-            else:
-                activation[u] += size * copies
-            if reach > u:  # it crosses every cut after its unit up to its last consumer's
-                crossing[u + 1] += size
-                crossing[reach + 1] -= size
+    v = facts.values
+    laid = [plan.nodes[name].output for name in v.names]
+    pieces = np.array([out.pieces if isinstance(out, Layout) else 0 for out in laid], dtype=float)
+    size = np.where(pieces > 0, v.numels / np.maximum(pieces, 1), 0.0) * itemsize
+    kept = size * np.array([with_cached(c, name, rc) for c, name in zip(v.copies[itemsize < 4].tolist(), v.names)])
+    freed = np.array([name in rc.freed for name in v.names], dtype=bool)
+    rerun = np.bincount(v.units, np.where(freed, kept, 0.0), minlength=n)  # alive again while its region's backward runs
+    activation = np.bincount(v.units, np.where(freed, 0.0, kept), minlength=n)
+    # a value crosses every cut after its unit up to its last consumer's: +size at the first, -size after the last
+    crosses = v.reaches > v.units
+    edges = np.stack([v.units[crosses] + 1, v.reaches[crosses] + 1], axis=1).ravel()
+    crossing = np.bincount(edges, np.stack([size[crosses], -size[crosses]], axis=1).ravel(), minlength=n + 1)
     for u, params, first in facts.params:
         sizes = tuple(int(param_numel(plan, name, shape)) for name, shape in params)
         groups[u].append(sizes)
@@ -157,13 +158,24 @@ def crossing_bytes(gm: fx.GraphModule, terms, unit_of: dict[str, int], itemsize:
 
 
 @dataclass(frozen=True)
-class _UnitFacts:
-    """What :func:`unit_costs` reads of a graph whatever the plan: each valued node with its unit,
-    shape, the last unit that reads it and the copies of it autograd keeps; each module's parameters
-    new to its unit (name, shape) with the indices of those new to the model; each unit's span of
-    module paths."""
+class _Values:
+    """A graph's valued nodes in order, as arrays: name, unit, elements, the last unit that reads it, and the
+    copies of it autograd keeps (in full precision, and in half)."""
 
-    values: list[tuple[fx.Node, int, tuple, int, tuple[float, float]]]  # copies in full, and in half precision
+    names: tuple[str, ...]
+    units: np.ndarray
+    numels: np.ndarray
+    reaches: np.ndarray
+    copies: tuple[np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class _UnitFacts:
+    """What :func:`unit_costs` reads of a graph whatever the plan: its valued nodes (:class:`_Values`); each
+    module's parameters new to its unit (name, shape) with the indices of those new to the model; each unit's
+    span of module paths."""
+
+    values: _Values
     params: list[tuple[int, list[tuple[str, tuple]], list[int]]]
     span: tuple[tuple[str, str], ...]
 
@@ -190,7 +202,7 @@ def _unit_facts(gm: fx.GraphModule, unit_of: dict[str, int], starts: tuple[str, 
         paths[u] += [path for path, _ in stack.values() if path not in holders][:1]
         if shape is not None:
             reach = max((unit_of.get(user.name, last) for user in node.users), default=u)
-            values.append((node, u, shape, reach, tuple(kept_copies(node, Recomputed(), b) for b in (4, 2))))
+            values.append((node.name, u, math.prod(shape), reach, *(kept_copies(node, Recomputed(), b) for b in (4, 2))))
         if node.op == "call_module":
             own = [p for _, _, p in listed.owned[node.target] if id(p) not in seen[u]]
             seen[u].update(id(p) for p in own)
@@ -199,7 +211,10 @@ def _unit_facts(gm: fx.GraphModule, unit_of: dict[str, int], starts: tuple[str, 
                 model_seen.update(id(p) for p in own)
                 params.append((u, [(listed.name_of[id(p)], p.shape) for p in own], first))
     span = tuple((p[0], p[-1]) if p else (s, s) for p, s in zip(paths, starts))
-    per_graph[starts] = _UnitFacts(values, params, span)
+    names, units, numels, reaches, full, half = zip(*values) if values else ((),) * 6
+    arrays = _Values(names, np.array(units, dtype=np.intp), np.array(numels, dtype=float),
+                     np.array(reaches, dtype=np.intp), (np.array(full, dtype=float), np.array(half, dtype=float)))
+    per_graph[starts] = _UnitFacts(arrays, params, span)
     return per_graph[starts]
 
 
