@@ -271,6 +271,7 @@ class _Costs:
         self.recomputed = functools.cache(functools.partial(recomputed, gm))
         self._worth: dict[str, bool] = {}
         self._floors: dict[tuple, float] = {}  # forward_floor per (operator axes or "fp32", recompute)
+        self._covers: dict[tuple, bool] = {}  # (built operator axes, operator axes) -> covers()
         self._units: dict[tuple, tuple[Plan, Units]] = {}
         self._memo: dict = {}  # what pipelined splits share (see Setup)
         self._level3: dict[tuple, tuple] = {}  # per parameter groups (kept, so their id stays theirs): _level3
@@ -604,7 +605,10 @@ class _Costs:
             (name, k0), = axes
             if name != axis or k0 >= k or k % k0 or (nodes % k0 == 0) != (nodes % k == 0):
                 continue
-            if covers(enumerated(self.gm, axes, self.sequence), enumerated(self.gm, op_axes, self.sequence)):
+            if (axes, op_axes) not in self._covers:  # each split on op_axes asks again
+                self._covers[(axes, op_axes)] = covers(enumerated(self.gm, axes, self.sequence),
+                                                       enumerated(self.gm, op_axes, self.sequence))
+            if self._covers[(axes, op_axes)]:
                 bound = max(bound, self.solved(axes, recompute, rows, enough_s * k / k0).lower_bound_s * k0 / k)
         return bound
 

@@ -54,11 +54,11 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr") or node.name not in plan.nodes:
             continue
-        compute_passes, comm_passes = passes(node.name, rc)
         twin = same.get(node.name)
         if twin is not None and rc.alike(node.name, twin):
             out.append(by_name.setdefault(node.name, by_name[twin]))
             continue
+        compute_passes, comm_passes = passes(node.name, rc)
         seconds = compute_passes * forward_seconds(node, plan.nodes[node.name], modules, cluster, dtype, itemsize)
         (transfer, latency), (back, back_latency) = (
             _collectives_seconds(node, plan, modules, itemsize, cluster, sent) for sent in (node_comm_bytes,
