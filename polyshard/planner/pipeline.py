@@ -119,7 +119,8 @@ def unit_costs(gm: fx.GraphModule, plan: Plan, costs: list[OpCost], rc: Recomput
     size = np.where(pieces > 0, v.numels / np.maximum(pieces, 1), 0.0) * itemsize
     kept = size * np.array([with_cached(c, name, rc) for c, name in zip(v.copies[itemsize < 4].tolist(), v.names)])
     freed = np.array([name in rc.freed for name in v.names], dtype=bool)
-    rerun = np.bincount(v.units, np.where(freed, kept, 0.0), minlength=n)  # alive again while its region's backward runs
+    # what recompute frees is alive again while its region's backward runs
+    rerun = np.bincount(v.units, np.where(freed, kept, 0.0), minlength=n)
     activation = np.bincount(v.units, np.where(freed, 0.0, kept), minlength=n)
     # a value crosses every cut after its unit up to its last consumer's: +size at the first, -size after the last
     crosses = v.reaches > v.units
@@ -202,7 +203,8 @@ def _unit_facts(gm: fx.GraphModule, unit_of: dict[str, int], starts: tuple[str, 
         paths[u] += [path for path, _ in stack.values() if path not in holders][:1]
         if shape is not None:
             reach = max((unit_of.get(user.name, last) for user in node.users), default=u)
-            values.append((node.name, u, math.prod(shape), reach, *(kept_copies(node, Recomputed(), b) for b in (4, 2))))
+            copies = (kept_copies(node, Recomputed(), b) for b in (4, 2))
+            values.append((node.name, u, math.prod(shape), reach, *copies))
         if node.op == "call_module":
             own = [p for _, _, p in listed.owned[node.target] if id(p) not in seen[u]]
             seen[u].update(id(p) for p in own)

@@ -23,19 +23,8 @@ def precisions_to_cost(cluster: Cluster, offload: str, fixed: str | None) -> tup
         return ("fp32",)
     if fixed is not None:
         return (fixed,)
-    winner = _dominant(cluster)
+    winner = next((p for p in _DOMINANCE_ORDER if all(_no_slower(cluster, p, q) for q in _DOMINANCE_ORDER)), None)
     return (winner,) if winner else ("fp32", "bf16")
-
-
-_LAST_DOMINANT: list = [None, None]  # (cluster, its dominant precision): a search asks for every split
-
-
-def _dominant(cluster: Cluster) -> str | None:
-    """The precision priced no slower than the others in every term, if one is."""
-    if _LAST_DOMINANT[0] is not cluster:
-        _LAST_DOMINANT[:] = cluster, next((p for p in _DOMINANCE_ORDER if all(_no_slower(cluster, p, q)
-                                                                             for q in _DOMINANCE_ORDER)), None)
-    return _LAST_DOMINANT[1]
 
 
 def narrowest(precisions: tuple[str, ...]) -> str:

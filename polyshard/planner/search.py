@@ -250,7 +250,7 @@ class _Costs:
                  capture_rows: Callable[[int], fx.GraphModule] | None = None):
         self.gm, self.cluster, self.data_axes, self.batch, self.limit = gm, cluster, data_axes, global_batch, limit
         self.fixed = fixed
-        tried = precisions_to_cost(cluster, "none", fixed.precision)
+        self.precisions = tried = precisions_to_cost(cluster, "none", fixed.precision)
         self.narrowest = narrowest(tried)
         self.bounds = bounding_cluster(cluster, tried)  # priced no slower than any precision tried
         # where neither precision is priced faster in every term, each is costed with the strategies solved in it
@@ -339,10 +339,23 @@ class _Costs:
                     continue
                 # recompute and offload only buy memory, at the price of time: once memory refused no option
                 # of this setting that could beat the best, the settings rerunning more cannot win here
-                variants = len(_variants(data_size(mesh, self.data_axes), "none", self.cluster, self.fixed))
+                variants = len(self.variants(data_size(mesh, self.data_axes), "none"))
                 if setting[1] == "none" and _nothing_to_free(found, variants, best.value, self.limit):
                     lost.append((rerun, ""))
         return out
+
+    def variants(self, dp: int, offload: str, only: str | None = None) -> list[tuple[int, str]]:
+        """(optimizer-parallel level, precision) pairs to cost, less the dominated ones unless fixed:
+        levels only with data parallel, and not level 1 (level 2 sends less and holds no more); the
+        precisions ``precisions_to_cost`` keeps (mixed precision holds no more bytes per parameter; without offload
+        those this search tries), or of them ``only``, where given."""
+        levels = ZERO_LEVELS if dp > 1 and offload == "none" else (0,)
+        if self.fixed.zero is None:
+            levels = tuple(z for z in levels if z != 1)
+        precisions = self.precisions if offload == "none" else \
+            precisions_to_cost(self.cluster, offload, self.fixed.precision)
+        return [(z, p) for z in levels for p in precisions
+                if self.fixed.allows(zero=z, precision=p) and only in (None, p)]
 
     def worth(self, recompute: str) -> bool:
         """Whether a recompute mode may buy memory: it runs something again, and unless the user asked for it,
@@ -382,7 +395,7 @@ class _Costs:
         sharded = max(0.0, numel * itemsize - self.whole_most(op_size, itemsize))
         backward = (1 - forward_share(recompute)) * self.hides
         least = float("inf")
-        for zero in {z for z, _ in _variants(dp, offload, self.cluster, self.fixed)}:
+        for zero in {z for z, _ in self.variants(dp, offload)}:
             work = program_s + _update_seconds(numel, offload, zero, dp, self.narrowest, self.bounds)
             for size in self.bucket_sizes:
                 sync = dp_sync(numel * itemsize if zero == 0 else sharded, mesh, self.data_axes, self.bounds, zero,
@@ -442,7 +455,7 @@ class _Costs:
 
         least = 0.0  # the most any bound below says the split's program costs
         if offload != "none" and best_s < float("inf"):
-            # offloaded state is stepped in fp32 (_variants), so the model computes in fp32: its compute alone
+            # offloaded state is stepped in fp32 (variants), so the model computes in fp32: its compute alone
             least = rows / stage_count(mesh) * self.fp32_floor(program) / split_ways
             if least + floor >= best_s:
                 return pruned(least)
@@ -471,7 +484,7 @@ class _Costs:
         out = []
         dp = data_size(mesh, self.data_axes)
         for precision in self.own_plans:
-            if precision is not None and not _variants(dp, offload, self.cluster, self.fixed, precision):
+            if precision is not None and not self.variants(dp, offload, precision):
                 continue  # e.g. bf16 under offload, which steps fp32 state
             mine = solved if precision is None else \
                 self.solved(op_axes, program, rows / stage_count(mesh), best_s - floor, precision)
@@ -700,7 +713,7 @@ class _Costs:
         precision ``only``, where given), each with the fewest gradient-accumulation micro-batches that fit."""
         dp = data_size(mesh, self.data_axes)
         out = []
-        for zero, precision in _variants(dp, offload, self.cluster, self.fixed, only):
+        for zero, precision in self.variants(dp, offload, only):
             units = self.units(base, mesh, precision)
             plan = dataclasses.replace(base, zero=zero, precision=precision, offload=offload, mesh=mesh,
                                        data_axes=self.data_axes)
@@ -782,7 +795,7 @@ class _Costs:
             out.append((Candidate(mesh, rows, bound, 0.0, 0.0, MemoryEstimate(0, 0, 0, 0, 0), recompute=modes[-1],
                                   offload=offload, zero=zero, precision=precision, pruned=True), None))
 
-        for zero, precision in _variants(dp, offload, self.cluster, self.fixed, only):
+        for zero, precision in self.variants(dp, offload, only):
             floor_s = (floors or {}).get((zero, precision), 0.0)
             if floor_s >= best_s:
                 pruned(floor_s, zero, precision)
@@ -885,19 +898,6 @@ def _update_seconds(numel: float, offload: str, zero: int, dp: int, precision: s
     if offload != "none":
         return offload_seconds(numel, offload, cluster, tensors=tensors)
     return optimizer_seconds(numel / (dp if zero else 1), precision, cluster, tensors)
-
-
-def _variants(dp: int, offload: str, cluster: Cluster, fixed: Fixed = Fixed(),
-              only: str | None = None) -> list[tuple[int, str]]:
-    """(optimizer-parallel level, precision) pairs to cost, less the dominated ones unless fixed:
-    levels only with data parallel, and not level 1 (level 2 sends less and holds no more); the
-    precisions ``precisions_to_cost`` keeps (mixed precision holds no more bytes per parameter), or of them
-    ``only``, where given."""
-    levels = ZERO_LEVELS if dp > 1 and offload == "none" else (0,)
-    if fixed.zero is None:
-        levels = tuple(z for z in levels if z != 1)
-    precisions = precisions_to_cost(cluster, offload, fixed.precision)
-    return [(z, p) for z in levels for p in precisions if fixed.allows(zero=z, precision=p) and only in (None, p)]
 
 
 def _keeps(fixed: Fixed, mesh, data_axes) -> bool:
