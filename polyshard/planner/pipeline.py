@@ -505,8 +505,9 @@ def _bounds(modes: Modes, s: Setup, options: list[tuple[int, str, int]], numel: 
 
 @dataclass(frozen=True)
 class Loses:
-    """cost_pipeline's answer where cuts fit but cannot beat the time asked: the busiest rank's own work,
-    with gradient sync and update, already takes ``bound_s`` (no schedule was simulated)."""
+    """cost_pipeline's answer where cuts fit, memory kept none from faster ones, and they cannot beat the time
+    asked: the busiest rank's own work, with gradient sync and update, already takes ``bound_s`` (no schedule was
+    simulated)."""
 
     bound_s: float
 
@@ -646,7 +647,9 @@ def cost_pipeline(modes: Modes, s: Setup, m: int, schedule: str, v: int, simulat
     # no span is shorter than a rank's own work, after the first micro-batch's forward reaches its first chunk r
     # and before the last one's backward leaves it for chunks r-1 .. 0 (the fill and drain of every schedule)
     least = max(sum(forward[:r]) + work[r] + sum(backward[:r]) for r in range(s.pp)) + min(map(sum, synced.values()))
-    if simulated and beat_s < float("inf") and least * (1 - 1e-12) >= beat_s:
+    # cuts memory squeezed are costed whatever they lose by: the search reads that freeing memory may gain, and
+    # goes on to recompute (a loss on them is no loss at any memory)
+    if simulated and beat_s < float("inf") and not squeezed and least * (1 - 1e-12) >= beat_s:
         return Loses(least)
     # each chunk holds its units' state and its micro-batches in flight, and at level 0 a bucket-sized buffer:
     # the fastest size whose buffer fits beside every chunk (the cuts fit the least)

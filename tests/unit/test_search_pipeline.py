@@ -9,11 +9,13 @@ import pytest
 from polyshard import models
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
+from polyshard.graph.capture import capture
 from polyshard.planner.cost.comm import DataSync
 from polyshard.planner.pipeline import Setup, Units, best_pipeline, cost_pipeline, schedule_options
 from polyshard.plan import Plan
 from polyshard.planner.report import chosen_row, render
 from polyshard.planner.config import Fixed
+from polyshard.planner import search as search_module
 from polyshard.planner.search import search
 from polyshard.planner.split import mesh_candidates
 from polyshard.planner.stages import even_partition, min_max_partition, range_sums
@@ -118,6 +120,37 @@ def test_what_memory_refused_is_bounded_from_below(seed):
         assert (found is None) <= (refused < float("inf")), limit_mib  # nothing fits: what memory refused is told
         refusals += refused < float("inf")
     assert refusals, "memory refused nothing: the test checks nothing"
+
+
+@pytest.mark.parametrize("pp, limit_mib", [(2, 48), (3, 40), (4, 40)])
+def test_cuts_memory_squeezed_are_costed_however_much_they_lose(pp, limit_mib):
+    """Memory moves the cuts off the fastest ones, and they lose to a step another split took: they are costed
+    (not cut short as lost, which would hold at any memory), and what freeing memory may reach, the fastest
+    cuts', is told beside them, so the search goes on to recompute."""
+    units = _units([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], [2.0, 7.0, 1.0, 8.0, 2.0, 8.0, 1.0, 8.0],
+                   [k * 2**16 for k in range(1, 9)])
+    setup = dataclasses.replace(_setup(pp, 8, limit_mib * MiB), fixed=Fixed(m=8, schedule="1f1b"))
+    free = cost_pipeline((units,), dataclasses.replace(setup, limit=float("inf")), 8, "1f1b", 1)
+    squeezed = cost_pipeline((units,), setup, 8, "1f1b", 1)
+    beat = free.step_s * 1.01  # the step to beat: the fastest cuts would, the squeezed ones do not
+    assert squeezed.squeezed and squeezed.step_s > beat
+    assert cost_pipeline((units,), setup, 8, "1f1b", 1, beat_s=beat) == squeezed
+    found, _, refused = best_pipeline((units,), setup, beat)
+    assert found.step_s == squeezed.step_s and refused <= free.step_s * (1 + 1e-12) < beat
+
+
+def test_the_pick_does_not_depend_on_the_order_splits_are_tried_in(monkeypatch):
+    """MT-NLG's shape on 3360 A100s (Smith et al. 2022): without recompute, memory squeezes pp=7's cuts, and they
+    lose to the step pp=21 takes; recomputing the first stage's pointwise ops frees the fastest cuts, which win.
+    Tried after pp=21, pp=7 must still be recomputed."""
+    model = models.build("gpt:layers=105,hidden=20480,heads=128,seq=2048,vocab=51200,attention=math,dropout=0.1",
+                         "meta")
+    graph = capture(model, model.example_inputs(1))
+    monkeypatch.setattr(search_module._Costs, "order", lambda self, meshes: list(meshes))  # as given
+    meshes = [(("pp", 7), ("dp", 60), ("tp", 8)), (("pp", 21), ("dp", 20), ("tp", 8))]
+    picks = [search(model, model.example_inputs(1), Cluster.preset("420x8xA100-80G"), 1920, meshes=order,
+                    graph=graph, workers=1)[0].report["config"] for order in (meshes, meshes[::-1])]
+    assert picks[0] == picks[1] and picks[0].startswith("dp=60,tp=8,pp=7,") and "recompute=pointwise/" in picks[0]
 
 
 @pytest.mark.parametrize("pp, limit_mib", [(2, 48), (3, 40), (4, 40), (2, 40)])
@@ -323,7 +356,6 @@ def test_a_pipelines_strategies_price_what_its_stages_send(monkeypatch):
     recomputed with its all-reduces: priced without sends, the cheapest strategies keep whole the value between
     layers, which every stage then sends whole; the search also solves with sends priced and takes the faster
     pipeline. (With dropout, splitting it over tp pays even without sends, and both keep the value split.)"""
-    from polyshard.planner import search as search_module
 
     model = models.build("gpt:layers=8,hidden=20480,heads=128,seq=2048,vocab=51200,attention=math,dropout=0.0",
                          device="meta")
