@@ -282,10 +282,15 @@ class _Costs:
         self._rows: dict[tuple, Plan] = {}  # (operator axes, shared layouts) -> the rows layout
 
     def order(self, meshes) -> list:
-        """Splits whose operator axes fill one node first (they are likely best, and bound the rest),
-        then the shallowest pipelines (the least bubble), then by their least data-parallel communication."""
+        """Splits whose operator axes fill one node first (they are likely best, and bound the rest), of those
+        first the ones whose ranks hold their parameters' weights, gradients and optimizer state unsharded (the
+        first split sets the incumbent the rest are pruned against: one that fits only with its state sharded
+        or activations recomputed is seldom fast), then the shallowest pipelines (the least bubble), then by
+        their least data-parallel communication."""
         node = self.cluster.devices_per_node
+        state = self.numel * device_bytes_per_param("none", DTYPES[self.narrowest][1])
         return sorted(meshes, key=lambda m: (abs(math.log(operator_size(m, self.data_axes) / node)),
+                                             state / operator_size(m, self.data_axes) / stage_count(m) > self.limit,
                                              stage_count(m), self.floor(m, "none")))
 
     def items(self, meshes: list, grouped: bool) -> list[list]:
