@@ -7,8 +7,10 @@ chunks s, s+pp, ...); each chunk's forward needs the previous chunk's, each back
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -103,51 +105,73 @@ def simulate(actions: list[list[Action]], forward_s: list[float], backward_s: li
     """Run every stage's actions as early as their inputs allow (forward after the previous chunk's
     forward, backward after the next chunk's backward); chunk c's times are ``forward_s[c]``,
     ``backward_s[c]``. Raises a PolyshardError where no stage can go on (a deadlock)."""
-    return [ActionTime._make(t) for t in simulated_times(actions, forward_s, backward_s)]
+    times: list[ActionTime] = []
+    _run(_plain(actions), forward_s, backward_s,
+         lambda *t: times.append(ActionTime(t[0], t[1], "F" if t[2] else "B", *t[3:])))
+    return times
 
 
-def simulated_times(actions: list[list[Action]], forward_s: list[float], backward_s: list[float]) -> list[tuple]:
-    """:func:`simulate`'s times as plain (stage, chunk, kind, micro, start_s, end_s) tuples, for callers
-    that sum them by the thousand (the planner).
+def simulated_span(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
+                   forward_s: list[float], backward_s: list[float]) -> float:
+    """The seconds from the first action's start to the last one's end under a built-in schedule, as
+    :func:`simulate` times it, without its records (the planner times thousands)."""
+    return max(_run(_built_in(schedule, pp, micro_batches, virtual_stages), forward_s, backward_s))
+
+
+def _plain(actions: list[list[Action]]) -> list[list[tuple[int, bool, int]]]:
+    """Each stage's actions as (chunk, forward, micro)."""
+    return [[(a.chunk, a.kind == "F", a.micro) for a in todo] for todo in actions]
+
+
+@functools.lru_cache(maxsize=64)
+def _built_in(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> list[list[tuple[int, bool, int]]]:
+    return _plain(schedule_actions(schedule, pp, micro_batches, virtual_stages))
+
+
+def _run(actions: list[list[tuple[int, bool, int]]], forward_s: list[float], backward_s: list[float],
+         record: Callable[[int, int, bool, int, float, float], None] | None = None) -> list[float]:
+    """Each stage's last end, its actions as (chunk, forward, micro) run as early as :func:`simulate` says;
+    ``record(stage, chunk, forward, micro, start_s, end_s)`` is told of each.
 
     A stage is visited again only when an action it waits for is done, so each action is handled
     about once however many stages and micro-batches there are."""
     last = len(forward_s) - 1
-    stage_of = {a.chunk: s for s, todo in enumerate(actions) for a in todo}
-    micros = 1 + max((a.micro for todo in actions for a in todo), default=0)
+    stage_of = {chunk: s for s, todo in enumerate(actions) for chunk, _, _ in todo}
+    next_stage = [stage_of.get(c + 1) for c in range(last + 1)]  # who waits for a chunk's forward
+    previous_stage = [stage_of.get(c - 1) for c in range(last + 1)]  # and for its backward
+    micros = 1 + max((micro for todo in actions for _, _, micro in todo), default=0)
     forward_done = [[None] * micros for _ in forward_s]
     backward_done = [[None] * micros for _ in forward_s]
     free = [0.0] * len(actions)
     nxt = [0] * len(actions)
-    out = []
     visit = deque(range(len(actions)))
     while visit:
         s = visit.popleft()
-        todo, at = actions[s], nxt[s]
+        todo, at, end = actions[s], nxt[s], free[s]
         while at < len(todo):
-            chunk, kind, micro = (a := todo[at]).chunk, a.kind, a.micro
-            if kind == "F":  # after the previous chunk's forward
+            chunk, forward, micro = todo[at]
+            if forward:  # after the previous chunk's forward
                 ready = forward_done[chunk - 1][micro] if chunk > 0 else 0.0
                 if ready is None:
                     break
-                start = max(free[s], ready)
+                start = ready if ready > end else end
                 end = forward_done[chunk][micro] = start + forward_s[chunk]
-                waiter = stage_of.get(chunk + 1)
-            else:  # after its own forward and the next chunk's backward
-                own = forward_done[chunk][micro]
-                after = backward_done[chunk + 1][micro] if chunk < last else 0.0
-                if own is None or after is None:
+                waiter = next_stage[chunk]
+            else:  # after its own forward (run here before, so done by now) and the next chunk's backward
+                ready = backward_done[chunk + 1][micro] if chunk < last else 0.0
+                if ready is None or forward_done[chunk][micro] is None:
                     break
-                start = max(free[s], own, after)
+                start = ready if ready > end else end
                 end = backward_done[chunk][micro] = start + backward_s[chunk]
-                waiter = stage_of.get(chunk - 1)
-            out.append((s, chunk, kind, micro, start, end))
-            free[s] = end
+                waiter = previous_stage[chunk]
+            if record is not None:
+                record(s, chunk, forward, micro, start, end)
             at += 1
             if waiter is not None and waiter != s:
                 visit.append(waiter)
-        nxt[s] = at
+        nxt[s], free[s] = at, end
     if any(n < len(todo) for n, todo in zip(nxt, actions)):
-        stuck = ", ".join(f"stage {s}: {todo[nxt[s]]}" for s, todo in enumerate(actions) if nxt[s] < len(todo))
+        stuck = ", ".join(f"stage {s}: {Action(c, 'F' if f else 'B', i)}" for s, todo in enumerate(actions)
+                          if nxt[s] < len(todo) for c, f, i in [todo[nxt[s]]])
         raise PolyshardError(f"pipeline schedule deadlocks; waiting: {stuck}")
-    return out
+    return free

@@ -32,7 +32,7 @@ from polyshard.planner.cost.overlap import OpCost
 from polyshard.planner.config import Fixed
 from polyshard.planner.cost.zero_memory import state_bytes_per_rank
 from polyshard.plan import DTYPES, ZERO_THRESHOLD_BYTES, Plan
-from polyshard.schedule import schedule_actions, simulated_times
+from polyshard.schedule import simulated_span
 from polyshard.planner.stages import even_partition, min_max_partition, range_sums
 
 # Schedules of more micro-batches than this many per stage are simulated at this many, and the rest
@@ -724,18 +724,11 @@ def _simulated(schedule: str, pp: int, m: int, v: int, forward: tuple, backward:
     stage, the span grows at the steady state's pace (what the last micro-batch, or under interleaving
     the last group of pp, added)."""
     cap, group = SIMULATED_PER_STAGE[schedule] * pp, pp if schedule == "interleaved" else 1
+    busy = [m * sum(forward[c] + backward[c] for c in range(r, len(forward), pp)) for r in range(pp)]
     if m > cap:
         (span, _), (before, _) = (_simulated(schedule, pp, k, v, forward, backward) for k in (cap, cap - group))
-        busy = [m * sum(forward[c] + backward[c] for c in range(r, len(forward), pp)) for r in range(pp)]
         return span + (m - cap) / group * (span - before), busy
-    times = simulated_times(_actions(schedule, pp, m, v), list(forward), list(backward))
-    busy = [0.0] * pp
-    for stage, _, _, _, start, end in times:
-        busy[stage] += end - start
-    return max(t[5] for t in times) - min(t[4] for t in times), busy
-
-
-_actions = functools.lru_cache(maxsize=64)(schedule_actions)  # one list per schedule shape, read only
+    return simulated_span(schedule, pp, m, v, list(forward), list(backward)), busy
 
 
 def _sum_memory(parts: list[MemoryEstimate]) -> MemoryEstimate:
