@@ -17,7 +17,7 @@ from polyshard.planner.propagate import propagate
 from polyshard.compiler.stages import micro_batches, pipeline_split, split_graph
 from polyshard.graph.stage_cuts import stage_boundaries_of
 from polyshard.planner.stages import balanced_boundaries, predict_timings
-from polyshard.schedule import Action, schedule_actions, simulate
+from polyshard.schedule import Action, schedule_actions, simulate, simulated_span
 from polyshard.runtime.timeline import bubble_fraction, draw_timeline
 
 
@@ -81,6 +81,17 @@ def test_interleaving_shrinks_the_bubble():
     pp, m, v = 4, 8, 2
     times = simulate(schedule_actions("interleaved", pp, m, v), [1.0 / v] * pp * v, [2.0 / v] * pp * v)
     assert bubble_fraction(times) == pytest.approx((pp - 1) / (v * m + pp - 1))  # Megatron-LM's (p-1)/(v m) bubble
+
+
+@pytest.mark.parametrize("schedule, pp, m, v", [("gpipe", 3, 5, 1), ("1f1b", 4, 6, 1), ("1f1b", 5, 2, 1),
+                                                 ("interleaved", 3, 6, 2), ("interleaved", 4, 8, 3)])
+def test_the_planners_span_is_the_simulated_one(schedule, pp, m, v):
+    """Unequal chunks, so that stages wait on each other: the span without records is the records' span."""
+    forward = [0.5 + (7 * c % 5) / 4 for c in range(pp * v)]
+    backward = [1.0 + (3 * c % 4) / 3 for c in range(pp * v)]
+    times = simulate(schedule_actions(schedule, pp, m, v), forward, backward)
+    assert simulated_span(schedule, pp, m, v, forward, backward) == max(t.end_s for t in times) - \
+        min(t.start_s for t in times)
 
 
 def test_simulation_finds_deadlocks():
