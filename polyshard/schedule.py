@@ -67,38 +67,41 @@ def check_schedule(schedule: str, pp: int, micro_batches: int, virtual_stages: i
 
 def schedule_actions(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> list[list[Action]]:
     """Each stage rank's actions in the order it runs them."""
-    check_schedule(schedule, pp, micro_batches, virtual_stages)
+    return [[Action(c, "F" if forward else "B", i) for c, forward, i in todo]
+            for todo in _steps(schedule, pp, micro_batches, virtual_stages)]
+
+
+def _steps(schedule: str, pp: int, m: int, v: int) -> list[list[tuple[int, bool, int]]]:
+    """:func:`schedule_actions` as (chunk, forward, micro), what the simulator reads."""
+    check_schedule(schedule, pp, m, v)
     make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[schedule]
-    return [make(s, pp, micro_batches, virtual_stages) for s in range(pp)]
+    return [make(s, pp, m, v) for s in range(pp)]
 
 
-def _gpipe(s: int, pp: int, m: int, v: int) -> list[Action]:
+def _gpipe(s: int, pp: int, m: int, v: int) -> list[tuple[int, bool, int]]:
     """All forwards, then all backwards: every micro-batch's activations are alive at once."""
-    return [Action(s, "F", i) for i in range(m)] + [Action(s, "B", i) for i in range(m)]
+    return [(s, True, i) for i in range(m)] + [(s, False, i) for i in range(m)]
 
 
-def _one_f_one_b(s: int, pp: int, m: int, v: int) -> list[Action]:
+def _one_f_one_b(s: int, pp: int, m: int, v: int) -> list[tuple[int, bool, int]]:
     """pp-1-s forwards to fill the pipe, then one forward and one backward in turn, then the
     remaining backwards: stage s holds at most pp-s micro-batches' activations."""
     warm = min(pp - 1 - s, m)
-    steady = [a for i in range(m - warm) for a in (Action(s, "F", warm + i), Action(s, "B", i))]
-    return ([Action(s, "F", i) for i in range(warm)] + steady
-            + [Action(s, "B", i) for i in range(m - warm, m)])
+    steady = [a for i in range(m - warm) for a in ((s, True, warm + i), (s, False, i))]
+    return [(s, True, i) for i in range(warm)] + steady + [(s, False, i) for i in range(m - warm, m)]
 
 
-def _interleaved(s: int, pp: int, m: int, v: int) -> list[Action]:
+def _interleaved(s: int, pp: int, m: int, v: int) -> list[tuple[int, bool, int]]:
     """Megatron-LM's interleaved 1F1B: micro-batches go in groups of pp through chunk s, then
     s+pp, ...; backwards visit the chunks in reverse. Warm-up covers the longer fill of v chunks."""
     total = m * v
-
-    def order(k: int, backward: bool) -> Action:
-        local = (k // pp) % v
-        micro = k // (pp * v) * pp + k % pp
-        return Action((v - 1 - local if backward else local) * pp + s, "B" if backward else "F", micro)
-
+    # the k-th forward (or backward) runs chunk (its local index, reversed for backwards) x pp + s on micro-batch
+    # k // (pp v) x pp + k % pp
+    forwards = [((k // pp) % v * pp + s, True, k // (pp * v) * pp + k % pp) for k in range(total)]
+    backwards = [((v - 1 - (k // pp) % v) * pp + s, False, k // (pp * v) * pp + k % pp) for k in range(total)]
     warm = min((pp - s - 1) * 2 + (v - 1) * pp, total)
-    steady = [a for k in range(total - warm) for a in (order(warm + k, False), order(k, True))]
-    return [order(k, False) for k in range(warm)] + steady + [order(k, True) for k in range(total - warm, total)]
+    steady = [a for k in range(total - warm) for a in (forwards[warm + k], backwards[k])]
+    return forwards[:warm] + steady + backwards[total - warm:]
 
 
 def simulate(actions: list[list[Action]], forward_s: list[float], backward_s: list[float]) -> list[ActionTime]:
@@ -123,9 +126,7 @@ def _plain(actions: list[list[Action]]) -> list[list[tuple[int, bool, int]]]:
     return [[(a.chunk, a.kind == "F", a.micro) for a in todo] for todo in actions]
 
 
-@functools.lru_cache(maxsize=64)
-def _built_in(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> list[list[tuple[int, bool, int]]]:
-    return _plain(schedule_actions(schedule, pp, micro_batches, virtual_stages))
+_built_in = functools.lru_cache(maxsize=64)(_steps)  # read only
 
 
 def _run(actions: list[list[tuple[int, bool, int]]], forward_s: list[float], backward_s: list[float],
