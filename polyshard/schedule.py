@@ -158,11 +158,12 @@ def _run(actions: list[list[tuple[int, bool, int]]], forward_s: list[float], bac
                 start = ready if ready > end else end
                 end = forward_done[chunk][micro] = start + forward_s[chunk]
                 waiter = next_stage[chunk]
-            else:  # after its own forward (run here before, so done by now) and the next chunk's backward
+            else:  # after its own forward and the next chunk's backward
+                own = forward_done[chunk][micro]
                 ready = backward_done[chunk + 1][micro] if chunk < last else 0.0
-                if ready is None or forward_done[chunk][micro] is None:
+                if own is None or ready is None:
                     break
-                start = ready if ready > end else end
+                start = max(end, own, ready)
                 end = backward_done[chunk][micro] = start + backward_s[chunk]
                 waiter = previous_stage[chunk]
             if record is not None:
