@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import re
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -109,13 +109,16 @@ def simulate(actions: list[list[Action]], forward_s: list[float], backward_s: li
     forward, backward after the next chunk's backward); chunk c's times are ``forward_s[c]``,
     ``backward_s[c]``. Raises a PolyshardError where no stage can go on (a deadlock)."""
     times: list[ActionTime] = []
-    _run(_plain(actions), forward_s, backward_s,
-         lambda *t: times.append(ActionTime(t[0], t[1], "F" if t[2] else "B", *t[3:])))
+
+    def record(stage: int, chunk: int, forward: bool, micro: int, start_s: float, end_s: float) -> None:
+        times.append(ActionTime(stage, chunk, "F" if forward else "B", micro, start_s, end_s))
+
+    _run(_plain(actions), forward_s, backward_s, record)
     return times
 
 
 def simulated_span(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
-                   forward_s: list[float], backward_s: list[float]) -> float:
+                   forward_s: Sequence[float], backward_s: Sequence[float]) -> float:
     """The seconds from the first action's start to the last one's end under a built-in schedule, as
     :func:`simulate` times it, without its records (the planner times thousands)."""
     return max(_run(_built_in(schedule, pp, micro_batches, virtual_stages), forward_s, backward_s))
@@ -129,7 +132,7 @@ def _plain(actions: list[list[Action]]) -> list[list[tuple[int, bool, int]]]:
 _built_in = functools.lru_cache(maxsize=64)(_steps)  # read only
 
 
-def _run(actions: list[list[tuple[int, bool, int]]], forward_s: list[float], backward_s: list[float],
+def _run(actions: list[list[tuple[int, bool, int]]], forward_s: Sequence[float], backward_s: Sequence[float],
          record: Callable[[int, int, bool, int, float, float], None] | None = None) -> list[float]:
     """Each stage's last end, its actions as (chunk, forward, micro) run as early as :func:`simulate` says;
     ``record(stage, chunk, forward, micro, start_s, end_s)`` is told of each.

@@ -720,15 +720,19 @@ def _coverable(base: list[np.ndarray], acts: list[np.ndarray], held: list[float]
 
 
 def _simulated(schedule: str, pp: int, m: int, v: int, forward: tuple, backward: tuple) -> tuple[float, list[float]]:
-    """The simulated span and each rank's busy seconds; beyond SIMULATED_PER_STAGE micro-batches per
-    stage, the span grows at the steady state's pace (what the last micro-batch, or under interleaving
-    the last group of pp, added)."""
-    cap, group = SIMULATED_PER_STAGE[schedule] * pp, pp if schedule == "interleaved" else 1
+    """The simulated span and each rank's busy seconds (its chunks' times, m times over)."""
     busy = [m * sum(forward[c] + backward[c] for c in range(r, len(forward), pp)) for r in range(pp)]
+    return _span(schedule, pp, m, v, forward, backward), busy
+
+
+def _span(schedule: str, pp: int, m: int, v: int, forward: tuple, backward: tuple) -> float:
+    """The simulated span; beyond SIMULATED_PER_STAGE micro-batches per stage, it grows at the steady state's pace
+    (what the last micro-batch, or under interleaving the last group of pp, added)."""
+    cap, group = SIMULATED_PER_STAGE[schedule] * pp, pp if schedule == "interleaved" else 1
     if m > cap:
-        (span, _), (before, _) = (_simulated(schedule, pp, k, v, forward, backward) for k in (cap, cap - group))
-        return span + (m - cap) / group * (span - before), busy
-    return simulated_span(schedule, pp, m, v, list(forward), list(backward)), busy
+        span, before = (_span(schedule, pp, k, v, forward, backward) for k in (cap, cap - group))
+        return span + (m - cap) / group * (span - before)
+    return simulated_span(schedule, pp, m, v, forward, backward)
 
 
 def _sum_memory(parts: list[MemoryEstimate]) -> MemoryEstimate:
