@@ -132,11 +132,12 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     """
     limit, reserve = refuse_where_nothing_fits(model, cluster, memory_limit_bytes, reserve_bytes, fixed)
     gm = capture(model, example_row) if graph is None else graph
-    costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, pp_plan_units(model, gm) if pp_plan else (),
-                   dataset_strategy, lambda rows: at_rows(model, gm, example_row, rows))
-    allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(costs.blocks),
+    blocks = pp_plan_units(model, gm) if pp_plan else ()
+    allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(blocks or block_paths(gm)),
                                                     None if fixed.tp else cluster.devices_per_node)
                if _keeps(fixed, m, data_axes) and global_batch % data_size(m, data_axes) == 0]
+    costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, blocks, dataset_strategy,
+                   lambda rows: at_rows(model, gm, example_row, rows), _rows_splits(allowed, data_axes, global_batch))
     ordered = costs.order(allowed)
     workers = _default_workers(cluster) if workers is None else workers
     best = SharedBest(shared=workers > 1)
@@ -232,6 +233,13 @@ def _limit_text(limit: float, reserve: float) -> str:
                                              "reserve)" if reserve else "")
 
 
+def _rows_splits(meshes, data_axes: tuple[str, ...], global_batch: int) -> int:
+    """The least common multiple of the rank counts of ``meshes`` whose operator ranks may split a replica's
+    rows: a capture at as many rows serves them all."""
+    return math.lcm(*(ways for m in meshes if (ways := operator_size(m, data_axes)) > 1 and
+                      global_batch // data_size(m, data_axes) % ways == 0), 1)
+
+
 def _default_workers(cluster: Cluster) -> int:
     """Processes a search runs in: for a cluster of several nodes, this process's share of the cores it may use
     (each rank of a job on this machine plans); one for a single node, whose search takes less than forking saves."""
@@ -247,7 +255,7 @@ class _Costs:
 
     def __init__(self, gm, cluster: Cluster, data_axes: tuple[str, ...], global_batch: int, limit: float,
                  fixed: Fixed = Fixed(), stage_units: Sequence[str] = (), dataset_strategy: Sequence | None = None,
-                 capture_rows: Callable[[int], fx.GraphModule] | None = None):
+                 capture_rows: Callable[[int], fx.GraphModule] | None = None, rows_splits: int = 1):
         self.gm, self.cluster, self.data_axes, self.batch, self.limit = gm, cluster, data_axes, global_batch, limit
         self.fixed = fixed
         self.precisions = tried = precisions_to_cost(cluster, "none", fixed.precision)
@@ -276,7 +284,7 @@ class _Costs:
         self._memo: dict = {}  # what pipelined splits share (see Setup)
         self._level3: dict[tuple, tuple] = {}  # per parameter groups (kept, so their id stays theirs): _level3
         self.dataset_strategy = dataset_strategy
-        self.capture_rows = capture_rows
+        self.capture_rows, self.rows_splits = capture_rows, rows_splits
         # rows -> the model captured at those rows, its batch values (None: another graph), its shared parameters
         self._wider: dict[int, tuple[fx.GraphModule, frozenset[str] | None, tuple[str, ...]]] = {}
         self._rows: dict[tuple, Plan] = {}  # (operator axes, shared layouts) -> the rows layout
@@ -687,8 +695,9 @@ class _Costs:
         ways = math.prod(n for _, n in base.op_axes)
         rows = next((r for r in self._wider if r % ways == 0), None)  # one capture serves every divisor of its rows
         if rows is None:
-            wider = self.capture_rows(ways)
-            rows, self._wider[ways] = ways, (wider, batch_values(self.gm, wider), shared_parameters(wider))
+            rows = math.lcm(ways, self.rows_splits)
+            wider = self.capture_rows(rows)
+            self._wider[rows] = wider, batch_values(self.gm, wider), shared_parameters(wider)
         wider, batch, names = self._wider[rows]
         if batch is None:
             return None

@@ -174,3 +174,31 @@ def test_a_traced_graph_at_more_rows_is_what_tracing_them_records(tied):
     assert [n.meta.get("tensor_meta") for n in gm.graph.nodes] == before != \
         [n.meta.get("tensor_meta") for n in again.graph.nodes]
     assert torch.equal(again(*model.example_inputs(4)), model(*model.example_inputs(4)))
+
+
+def test_one_capture_serves_every_split_of_rows_as_its_own_would(monkeypatch):
+    """Pipelines on 8 and 16 operator ranks, whose stages may split rows, share one capture at 16 rows (the 8-rank
+    one, costed first, would capture 8, then 16), and cost every candidate as a capture per rank count does."""
+    import polyshard.planner.search as search_module
+
+    model = models.build("gpt:layers=8,hidden=2048,heads=16,seq=1024,vocab=50304", "meta")
+    meshes = [(("pp", 4), ("tp", 8)), (("pp", 2), ("tp", 16))]
+    rows_asked = []
+
+    def counted(model, gm, row, rows):
+        rows_asked.append(rows)
+        return at_rows(model, gm, row, rows)
+
+    monkeypatch.setattr(search_module, "at_rows", counted)
+
+    def costs():
+        _, ranked = search(model, model.example_inputs(1), Cluster.preset("4x8xA100-80G"), 64, meshes=meshes,
+                           workers=1)
+        return sorted((c.describe(), c.stage_tp_split, c.step_s, c.memory.total_bytes) for c in ranked)
+
+    shared = costs()
+    assert rows_asked == [16]
+    monkeypatch.setattr(search_module, "_rows_splits", lambda *args: 1)
+    rows_asked.clear()
+    assert costs() == shared and rows_asked == [8, 16]
+    assert any("rows" in split for _, split, _, _ in shared)
