@@ -266,7 +266,7 @@ def main(argv=None) -> None:
         results.append(row)
         short = f"dp={run.dp},tp={run.tp},pp={run.pp}" + f",zero={run.zero}" * (run.zero > 0)
         print(f"{run.name:<20} {run.gpus:>5} {short:<26} {run.tflops:>8.0f} {pub_tflops:>6.0f} {err:>+6.0%}   "
-              f"{pick['mesh'][:44]:<44} {pick_tflops:>6.0f} {row['pick_speedup']:>6.2f}x {row['why']:<18} "
+              f"{pick['brief'][:44]:<44} {pick_tflops:>6.0f} {row['pick_speedup']:>6.2f}x {row['why']:<18} "
               f"{seconds:>6.1f}", flush=True)
         if not reserved:
             print(f"{'':<20} the published configuration needs more than the planner's limit: priced under the whole "

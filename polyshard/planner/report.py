@@ -14,6 +14,12 @@ def chosen_row(report: dict) -> dict | None:
     return next((c for c in report.get("candidates", ()) if c["mesh"] == report.get("chosen")), None)
 
 
+def _brief(row: dict) -> str:
+    """A candidate's row named as a table shows it: settings per pipeline chunk counted (plans written before
+    rows carried that name show the full one)."""
+    return row.get("brief", row["mesh"])
+
+
 def summary(plan: Plan, cfg: GPTConfig | None, num_devices: int) -> dict:
     """The chosen candidate's figures as plain JSON: predicted seconds per step and their parts,
     memory per device, the configuration in the ``--config`` spelling, and for a token model (``cfg``)
@@ -60,25 +66,25 @@ def render(plan: Plan, layouts: int = 40) -> str:
     if rep:
         lines.append(f"model {plan.model or '?'}, global batch {plan.global_batch}, "
                      f"memory limit {format_bytes(rep['limit_bytes'])} per device")
-        width = max(16, *(len(c["mesh"]) for c in rep["candidates"]))
+        width = max(16, *(len(_brief(c)) for c in rep["candidates"]))
         waits = any(c.get("skew_s") for c in rep["candidates"])  # ranks reaching collectives apart: a column of its own
         lines.append(f"  {'mesh':<{width}} {'step':>10} {'compute':>10} {'op comm':>10} {'dp comm':>10}"
                      + f" {'wait':>10}" * waits + f" {'memory':>11} {'gap':>6}")
         for c in rep["candidates"]:
             if c.get("pruned"):
                 bound = f">{c['step_s'] * 1e3:.1f}ms"
-                lines.append(f"  {c['mesh']:<{width}} {bound:>10}   (pruned: its LP bound already loses to the choice)")
+                lines.append(f"  {_brief(c):<{width}} {bound:>10}   (pruned: its LP bound already loses to the choice)")
                 continue
             mark = "*" if c["mesh"] == rep["chosen"] else " " if c["fits"] else "x"
             memory = ">" * c.get("memory_floor", False) + format_bytes(c["memory"]["total"])
-            lines.append(f"{mark} {c['mesh']:<{width}} {_ms(c['step_s'])} {_ms(c['compute_s'])} {_ms(c['op_comm_s'])} "
+            lines.append(f"{mark} {_brief(c):<{width}} {_ms(c['step_s'])} {_ms(c['compute_s'])} {_ms(c['op_comm_s'])} "
                          f"{_ms(c['dp_comm_s'])}" + f" {_ms(c.get('skew_s', 0.0))}" * waits
                          + f" {memory:>11} {c.get('gap', 0):>6.1%}")
         fitting = [c for c in rep["candidates"] if c["fits"]]
         chosen = chosen_row(rep)
         runner = next((c for c in fitting if c is not chosen), None)
         if runner:
-            lines.append(f"chosen {chosen['mesh']}: {runner['mesh']} (runner-up) predicts "
+            lines.append(f"chosen {_brief(chosen)}: {_brief(runner)} (runner-up) predicts "
                          f"{(runner['step_s'] / chosen['step_s'] - 1) * 100:.1f}% longer steps")
         if chosen.get("skew_s"):
             lines.append(f"the step waits {chosen['skew_s'] * 1e3:.1f}ms for ranks that reach its collectives apart "

@@ -4,6 +4,8 @@ predicted step and memory (Candidate), and the JSON rows a plan's report keeps o
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from polyshard.buckets import BUCKET_BYTES
@@ -103,12 +105,16 @@ class Candidate:
     def recompute_text(self) -> str:
         return recompute_text(self.recompute, self.stage_recompute)
 
-    def describe(self) -> str:
+    def describe(self, brief: bool = False) -> str:
+        """The split and its settings in words (the search's name for it); ``brief``: settings per pipeline
+        chunk counted, not listed, as a report's table shows them."""
         p = self.pipeline
+        recompute = per_chunk(self.stage_recompute, "none") if brief and self.stage_recompute else self.recompute_text
+        tp_split = per_chunk(self.stage_tp_split, "ops") if brief else "/".join(self.stage_tp_split)
         extras = ([f"{p.schedule} m={p.micro_batches}" + f" v={p.virtual_stages}" * (p.virtual_stages > 1)] if p
                   else [f"accumulate m={self.accumulation}"] * (self.accumulation > 1)) + \
-            [f"recompute {self.recompute_text}"] * (self.recompute != "none") + \
-            [f"tp splits {'/'.join(self.stage_tp_split)}"] * bool(self.stage_tp_split) + \
+            [f"recompute {recompute}"] * (self.recompute != "none") + \
+            [f"tp splits {tp_split}"] * bool(self.stage_tp_split) + \
             [f"offload {self.offload}"] * (self.offload != "none") + [f"zero {self.zero}"] * (self.zero > 0) + \
             [self.precision] * (self.precision != "fp32") + ["sequence parallel"] * self.sequence + \
             [f"buckets {self.bucket_bytes / 2**20:g} MiB"] * (self.bucket_bytes != BUCKET_BYTES)
@@ -126,6 +132,13 @@ class Candidate:
                      precision=self.precision, offload=self.offload,
                      bucket=self.bucket_bytes // 2**20 if dp > 1 or self.bucket_bytes != BUCKET_BYTES else None,
                      tp_split="/".join(self.stage_tp_split) or None)
+
+
+def per_chunk(values: Sequence[str], usual: str) -> str:
+    """Settings per pipeline chunk counted: each but ``usual`` with the chunks that hold it ("pointwise on 97 of
+    128 chunks")."""
+    counts = Counter(v for v in values if v != usual).most_common()
+    return " and ".join(f"{v} on {n}" for v, n in counts) + f" of {len(values)} chunks" if counts else usual
 
 
 def mesh_candidates(num_devices: int, blocks: int = 1,
@@ -148,7 +161,7 @@ def search_report(candidates: list[Candidate], chosen: Candidate, limit_bytes: f
                   data_axes: tuple[str, ...] = ("dp",), cluster: Cluster | None = None) -> dict:
     """JSON-able figures of every candidate split and the choice (plain Python numbers only)."""
     def row(c: Candidate) -> dict:
-        return {"mesh": c.describe(), "split": mesh_text(c.mesh), "config": c.config(data_axes).text(),
+        return {"mesh": c.describe(), "brief": c.describe(brief=True), "split": mesh_text(c.mesh), "config": c.config(data_axes).text(),
                 "recompute": c.recompute_text, "offload": c.offload, "zero": c.zero, "precision": c.precision,
                 "pp": c.pp,
                 "rows": c.rows, "micro_batches": c.micro_batches, "step_s": float(c.step_s),

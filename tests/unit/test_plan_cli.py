@@ -133,7 +133,7 @@ def test_plan_file_round_trips_through_explain(capsys, tmp_path, name):
     plan = Plan.from_json(path.read_text())
     assert plan.model == name and plan.report["config"]
     code, shown, _ = _run(capsys, "explain", str(path))
-    assert code == 0 and plan.report["chosen"] in shown
+    assert code == 0 and chosen_row(plan.report)["brief"] in shown
 
 
 def test_explain_timeline_matches_the_plans_step(capsys, tmp_path):
@@ -235,6 +235,20 @@ def test_a_stage_split_of_tp_ranks_is_priced_spelled_and_explained(capsys, tmp_p
     plan = Plan.from_json(out_file.read_text())
     assert plan.stage_tp_split == tuple(split.split("/")) and plan.params["blocks.1.mlp.fc.weight"].is_replicated
     code, out, _ = _run(capsys, "explain", str(out_file), "--layouts", "0")
-    assert code == 0 and "tp splits" in out and out.count("  rows\n") == len(split.split("/"))
+    chunks = len(split.split("/"))
+    assert code == 0 and f"tp splits rows on {chunks} of {chunks} chunks" in out and out.count("  rows\n") == chunks
     code, _, err = _run(capsys, "cost", *args, "--config", "tp=4,pp=2,tp_split=cols")
     assert code == 2 and "tp_split must be one of" in err
+
+
+def test_the_table_counts_settings_per_chunk_and_the_plan_keeps_each(capsys, tmp_path):
+    """A recompute mode per pipeline chunk is counted in the table's row (a 128-chunk list would fill the line) and
+    spelled out in the plan's configuration."""
+    out_file = tmp_path / "p.json"
+    code, out, _ = _run(capsys, "cost", "--model", SHAPE, "--cluster", "8xA100-80G", "--global-batch", "64",
+                        "--config", "tp=2,pp=2,v=2,schedule=interleaved,recompute=none/full/none/pointwise",
+                        "--out", str(out_file))
+    assert code == 0 and "recompute full on 1 and pointwise on 1 of 4 chunks" in out and "recompute none/" not in out
+    plan = Plan.from_json(out_file.read_text())
+    assert plan.stage_recompute == ("none", "full", "none", "pointwise") and "recompute=none/full/none/pointwise" in \
+        plan.report["config"]

@@ -11,7 +11,7 @@ from polyshard.graph.capture import capture
 from polyshard.planner.cost.memory import estimate_memory
 from polyshard.plan import Plan
 from polyshard.planner.propagate import propagate
-from polyshard.planner.report import render
+from polyshard.planner.report import chosen_row, render
 from polyshard.planner.config import Fixed
 from polyshard.planner.search import search
 from polyshard.transitions import common_axes, plan_transition
@@ -122,7 +122,7 @@ def test_search_report_survives_json_and_renders():
     plan = dataclasses.replace(plan, model="gpt-small")
     again = Plan.from_json(plan.to_json())
     text = render(again)
-    assert again.report == plan.report and "runner-up" in text and plan.report["chosen"] in text
+    assert again.report == plan.report and "runner-up" in text and chosen_row(plan.report)["brief"] in text
 
 
 def test_large_models_plan_in_seconds():
