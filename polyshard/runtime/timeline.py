@@ -44,12 +44,16 @@ def draw_timeline(path: str | Path, predicted: Sequence[ActionTime] | None = Non
         bubbles[name] = bubble_fraction(times)
         origin = min(t.start_s for t in times)
         sparse = len(times) <= LABELLED_ACTIONS  # boxes of long schedules are too thin for outlines and labels
+        boxes: dict[int, list] = {}  # per stage (start, width), colour: one collection a stage, not one a box
         for t in times:
             start, width = (t.start_s - origin) * 1e3, (t.end_s - t.start_s) * 1e3
-            ax.broken_barh([(start, width)], (t.stage - 0.4, 0.8), facecolors=COLORS[t.kind][t.chunk // stages % 2],
-                           edgecolor="black", linewidth=0.4 if sparse else 0.0)
+            boxes.setdefault(t.stage, []).append(((start, width), COLORS[t.kind][t.chunk // stages % 2]))
             if sparse:
                 ax.text(start + width / 2, t.stage, f"{t.kind}{t.micro}", ha="center", va="center", fontsize=7)
+        for stage, drawn in boxes.items():
+            spans, colors = zip(*drawn)
+            ax.broken_barh(spans, (stage - 0.4, 0.8), facecolors=colors, edgecolor="black",
+                           linewidth=0.4 if sparse else 0.0)
         ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
         ax.set_ylim(stages - 0.5, -0.5)
         ax.set_xlabel("ms")
