@@ -216,6 +216,23 @@ def test_timeline_png(tmp_path):
         draw_timeline(path)
 
 
+def test_a_long_timeline_is_drawn_a_collection_per_stage(tmp_path, monkeypatch):
+    """A cluster-scale schedule (16 stages x 8 chunks, 128 micro-batches: 32,768 boxes) is drawn as one box
+    collection per stage: a collection per box made matplotlib rescale over all of them at each (minutes)."""
+    from matplotlib.axes import Axes
+
+    calls, draw = [], Axes.broken_barh
+
+    def counted(ax, spans, *args, **kwargs):
+        calls.append(len(spans))
+        return draw(ax, spans, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "broken_barh", counted)
+    times = simulate(schedule_actions("interleaved", 16, 128, 8), [1e-3] * 128, [2e-3] * 128)
+    draw_timeline(tmp_path / "long.png", times)
+    assert len(calls) == 16 and sum(calls) == len(times) == 16 * 8 * 128 * 2
+
+
 def test_plan_cuts_stages_and_predicts_timings_without_processes():
     with torch.device("meta"):
         model = models.GPT(dataclasses.replace(models.CONFIGS["gpt-tiny"], num_layers=4))
