@@ -226,7 +226,7 @@ def capture(model: nn.Module, example_inputs: Sequence | Mapping) -> fx.GraphMod
 
 def _with_shapes(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence) -> fx.GraphModule:
     """``gm``, a trace of ``model``, with each node's shape and dtype at ``example_inputs``."""
-    if all(p.device.type == "meta" for p in model.parameters()):
+    if _on_meta(model):
         # meta tensors carry shapes already: the fastest way through a 175B model (seconds)
         _RepeatShapeProp(gm).propagate(*[t.to("meta") if isinstance(t, torch.Tensor) else t for t in example_inputs])
     else:
@@ -235,6 +235,10 @@ def _with_shapes(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence)
             *[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
     _mark_fused_norms(gm)
     return install_fused_norms(gm)
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return all(p.device.type == "meta" for p in model.parameters())
 
 
 def _mark_fused_norms(gm: fx.GraphModule) -> None:
@@ -256,8 +260,9 @@ def at_rows(model: nn.Module, gm: fx.GraphModule, example_row: Sequence | Mappin
     symbolic trace never sees the inputs, so tracing again would give the same graph)."""
     if SIGNATURE_KEY in gm.meta and (again := exported_at_rows(gm, rows)) is not None:
         return again
-    wider = tree_map(lambda t: t.repeat(rows, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) else t,
-                     example_row)
+    meta = SIGNATURE_KEY not in gm.meta and _on_meta(model)  # a search may ask for a whole batch of rows: no memory
+    wider = tree_map(lambda t: (t.to("meta") if meta else t).repeat(rows, *[1] * (t.dim() - 1))
+                     if isinstance(t, torch.Tensor) else t, example_row)
     if SIGNATURE_KEY in gm.meta:  # the code fixed the batch: export it again at these rows
         return capture(model, wider)
     graph = fx.Graph()
