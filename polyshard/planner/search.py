@@ -132,8 +132,8 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     """
     limit, reserve = refuse_where_nothing_fits(model, cluster, memory_limit_bytes, reserve_bytes, fixed)
     gm = capture(model, example_row) if graph is None else graph
-    blocks = pp_plan_units(model, gm) if pp_plan else ()
-    allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(blocks or block_paths(gm)),
+    blocks = (pp_plan_units(model, gm) if pp_plan else ()) or block_paths(gm)  # where pipeline stages may begin
+    allowed = [m for m in meshes or mesh_candidates(cluster.num_devices, len(blocks),
                                                     None if fixed.tp else cluster.devices_per_node)
                if _keeps(fixed, m, data_axes) and global_batch % data_size(m, data_axes) == 0]
     costs = _Costs(gm, cluster, data_axes, global_batch, limit, fixed, blocks, dataset_strategy,
