@@ -59,18 +59,20 @@ def compare(given: dict, pick: dict, names: tuple[str, str] = ("given", "pick"))
     return "\n".join(lines)
 
 
-def render(plan: Plan, layouts: int = 40) -> str:
-    """The plan as a person reads it: candidates, why the choice won, memory, parameter layouts."""
+def render(plan: Plan, layouts: int = 40, candidates: int = 20) -> str:
+    """The plan as a person reads it: the fastest ``candidates`` candidates (and the choice), why the choice won,
+    memory, the first ``layouts`` parameter layouts."""
     rep = plan.report
     lines = []
     if rep:
         lines.append(f"model {plan.model or '?'}, global batch {plan.global_batch}, "
                      f"memory limit {format_bytes(rep['limit_bytes'])} per device")
-        width = max(16, *(len(_brief(c)) for c in rep["candidates"]))
-        waits = any(c.get("skew_s") for c in rep["candidates"])  # ranks reaching collectives apart: a column of its own
+        shown = [c for k, c in enumerate(rep["candidates"]) if k < candidates or c["mesh"] == rep["chosen"]]
+        width = max(16, *(len(_brief(c)) for c in shown))
+        waits = any(c.get("skew_s") for c in shown)  # ranks reaching collectives apart: a column of its own
         lines.append(f"  {'mesh':<{width}} {'step':>10} {'compute':>10} {'op comm':>10} {'dp comm':>10}"
                      + f" {'wait':>10}" * waits + f" {'memory':>11} {'gap':>6}")
-        for c in rep["candidates"]:
+        for c in shown:
             if c.get("pruned"):
                 bound = f">{c['step_s'] * 1e3:.1f}ms"
                 lines.append(f"  {_brief(c):<{width}} {bound:>10}   (pruned: its LP bound already loses to the choice)")
@@ -80,6 +82,9 @@ def render(plan: Plan, layouts: int = 40) -> str:
             lines.append(f"{mark} {_brief(c):<{width}} {_ms(c['step_s'])} {_ms(c['compute_s'])} {_ms(c['op_comm_s'])} "
                          f"{_ms(c['dp_comm_s'])}" + f" {_ms(c.get('skew_s', 0.0))}" * waits
                          + f" {memory:>11} {c.get('gap', 0):>6.1%}")
+        if len(shown) < len(rep["candidates"]):
+            lines.append(f"  ... {len(rep['candidates']) - len(shown)} more (--candidates {len(rep['candidates'])} "
+                         "lists every one)")
         fitting = [c for c in rep["candidates"] if c["fits"]]
         chosen = chosen_row(rep)
         runner = next((c for c in fitting if c is not chosen), None)

@@ -103,6 +103,7 @@ def test_explain_shows_a_plan_beside_another_term_by_term(capsys, tmp_path):
     (("--model", "gpt:layers=2"), "needs hidden"),
     (("--global-batch", "-4"), "at least 1"),
     (("--workers", "0"), "--workers must be at least 1"),
+    (("--candidates", "-2"), "--candidates must be 0 or more"),
     (("--image-size", "64"), "reads tokens"),
     (("--model", "unet-small", "--seq-len", "64"), "--seq-len is for token models"),
     (("--model", "unet-small", "--image-size", "30"), "use a multiple of 4"),
@@ -252,3 +253,25 @@ def test_the_table_counts_settings_per_chunk_and_the_plan_keeps_each(capsys, tmp
     plan = Plan.from_json(out_file.read_text())
     assert plan.stage_recompute == ("none", "full", "none", "pointwise") and "recompute=none/full/none/pointwise" in \
         plan.report["config"]
+
+
+def test_the_table_lists_the_fastest_candidates_and_the_choice_wherever_it_ranks(capsys, tmp_path):
+    path = tmp_path / "p.json"
+    assert _run(capsys, "plan", "--model", SHAPE, "--cluster", "2x8xA100-80G", "--global-batch", "64",
+                "--candidates", "3", "--out", str(path))[0] == 0
+    report = Plan.from_json(path.read_text()).report
+    everyone = len(report["candidates"])
+    assert everyone > 20
+    rows = ("* ", "  ", "x ")  # chosen, fitting or pruned, not fitting
+
+    def listed(shown: str) -> list[str]:
+        table = shown.split("\n  mesh ", 1)[1].splitlines()[1:]
+        return [line for line in table if line.startswith(rows) and not line.startswith("  ...")][:everyone + 1]
+
+    code, shown, _ = _run(capsys, "explain", str(path), "--candidates", "0", "--layouts", "0")
+    assert code == 0 and f"... {everyone - 1} more (--candidates {everyone} lists every one)" in shown
+    assert listed(shown)[0].startswith("* " + chosen_row(report)["brief"])
+    code, shown, _ = _run(capsys, "explain", str(path), "--candidates", str(everyone), "--layouts", "0")
+    assert code == 0 and "more (--candidates" not in shown
+    assert [line[2:].split()[0] for line in listed(shown)[:everyone]] == \
+        [c["brief"].split()[0] for c in report["candidates"]]
