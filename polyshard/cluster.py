@@ -122,6 +122,7 @@ _DEVICES: dict[str, _Device] = {
     # already what such a core reaches, and memory-bound ops are left to the per-op cost.
     "cpu": _Device("cpu", 0, _flops(5e10, 5e10), _LOOPBACK, _ETHERNET_10G, _CPU_OVERHEADS, _CPU_OFFLOAD, 0.0, 1.0, 1.0),
 }
+DEVICE_TYPES = tuple(_DEVICES)  # what a preset's TYPE may name
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _OVERHEAD_KEYS = ("op_overhead_s", "split_op_overhead_s", "optimizer_overhead_s")

@@ -6,6 +6,7 @@ import pytest
 
 from polyshard import models
 from polyshard.cli.main import main
+from polyshard.cluster import DEVICE_TYPES
 from polyshard.plan import Plan
 from polyshard.planner.report import chosen_row
 
@@ -120,11 +121,13 @@ def test_bad_planning_input_is_one_clear_error(capsys, args, needle):
     assert code == 2 and needle in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("device", DEVICE_TYPES)
 @pytest.mark.parametrize("name", list(models.CONFIGS))
-def test_plan_file_round_trips_through_explain(capsys, tmp_path, name):
-    # every preset model on a cluster where some splits do not fit; the plan file is written and read back
+def test_plan_file_round_trips_through_explain(capsys, tmp_path, name, device):
+    # every preset model on every preset device type, the large ones on clusters where some splits do not fit (or
+    # none: refused); the plan file is written and read back
     path = tmp_path / "p.json"
-    cluster = "4x8xA100-80G" if models.CONFIGS[name].num_params() > 5e9 else "8xH100-80G"
+    cluster = ("4x8x" if models.CONFIGS[name].num_params() > 5e9 else "8x") + device
     code, out, err = _run(capsys, "plan", "--model", name, "--cluster", cluster, "--out", str(path))
     if code == 2:
         assert "does not fit" in err  # too large for this cluster: said so, nothing written
@@ -133,6 +136,8 @@ def test_plan_file_round_trips_through_explain(capsys, tmp_path, name):
     assert code == 0 and path.is_file()
     plan = Plan.from_json(path.read_text())
     assert plan.model == name and plan.report["config"]
+    large = models.CONFIGS[name].num_params() > 5e9
+    assert not large or any(not c["fits"] for c in plan.report["candidates"] if not c.get("pruned"))
     code, shown, _ = _run(capsys, "explain", str(path))
     assert code == 0 and chosen_row(plan.report)["brief"] in shown
 
