@@ -9,10 +9,10 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from polyshard.errors import PolyshardError
@@ -119,13 +119,13 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
     with tempfile.TemporaryDirectory(prefix="polyshard-launch-") as scratch:  # torchrun's logs too: it keeps them
         errors = os.path.join(scratch, "errors")
         os.mkdir(errors)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes[0]}",
-               *meet, f"--max-restarts={max_restarts}", f"--log-dir={os.path.join(scratch, 'logs')}", *command]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors},
+        argv = [f"--nproc-per-node={nproc}", f"--nnodes={nodes[0]}", *meet, f"--max-restarts={max_restarts}",
+                f"--log-dir={os.path.join(scratch, 'logs')}", *command]
+        env = dict(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors},
                    # the ranks' own store, new for each restart: the agent's shared one keeps the last attempt's
                    # addresses, which a restarted rank can read before its peer replaces them
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+        proc = _Agent(argv, env)
         last = _relay(proc, errors, stop_after_error=not max_restarts)
         code = proc.wait()
         said = sorted({p.read_text() for p in Path(errors).iterdir()})
@@ -135,7 +135,48 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
     return 2 if said and code else code  # a restart that then finished overrides what a rank said
 
 
-def _relay(proc: subprocess.Popen, errors: str, stop_after_error: bool) -> bytes:
+class _Agent:
+    """torchrun's agent (``torch.distributed.run``) in a fork of this process, with its stderr piped here: torch is
+    loaded already, so no second interpreter starts (seconds on a small machine) before the ranks do."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        sys.stdout.flush()
+        sys.stderr.flush()  # nothing buffered here is written again by the fork
+        read, write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(read)
+            os.dup2(write, 2)
+            os.close(write)
+            os.environ.update(env)
+            os._exit(_run_agent(argv))
+        os.close(write)
+        self.stderr = os.fdopen(read, "rb", buffering=0)
+
+    def wait(self) -> int:
+        code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        self.stderr.close()
+        return code
+
+
+def _run_agent(argv: list[str]) -> int:
+    """``torchrun ARGV``'s exit code, its error said on stderr as torchrun says it."""
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _relay(proc: _Agent, errors: str, stop_after_error: bool) -> bytes:
     """Copy torchrun's stderr through until a rank says an error; then, if ``stop_after_error``, give the
     job STOP_GRACE_S seconds to end and kill what is left (a hung or stopped rank). Returns the last byte."""
     last, stop_at = b"\n", None

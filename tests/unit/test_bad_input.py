@@ -523,7 +523,7 @@ def test_more_processes_than_gpus_are_refused_before_launch(monkeypatch, tmp_pat
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
-    monkeypatch.setattr("polyshard.cli.launch.subprocess.Popen", lambda *a, **k: pytest.fail(f"launched {a}"))
+    monkeypatch.setattr("polyshard.cli.launch._Agent", lambda *a, **k: pytest.fail(f"launched {a}"))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     code = cli.main(["train", "--nproc", "4", "--mesh", "dp=4", "--steps", "1"])
