@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -455,9 +456,14 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     if world > 1 and len(sizes) < 2:
         raise PolyshardError(f"calibration needs at least two message sizes of {4 * world} bytes or more; "
                              f"got {len(sizes)}")
+    say = _progress(dist.get_rank() == 0)
+    say("matmul rate per dtype")
     flops, matmul_sizes, notes = _flops(base.device_type, repeats)
+    say("matmul by contraction depth")
     products = _matmul_shares(base.device_type, flops, matmul_sizes, repeats)
+    say("attention by sequence length and head dim")
     attention = _attention_shares(base.device_type, flops, repeats, notes)
+    say("pointwise ops and cross-entropy")
     pointwise = {name: dict(zip(POINTWISE_OPS, _all_reduce([measure_pointwise_rate(getattr(torch, name), op, repeats)
                                                             for op in POINTWISE_OPS], dist.ReduceOp.MIN, None)))
                  for name in flops}
@@ -466,7 +472,9 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         measured = [measure_loss(getattr(torch, name), op, alone, repeats) for op in LOSS_OPS]
         rates |= zip(LOSS_OPS, _all_reduce([rate for rate, _ in measured], dist.ReduceOp.MIN, None))
         loss_overheads[name] = dict(zip(LOSS_OPS, _all_reduce([s for _, s in measured], dist.ReduceOp.MAX, None)))
+    say("fixed costs per op, recompute and optimizer step")
     overheads = measure_op_overheads(repeats, [name for name in flops if name != "float32"])
+    say("memory, host and disk bandwidths")
     memory_bw = _all_reduce([measure_memory_bandwidth(repeats)], dist.ReduceOp.MIN, None)[0]
     host_bw, disk_bw = _all_reduce(list(measure_offload_bandwidths()), dist.ReduceOp.MIN, None)
     cuda = base.device_type == "cuda"
@@ -475,6 +483,8 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
     if cuda:
         host_memory_bw = _all_reduce([measure_memory_bandwidth(repeats, host=True)], dist.ReduceOp.MIN, None)[0]
         host_update = _all_reduce([measure_update_overhead(repeats)], dist.ReduceOp.MAX, None)[0]
+    if world > 1:
+        say(f"collectives on {len(sizes)} message sizes, and how far apart ranks reach them")
     sweeps = _sweeps(base, sizes, repeats)
     fits = _fits(sweeps, sizes)
     skew, node_skew, pair_skew = (measure_arrival_skew(_comm_device(None), repeats, _pairs(base)) if world > 1
@@ -524,6 +534,17 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
             cluster.to_yaml(out_path)
             print(f"cluster: {out_path}")
     return cluster
+
+
+def _progress(lead: bool) -> Callable[[str], None]:
+    """``say(what)``: on the lead rank, a line on stderr that calibration now times ``what``, and how long it has
+    run (it takes a minute or more; the figures print at the end)."""
+    start = time.perf_counter()
+
+    def say(what: str) -> None:
+        if lead:
+            print(f"calibrating ({time.perf_counter() - start:.0f} s): {what}", file=sys.stderr, flush=True)
+    return say
 
 
 def shared_cores_note(ranks: int, threads: int, cores: int) -> str | None:
