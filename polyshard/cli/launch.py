@@ -166,8 +166,11 @@ def _run_agent(argv: list[str]) -> int:
     try:
         main(argv)
         return 0
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # as the interpreter ends on one: None is success, a message is said and fails
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
     except BaseException:
         traceback.print_exc()
         return 1
