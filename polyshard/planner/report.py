@@ -67,7 +67,8 @@ def render(plan: Plan, layouts: int = 40, candidates: int = 20) -> str:
     if rep:
         lines.append(f"model {plan.model or '?'}, global batch {plan.global_batch}, "
                      f"memory limit {format_bytes(rep['limit_bytes'])} per device")
-        shown = [c for k, c in enumerate(rep["candidates"]) if k < candidates or c["mesh"] == rep["chosen"]]
+        chosen = chosen_row(rep)
+        shown = [c for k, c in enumerate(rep["candidates"]) if k < candidates or c is chosen]
         width = max(16, *(len(_brief(c)) for c in shown))
         waits = any(c.get("skew_s") for c in shown)  # ranks reaching collectives apart: a column of its own
         lines.append(f"  {'mesh':<{width}} {'step':>10} {'compute':>10} {'op comm':>10} {'dp comm':>10}"
@@ -86,7 +87,6 @@ def render(plan: Plan, layouts: int = 40, candidates: int = 20) -> str:
             lines.append(f"  ... {len(rep['candidates']) - len(shown)} more (--candidates {len(rep['candidates'])} "
                          "lists every one)")
         fitting = [c for c in rep["candidates"] if c["fits"]]
-        chosen = chosen_row(rep)
         runner = next((c for c in fitting if c is not chosen), None)
         if runner:
             lines.append(f"chosen {_brief(chosen)}: {_brief(runner)} (runner-up) predicts "
