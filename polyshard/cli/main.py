@@ -305,12 +305,11 @@ def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
                                  f"--model {' or '.join(VISION)}, or leave out --image-size")
         cfg = models.config(args.model, args.seq_len)
         named_whole = args.seq_len is None or args.model.startswith("hf:")  # a gpt: shape spells its length
-        if args.model.startswith("hf:") and args.out and args.seq_len is not None and \
-                cfg.seq_len != (own := models.config(args.model).seq_len):
-            raise PolyshardError(f"--seq-len {cfg.seq_len}: a plan file names {args.model}, which trains at its own "
-                                 f"{own} tokens; leave out --out to compare lengths, or --seq-len to write the plan")
+        # a plan file names a transformers model alone: its run is told the length
+        flags = f" --seq-len {cfg.seq_len}" if args.model.startswith("hf:") and args.seq_len is not None else ""
         return _Planned(args.model if named_whole else models.shape_spec(cfg), cfg, f"{cfg.seq_len} tokens",
-                        functools.partial(models.build, args.model, device="meta", seq_len=args.seq_len))
+                        functools.partial(models.build, args.model, device="meta", seq_len=args.seq_len),
+                        train_flags=flags)
     for flag, given in (("--seq-len", args.seq_len is not None), ("--pp-plan", args.pp_plan)):
         if given:
             raise PolyshardError(f"{flag} is for token models; {args.model} reads images: leave it out")

@@ -41,7 +41,7 @@ def build_model(cfg: TrainConfig, name: str, device: str | torch.device = "cpu",
     """The model ``name`` as this run trains it (an image model at the run's image size)."""
     if name in VISION:
         return build_vision(name, cfg.image_side, device, seed)
-    return models.build(name, device=device, seed=seed)
+    return models.build(name, device=device, seed=seed, seq_len=cfg.seq_len)
 
 
 def check_images(path: str, name: str, size: int) -> None:
@@ -121,7 +121,11 @@ def _with_model_named(cfg: TrainConfig, plan: Plan | None) -> TrainConfig:
 
 
 def _check_image_flags(cfg: TrainConfig, shape: dict[str, int]) -> None:
-    """An image model on what it supports: a mesh of dp, h and w (tp too), images it can halve on every tile."""
+    """An image model on what it supports: a mesh of dp, h and w (tp too), images it can halve on every tile; the
+    size flag of the other kind refused."""
+    if cfg.vision and cfg.seq_len is not None:
+        raise PolyshardError(f"--seq-len is for token models; {cfg.model} reads images: leave it out (--image-size "
+                             "sizes them)")
     if not cfg.vision:
         if cfg.image_size is not None:
             raise PolyshardError(f"--image-size sizes an image model's images; {cfg.model or 'the model'} reads "
@@ -164,7 +168,7 @@ def _check_mesh(cfg: TrainConfig, plan: Plan | None, world_size: int) -> dict[st
 
 def _check_numbers(cfg: TrainConfig) -> None:
     for flag, value in (("--steps", cfg.steps), ("--batch-size", cfg.batch_size), ("--accum", cfg.accum),
-                        ("--log-every", cfg.log_every)):
+                        ("--log-every", cfg.log_every), ("--seq-len", 1 if cfg.seq_len is None else cfg.seq_len)):
         if value < 1:
             raise PolyshardError(f"{flag} must be at least 1, got {value}")
     if cfg.seed < 0:

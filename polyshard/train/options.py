@@ -33,6 +33,8 @@ class TrainConfig:
                                     "it and hold a slice of their activations (Megatron's sequence parallel)")
     steps: int = _flag(50, "optimizer steps (default %(default)s)")
     batch_size: int = _flag(8, "global batch rows per step (default %(default)s)")
+    seq_len: int | None = _flag(None, "tokens per row of a token model (default: the model's own; a transformers "
+                                "config's longest, at most 2048)", type=int)
     accum: int = _flag(1, "gradient accumulation micro-steps per step (default %(default)s)")
     lr: float = _flag(3e-3, "AdamW learning rate (default %(default)s)")
     seed: int = _flag(0, "seed for weights and data (default %(default)s)")

@@ -200,19 +200,22 @@ def _logits_of_checkpoint(name: str, ck: Path, ids):
 @pytest.mark.parametrize("model", ["gpt-tiny", "hf:llama"])
 def test_export_writes_a_model_transformers_loads_with_the_same_logits(whole, tmp_path, model):
     """A checkpoint of polyshard's GPT, or of transformers' Llama named by its family and trained with its
-    projections split over 2 ranks (which must learn), exported whole for transformers."""
+    projections split over 2 ranks on rows of half its longest length (which must learn), exported whole for
+    transformers."""
     import torch
     import transformers
 
     ck = whole / "ck"
     if model != "gpt-tiny":
         ck = tmp_path / "ck"
-        out = polyshard("train", "--nproc", "2", "--mesh", "tp=2", "--model", model, "--steps", "12",
-                        "--batch-size", "4", "--save-dir", str(ck), "--metrics", str(tmp_path / "m.jsonl"))
+        out = polyshard("train", "--nproc", "2", "--mesh", "tp=2", "--model", model, "--seq-len", "16", "--steps",
+                        "12", "--batch-size", "4", "--save-dir", str(ck), "--metrics", str(tmp_path / "m.jsonl"))
         assert out.returncode == 0, out.stderr[-3000:]
         assert re.search(r"model\.layers\.0\.self_attn\.q_proj\.weight +tp=2:S\(0\)", out.stdout)  # column-parallel
         trained = losses(tmp_path / "m.jsonl")
         assert len(trained) == 12 and sum(trained[-3:]) < sum(trained[:3])  # it learns
+        first = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
+        assert abs(first["tokens_per_s"] * first["step_s"] / (4 * 16) - 1) < 0.1  # rows of 16 tokens, not 32
     out = polyshard("export", str(ck), "--to", "hf", "--out", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr[-3000:]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()

@@ -169,9 +169,14 @@ def test_plan_takes_a_transformers_config(capsys, tmp_path):
     config_kv = dict(kv.split("=") for kv in result["config"].split(","))
     assert int(config_kv["dp"]) * int(config_kv["tp"]) * int(config_kv["pp"]) == 16
     assert result["step_s"] > 0 and result["model_tflops_per_device"] > 0
-    code, out, _ = _run(capsys, "cost", "--model", f"hf:{config}", "--cluster", "1xH100-80G", "--global-batch", "4",
-                        "--seq-len", "64", "--config", "dp=1,precision=bf16", "--json")
+    at_64 = ("cost", "--model", f"hf:{config}", "--cluster", "1xH100-80G", "--global-batch", "4", "--seq-len", "64",
+             "--config", "dp=1,precision=bf16")
+    code, out, _ = _run(capsys, *at_64, "--json")
     assert code == 0 and json.loads(out)["step_s"] > 0
+    # the plan file names the config alone: the command that trains it is told the length
+    code, out, _ = _run(capsys, *at_64, "--out", str(tmp_path / "p.json"))
+    assert code == 0 and f"`polyshard train --plan {tmp_path / 'p.json'} --seq-len 64`" in out
+    assert Plan.from_json((tmp_path / "p.json").read_text()).model == f"hf:{config}"
 
 
 def test_plan_of_an_image_model_weighs_height_and_width_splits(capsys, tmp_path):
