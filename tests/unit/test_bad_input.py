@@ -369,6 +369,8 @@ CLI_CASES = [
     ("cost-without-config", ["cost", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2"], ["--config"]),
     ("cost-empty-config", ["cost", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--config", " "],
      ["--config is empty", "polyshard plan"]),
+    ("cost-mbs-indivisible", ["cost", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--global-batch", "12",
+                              "--config", "dp=2,mbs=4"], ["dp=2,mbs=4", "mbs and m each replica's rows (6 at dp=2)"]),
     ("cost-zero-without-dp", ["cost", "--model", "gpt-tiny", "--cluster", "cpu-gloo:2", "--config", "tp=2,zero=1"],
      ["dp > 1"]),
     ("explain-missing", ["explain", "nope.json"], ["nope.json"]),
