@@ -104,14 +104,18 @@ def _parse(parser: argparse.ArgumentParser, command: str, flags: list[str]) -> a
 
 
 def _train_job(args: argparse.Namespace) -> list[dict]:
-    from polyshard.train.config import check_config
+    from polyshard.train.config import check_against_model, check_config
 
     train = _parse(args.parser, "train", args.flags)
     world = args.nodes * args.procs_per_node
     try:  # --data and --tokenizer name files inside the pods (on a volume you mount): not looked for here
-        check_config(dataclasses.replace(train_config(train), data="", tokenizer=""), world)
+        cfg, shape, plan = check_config(dataclasses.replace(train_config(train), data="", tokenizer=""), world)
     except PolyshardError as exc:  # e.g. a mesh that is not nodes x procs
         raise PolyshardError(f"--nodes {args.nodes} x --procs-per-node {args.procs_per_node}: {exc}") from None
+    # the model itself, as the pods will build it: its checkpoints live on their volumes, and whether it fits is
+    # for their devices to say, not this machine's
+    check_against_model(dataclasses.replace(cfg, resume="", save_dir="", auto=False, memory_limit=""), shape, plan,
+                        args.nodes)
     docs = []
     mounts, volumes = [_shm_mount()], [_shm_volume(args.shm)]
     files = {key: Path(getattr(train, flag[2:])).read_text() for flag, key in CONFIG_FILES.items()

@@ -62,7 +62,7 @@ def test_train_manifest_is_a_valid_pytorchjob_running_the_local_command(tmp_path
     assert (node.nnodes, node.nproc, node.node_rank, node.rdzv) == (2, 2, 1, "clicks-master-0:23456")
 
 
-def test_plan_and_pins_travel_in_a_configmap_and_data_is_the_pods(tmp_path):
+def test_plan_and_pins_travel_in_a_configmap_and_data_is_the_pods(tmp_path, capsys):
     plan, pins = tmp_path / "plan.json", tmp_path / "pins.yaml"
     assert main(["plan", "--model", "gpt-tiny", "--cluster", "1x2xA100-80G", "--out", str(plan)]) == 0
     pins.write_text("blocks.0.mlp.fc: {in_strategy: [[1, 1, 1], [2, 1]]}\n")
@@ -79,6 +79,11 @@ def test_plan_and_pins_travel_in_a_configmap_and_data_is_the_pods(tmp_path):
     assert config_map["data"] == {"strategies.yaml": pins.read_text()}
     command = _command(job, "Master")
     assert "--strategies=/etc/polyshard/strategies.yaml" in command and "/data/tokens.bin" in command
+    pins.write_text("nope.*: {in_strategy: [[2, 1]]}\n")  # checked against the model, as a local launch checks it
+    capsys.readouterr()
+    assert main(["k8s", "--image", "x", "--procs-per-node", "2", "train", "--mesh", "tp=2", f"--strategies={pins}"]) == 2
+    out = capsys.readouterr()
+    assert "'nope.*' matches no module" in out.err and out.out == ""
 
 
 def test_ps_manifests_are_valid_kubernetes_objects(tmp_path):
@@ -101,6 +106,11 @@ def test_ps_manifests_are_valid_kubernetes_objects(tmp_path):
     (["--nodes", "2", "--procs-per-node", "2", "train", "--mesh", "dp=2"],
      "--nodes 2 x --procs-per-node 2: mesh dp=2 holds 2 devices but the world has 4 processes"),
     (["train", "--nproc", "2"], "--nproc is set by the manifest for each pod"),
+    # the model itself, checked here as the launcher checks it before a local run
+    (["--procs-per-node", "2", "train", "--model", "hf:llama", "--seq-len", "64"],
+     "hf:llama takes sequences of at most 32 tokens, not 64"),
+    (["--procs-per-node", "2", "train", "--mesh", "pp=2", "--virtual-stages", "3", "--schedule", "interleaved"],
+     "make 6 stages, and gpt-small has 4 blocks to cut"),
     (["ps", "--role", "server"], "--role is set by the manifest"),
     (["--name", "Bad_Name", "train"], "must be a DNS label"),
     (["ps", "--servers", "2000", "--model", "recsys-tiny"], "1000 rows, fewer than the 2000 servers"),
