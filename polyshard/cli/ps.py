@@ -56,6 +56,8 @@ def job_of(args: argparse.Namespace) -> dict:
     check_name(args.model)
     if args.workers < 1:
         raise PolyshardError(f"--workers must be at least 1, got {args.workers}")
+    if args.batch_size < 1:
+        raise PolyshardError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.batch_size % args.workers:
         raise PolyshardError(f"--batch-size {args.batch_size} must split evenly over --workers {args.workers}")
     if not args.lr > 0:

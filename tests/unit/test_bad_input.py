@@ -398,6 +398,7 @@ CLI_CASES = [
     ("export-out-empty", ["export", "--out", "", "{inputs}"], ["--out ''", "names no folder"]),
     ("ps-out-is-folder", ["ps", "--model", "recsys-tiny", "--out", "{inputs}"], ["--out", "is a folder"]),
     ("ps-out-no-folder", ["ps", "--model", "recsys-tiny", "--out", "no/such/p.pt"], ["--out", "does not exist"]),
+    ("ps-batch-size-zero", ["ps", "--model", "recsys-tiny", "--batch-size", "0"], ["--batch-size", "at least 1, got 0"]),
     ("ps-straggler-async", ["ps", "--mode", "async", "--straggler-timeout", "5"], ["--straggler-timeout", "sync"]),
     ("ps-index-without-role", ["ps", "--index", "1"], ["--index", "give --role"]),
     ("ps-addresses-without-role", ["ps", "--addresses", "h:1"], ["--addresses", "give --role"]),
