@@ -20,6 +20,17 @@ def _recompute_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _count(text: str) -> int:
+    """A count of at least 1 (micro-batches, virtual stages)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 # `train` flags that set a plan field of the same name (and win over a plan file's), as argparse takes them
 PLAN_FLAGS = {
     "recompute": dict(type=_recompute_modes, metavar="{none,selective,pointwise,alternate,half,full}[/...]",
@@ -41,8 +52,8 @@ PLAN_FLAGS = {
     "schedule": dict(choices=SCHEDULES, help="pipeline schedule, with a pp axis in --mesh (e.g. dp=2,pp=2): all "
                      "forwards then all backwards (gpipe), one forward one backward (1f1b, the default), or 1f1b "
                      "over several stages per rank (interleaved)"),
-    "micro_batches": dict(type=int, help="micro-batches each step's batch is cut into for the pipeline"),
-    "virtual_stages": dict(type=int, help="stages per rank under the interleaved schedule (at least 2)"),
+    "micro_batches": dict(type=_count, help="micro-batches each step's batch is cut into for the pipeline"),
+    "virtual_stages": dict(type=_count, help="stages per rank under the interleaved schedule (at least 2)"),
 }
 _FLAG_TYPES = {"str": str, "int": int, "float": float}
 
