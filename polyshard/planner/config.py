@@ -104,6 +104,10 @@ class Fixed:
         if self.tp_comm == "all_reduce" and self.sp:
             raise PolyshardError("--config sp=1 reduce-scatters along the sequence, and tp_comm=all_reduce allows "
                                  "all-reduces alone; leave out one of them")
+        if self.offload not in (None, "none") and (self.zero or self.precision not in (None, "fp32")):
+            other = f"zero={self.zero}" if self.zero else f"precision={self.precision}"
+            raise PolyshardError(f"--config offload={self.offload} keeps the whole fp32 optimizer state off the "
+                                 f"device, and {other} changes that state; leave out one of them")
         if self.v is not None and self.v > 1 and self.schedule not in (None, "interleaved"):
             raise PolyshardError(f"--config v={self.v} needs schedule=interleaved, not {self.schedule!r}")
 
