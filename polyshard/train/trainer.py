@@ -86,7 +86,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             planned = Path(cfg.metrics).parent / "plan.json"
             planned.parent.mkdir(parents=True, exist_ok=True)
             planned.write_text(pm.plan.to_json())
-            size = f" --image-size {cfg.image_side}" if cfg.vision else ""
+            size = (f" --image-size {cfg.image_side}" if cfg.vision else
+                    f" --seq-len {cfg.seq_len}" if cfg.seq_len is not None else "")
             print(f"plan: {planned} (train it again with --plan {planned}{size})")
         nodes = f" on {mesh.cluster.num_nodes} machines" if mesh.cluster and mesh.cluster.num_nodes > 1 else ""
         where = f"on {mesh.device}" if mesh.device_type == "cuda" else f"{torch.get_num_threads()} thread each"

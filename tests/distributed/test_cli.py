@@ -96,14 +96,15 @@ def test_pipelined_training_draws_its_timeline_and_trains_as_the_plain_run(tmp_p
 
 
 def test_a_memory_limit_makes_the_planner_fit_the_run(tmp_path):
-    out = polyshard("train", "--nproc", "2", "--model", "gpt-tiny", "--steps", "2", "--memory-limit", "900KiB",
-                    "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
+    out = polyshard("train", "--nproc", "2", "--model", "gpt-tiny", "--seq-len", "8", "--steps", "2",
+                    "--memory-limit", "900KiB", "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "memory limit 900 KiB" in out.stdout and "memory per device" in out.stdout
     used = float(out.stdout.split("memory per device")[1].split(" = ")[1].split(" KiB")[0])
     assert used <= 900
     # the plan it made is written beside the metrics (test_plan_explain_and_train_from_the_plan trains from one)
-    assert f"plan: {tmp_path / 'plan.json'}" in out.stdout
+    assert f"plan: {tmp_path / 'plan.json'} (train it again with --plan {tmp_path / 'plan.json'} --seq-len 8)" \
+        in out.stdout
     written = Plan.from_json((tmp_path / "plan.json").read_text())
     assert math.prod(s for _, s in written.mesh) == 2 and written.model == "gpt-tiny"
 
