@@ -201,7 +201,13 @@ def batch_rows(example: Sequence | Mapping) -> int:
 
 
 def example_inputs_of(model: nn.Module, example_inputs: Sequence | Mapping | None) -> Sequence | Mapping:
-    """``example_inputs`` if given, else the model's own ``example_inputs()``."""
+    """``example_inputs`` if given (a lone tensor: the one positional argument), else the model's own
+    ``example_inputs()``."""
+    if not isinstance(model, nn.Module):
+        raise PolyshardError(f"polyshard captures an nn.Module, not {type(model).__name__}; wrap the code in a "
+                             "module (ps.shard takes a function)")
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
     if example_inputs is not None:
         return example_inputs
     if not hasattr(model, "example_inputs"):
@@ -226,13 +232,22 @@ def capture(model: nn.Module, example_inputs: Sequence | Mapping) -> fx.GraphMod
 
 def _with_shapes(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence) -> fx.GraphModule:
     """``gm``, a trace of ``model``, with each node's shape and dtype at ``example_inputs``."""
-    if _on_meta(model):
-        # meta tensors carry shapes already: the fastest way through a 175B model (seconds)
-        _RepeatShapeProp(gm).propagate(*[t.to("meta") if isinstance(t, torch.Tensor) else t for t in example_inputs])
-    else:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        _RepeatShapeProp(gm, fake_mode=mode).propagate(
-            *[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+    try:
+        if _on_meta(model):
+            # meta tensors carry shapes already: the fastest way through a 175B model (seconds)
+            _RepeatShapeProp(gm).propagate(*[t.to("meta") if isinstance(t, torch.Tensor) else t
+                                             for t in example_inputs])
+        else:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            _RepeatShapeProp(gm, fake_mode=mode).propagate(
+                *[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:  # the model's own code, on these inputs
+        root = exc
+        while root.__cause__ is not None:
+            root = root.__cause__
+        shapes = ", ".join(str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+                           for t in example_inputs)
+        raise PolyshardError(f"{type(model).__name__} does not run on its example inputs ({shapes}): {root}") from exc
     _mark_fused_norms(gm)
     return install_fused_norms(gm)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 import polyshard as ps
@@ -490,17 +491,24 @@ API_CASES = [
     ("init-pp-as-data", lambda: ps.init({"pp": 1}, data_axes=("pp",)), ["pp", "pipeline"]),
     ("init-data-axis-missing", lambda: ps.init({"tp": 1}, data_axes=("data",)), ["data", "tp"]),
     ("init-threads", lambda: ps.init(threads_per_rank=0), ["threads_per_rank", "0"]),
-    ("shard-string", lambda: ps.shard(__import__("torch").nn.Linear(2, 2), "2,1"), ["in_strategy", "'2,1'"]),
-    ("shard-bool", lambda: ps.shard(__import__("torch").nn.Linear(2, 2), ((1, True), (1, 1))), ["True"]),
-    ("shard-zero", lambda: ps.shard(__import__("torch").nn.Linear(2, 2), ((1, 0), (1, 1))), ["0"]),
+    ("shard-string", lambda: ps.shard(torch.nn.Linear(2, 2), "2,1"), ["in_strategy", "'2,1'"]),
+    ("shard-bool", lambda: ps.shard(torch.nn.Linear(2, 2), ((1, True), (1, 1))), ["True"]),
+    ("shard-zero", lambda: ps.shard(torch.nn.Linear(2, 2), ((1, 0), (1, 1))), ["0"]),
     ("shard-object", lambda: ps.shard(3, ((1, 1),)), ["int"]),
     ("parallelize-plan-local-split", lambda: _parallelize_edited("local"), ["local", "split", "dtensor"]),
     ("parallelize-plan-no-param", lambda: _parallelize_edited("no_param"), ["wte.weight", "no layout"]),
     ("parallelize-plan-op-axes", lambda: _parallelize_edited("op_axes"), ["tp=4", "tp=2"]),
     ("parallelize-recompute", lambda: ps.parallelize(_tiny(), recompute="most", mesh=_TP2), ["recompute", "most"]),
     ("parallelize-copies", lambda: ps.parallelize(_tiny(), copies=0, mesh=_TP2), ["copies", "0"]),
-    ("parallelize-no-inputs", lambda: ps.parallelize(__import__("torch").nn.Linear(2, 2), mesh=_TP2),
+    ("parallelize-no-inputs", lambda: ps.parallelize(torch.nn.Linear(2, 2), mesh=_TP2),
      ["Linear", "example_inputs"]),
+    ("parallelize-function", lambda: ps.parallelize(lambda x: x, example_inputs=(torch.ones(2),), mesh=_TP2),
+     ["nn.Module", "not function"]),
+    ("plan-function", lambda: ps.plan(lambda x: x, example_inputs=(torch.ones(2),), mesh=_TP2),
+     ["nn.Module", "not function"]),
+    ("parallelize-inputs-do-not-fit", lambda: ps.parallelize(torch.nn.Linear(4, 4, device="meta"), mesh=_TP2,
+                                                             example_inputs=torch.ones(2, 5)),
+     ["Linear does not run on its example inputs ([2, 5])", "[2, 5] X [4, 4]"]),
     ("interleave-copies", lambda: ps.micro_batch_interleaved(_tiny(), 0), ["copies", "0"]),
     ("plan-json", lambda: Plan.from_json("{}"), ["op_axes"]),
     ("plan-schedule", lambda: Plan(op_axes=(), schedule="zigzag"), ["schedule", "zigzag"]),
