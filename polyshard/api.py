@@ -82,8 +82,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence | Mapping | None = No
     their strategies, the others follow the op rules. The model moves to the rank's device (its GPU) first.
 
     ``example_inputs`` (one rank's batch; shapes matter, not values): the positional arguments (a lone tensor:
-    the one argument), or a mapping of keyword arguments (``{"input_ids": ..., "labels": ...}`` for a transformers model, which
-    is then called as written and returns its own output); by default the model's ``example_inputs()``.
+    the one argument), or a mapping of keyword arguments (``{"input_ids": ..., "labels": ...}`` for a
+    transformers model, which is then called as written and returns its own output); by default the model's
+    ``example_inputs()``.
     A given ``plan`` (e.g. edited by hand) is used instead of propagation and completed (copies, stage cuts).
     ``copies``: interleaved batch slices (multi-copy parallel); "auto" lets the cost model choose;
     by default the plan's, or what :func:`micro_batch_interleaved` set on the model.

@@ -81,7 +81,8 @@ def test_plan_and_pins_travel_in_a_configmap_and_data_is_the_pods(tmp_path, caps
     assert "--strategies=/etc/polyshard/strategies.yaml" in command and "/data/tokens.bin" in command
     pins.write_text("nope.*: {in_strategy: [[2, 1]]}\n")  # checked against the model, as a local launch checks it
     capsys.readouterr()
-    assert main(["k8s", "--image", "x", "--procs-per-node", "2", "train", "--mesh", "tp=2", f"--strategies={pins}"]) == 2
+    assert main(["k8s", "--image", "x", "--procs-per-node", "2", "train", "--mesh", "tp=2",
+                 f"--strategies={pins}"]) == 2
     out = capsys.readouterr()
     assert "'nope.*' matches no module" in out.err and out.out == ""
 
