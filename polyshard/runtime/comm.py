@@ -56,6 +56,10 @@ def recv(shape: tuple[int, ...], src: int, dtype: torch.dtype = torch.float32) -
 
 
 def _change(x: torch.Tensor, axis: str, src, dst) -> torch.Tensor:
+    for placement in (src, dst):
+        if isinstance(placement, Shard) and not -x.dim() <= placement.dim < x.dim():
+            raise PolyshardError(f"dim {placement.dim} is out of range for a tensor of {x.dim()} dims (shape "
+                                 f"{tuple(x.shape)})")
     sub = current_mesh().axis_mesh(axis)
     size = sub.size()
     shape = list(x.shape)
