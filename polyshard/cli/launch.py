@@ -160,12 +160,20 @@ class _Agent:
 
 
 def _run_agent(argv: list[str]) -> int:
-    """``torchrun ARGV``'s exit code, its error said on stderr as torchrun says it."""
+    """``torchrun ARGV``'s exit code, its error said on stderr as torchrun says it; a failed rank in one line, the
+    job ending with the rank's own exit code (its output above says why)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
     try:
         main(argv)
         return 0
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        how = f"was ended by {failure.signal_name()}" if failure.exitcode < 0 else \
+            f"exited with code {failure.exitcode}"
+        print(f"polyshard: error: rank {rank} (pid {failure.pid}) {how}, and the job stopped", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
     except SystemExit as exc:  # as the interpreter ends on one: None is success, a message is said and fails
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0

@@ -1,8 +1,14 @@
 """The launcher's agent: torchrun's main in a fork ends with the exit code the interpreter would give."""
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from polyshard.cli import launch
+
+
+def _failed(exitcode: int) -> ChildFailedError:
+    """torchrun's report of rank 1 ending with ``exitcode`` (negative: a signal)."""
+    return ChildFailedError("x", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=exitcode, error_file="")})
 
 
 @pytest.mark.parametrize("raised,code,said", [
@@ -11,6 +17,9 @@ from polyshard.cli import launch
     (SystemExit(3), 3, ""),
     (SystemExit("no rendezvous"), 1, "no rendezvous"),
     (RuntimeError("a rank failed"), 1, "RuntimeError: a rank failed"),
+    # a rank's own output says why it failed: the report is one line, and the job ends with the rank's code
+    (_failed(3), 3, "polyshard: error: rank 1 (pid 4242) exited with code 3, and the job stopped\n"),
+    (_failed(-9), 1, "polyshard: error: rank 1 (pid 4242) was ended by SIGKILL, and the job stopped\n"),
 ])
 def test_the_agent_ends_as_torchrun_would(monkeypatch, capsys, raised, code, said):
     def main(argv):
@@ -22,3 +31,5 @@ def test_the_agent_ends_as_torchrun_would(monkeypatch, capsys, raised, code, sai
     assert launch._run_agent(["--nproc-per-node=2", "-m", "x"]) == code
     err = capsys.readouterr().err
     assert said in err and (said or err == "")
+    if isinstance(raised, ChildFailedError):
+        assert err == said  # no traceback, no banner
