@@ -43,8 +43,8 @@ def make_pin(in_strategy: Strategy, out_strategy: Sequence | None, fn: Callable 
     counts = {type(c) is int for s in in_strategy for c in s}
     if len(counts) > 1:
         raise PolyshardError(f"`{name}`: in_strategy {tuple(map(tuple, in_strategy))} mixes slice counts and axis "
-                             "names; give every dim a count, e.g. ((1, 2), (2, 1)), or every dim an axis name or "
-                             "None, e.g. ((None, 'tp'), ('tp', None))")
+                             "names; give every dim a count, e.g. (1, 2), or every dim an axis name or None, e.g. "
+                             "(None, 'tp')")
     out = tuple(out_strategy) if out_strategy is not None else None
     if manual_split is not None and (not isinstance(manual_split, (tuple, list)) or len(manual_split) < 2
                                      or not all(type(r) is int and r >= 1 for r in manual_split)):
