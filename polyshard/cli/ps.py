@@ -54,10 +54,13 @@ def job_of(args: argparse.Namespace) -> dict:
     from polyshard.runtime.ps.jobs import NamedBatches, NamedModel, check_name
 
     check_name(args.model)
-    if args.workers < 1:
-        raise PolyshardError(f"--workers must be at least 1, got {args.workers}")
-    if args.batch_size < 1:
-        raise PolyshardError(f"--batch-size must be at least 1, got {args.batch_size}")
+    for flag, value in (("--servers", args.servers), ("--workers", args.workers), ("--steps", args.steps),
+                        ("--batch-size", args.batch_size), ("--snapshot-every", args.snapshot_every),
+                        ("--log-every", args.log_every)):
+        if value < 1:
+            raise PolyshardError(f"{flag} must be at least 1, got {value}")
+    if args.max_restarts < 0:
+        raise PolyshardError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     if args.batch_size % args.workers:
         raise PolyshardError(f"--batch-size {args.batch_size} must split evenly over --workers {args.workers}")
     if not args.lr > 0:
