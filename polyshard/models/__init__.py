@@ -36,6 +36,7 @@ def config(name: str, seq_len: int | None = None) -> GPTConfig:
     ``gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200`` (ffn defaults to 4 x hidden; tied=0 gives the
     LM head a weight of its own);
     ``seq_len`` overrides its sequence length."""
+    _check_length(seq_len)
     if name.startswith("hf:"):
         return build(name, device="meta", seq_len=seq_len).cfg
     if name.startswith("gpt:"):
@@ -47,11 +48,13 @@ def config(name: str, seq_len: int | None = None) -> GPTConfig:
                              "hf:FAMILY or hf:CONFIG.json, or a shape such as "
                              "'gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200' (`polyshard models` lists "
                              "them all)")
-    if seq_len is not None:
-        if seq_len < 1:
-            raise PolyshardError(f"sequence length must be at least 1, got {seq_len}")
-        cfg = replace(cfg, seq_len=seq_len)
-    return cfg
+    return cfg if seq_len is None else replace(cfg, seq_len=seq_len)
+
+
+def _check_length(seq_len: int | None) -> None:
+    """A sequence length to override a model's with: None (the model's own) or at least 1."""
+    if seq_len is not None and seq_len < 1:
+        raise PolyshardError(f"sequence length must be at least 1, got {seq_len}")
 
 
 def shape_spec(cfg: GPTConfig) -> str:
@@ -106,6 +109,7 @@ def build(name: str, device: str | torch.device = "cpu", seed: int = 0, seq_len:
     """The model a name describes: a GPT (see :func:`config`), or ``hf:<family, shipped config or
     config.json>`` for a transformers model (see :mod:`polyshard.models.hf`); on ``device="meta"`` no
     memory is used (for planning)."""
+    _check_length(seq_len)
     if name.startswith("hf:"):
         from polyshard.models.hf import causal_lm
 

@@ -143,8 +143,6 @@ def causal_lm(spec: str, device: str | torch.device = "cpu", seed: int = 0, seq_
     model = build(spec, device=device)
     longest = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 2048)
     seq = min(longest, 2048) if seq_len is None else seq_len
-    if seq < 1:
-        raise PolyshardError(f"sequence length must be at least 1, got {seq}")
     if seq > longest:
         raise PolyshardError(f"hf:{spec} takes sequences of at most {longest} tokens, not {seq}")
     return CausalLM(model, seq)
