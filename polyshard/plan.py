@@ -146,7 +146,8 @@ class Plan:
       closes (small where communication runs beside compute, so it starts early);
     optimizer: "adamw", "sgd" or "lamb"; precision: "fp32", "bf16" or "fp16" (fp32 master weights);
     offload: optimizer state (and its step) kept on the "host" or on "disk" instead of the device;
-    model/global_batch: what it was made for, when a search made it; report: the search's figures;
+    model/global_batch/seq_len/image_size: what it was made for, when a search made it (rows of seq_len tokens, or
+      square images of image_size pixels; 0 where unknown or not that kind of model); report: the search's figures;
     row_splits: a table split unevenly by rows (MindSpore's manual_split): its rows per piece, by parameter
       name, the pieces in the order of the axes that split its dim 0."""
 
@@ -173,6 +174,8 @@ class Plan:
     offload: Offload = Offload.NONE
     model: str = ""
     global_batch: int = 0
+    seq_len: int = 0
+    image_size: int = 0
     report: dict = field(default_factory=dict)
     row_splits: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
@@ -216,7 +219,8 @@ class Plan:
             "mesh": [list(a) for a in self.mesh], "data_axes": list(self.data_axes),
             **{name: getattr(self, name) for name in _SETTINGS}, "stage_boundaries": list(self.stage_boundaries),
             "stage_recompute": list(self.stage_recompute), "stage_tp_split": list(self.stage_tp_split),
-            "model": self.model, "global_batch": self.global_batch, "report": self.report,
+            "model": self.model, "global_batch": self.global_batch, "seq_len": self.seq_len,
+            "image_size": self.image_size, "report": self.report,
             "row_splits": {k: list(v) for k, v in self.row_splits.items()},
             "op_axes": [list(a) for a in self.op_axes],
             "params": {k: _layout_out(v) for k, v in self.params.items()},
@@ -251,7 +255,8 @@ class Plan:
                 stage_boundaries=tuple(raw.get("stage_boundaries", ())),
                 stage_recompute=tuple(raw.get("stage_recompute", ())),
                 stage_tp_split=tuple(raw.get("stage_tp_split", ())), model=raw.get("model", ""),
-                global_batch=int(raw.get("global_batch", 0)), report=raw.get("report", {}),
+                global_batch=int(raw.get("global_batch", 0)), seq_len=int(raw.get("seq_len", 0)),
+                image_size=int(raw.get("image_size", 0)), report=raw.get("report", {}),
                 row_splits={k: tuple(int(r) for r in v) for k, v in raw.get("row_splits", {}).items()},
             )
         except PolyshardError:

@@ -241,7 +241,7 @@ def _plan(args) -> int:
         options = dict(meshes=planned.meshes, dataset_strategy=planned.dataset_strategy, reserve_bytes=reserve,
                        pp_plan=args.pp_plan, graph=graph, workers=args.workers, progress=counted)
         plan, _ = search(model, model.example_inputs(1), cluster, batch, limit, fixed=fixed, **options)
-        plan = dataclasses.replace(plan, model=planned.name)
+        plan = dataclasses.replace(plan, model=planned.name, **planned.shape)
         seconds = time.perf_counter() - start
         pick = None
         if getattr(args, "compare", False):
@@ -267,7 +267,7 @@ def _plan(args) -> int:
     if args.out:
         Path(args.out).write_text(plan.to_json())
         if not args.json:
-            print(f"plan: {args.out} (train it with `polyshard train --plan {args.out}{planned.train_flags}`)")
+            print(f"plan: {args.out} (train it with `polyshard train --plan {args.out}`)")
     return 0
 
 
@@ -275,7 +275,8 @@ def _plan(args) -> int:
 class _Planned:
     """What `plan` and `cost` plan: the model's name for the plan file, its token shape (None for an image
     model), one row in words, the model built on the meta device (planned at full size without its memory),
-    the meshes to weigh (None: every dp x pp x tp split), how its inputs split, the flags that train it."""
+    the meshes to weigh (None: every dp x pp x tp split), how its inputs split, the row's size as the plan file
+    records it (seq_len or image_size, which a run of the file then trains at)."""
 
     name: str
     cfg: object
@@ -283,7 +284,7 @@ class _Planned:
     build: Callable
     meshes: list | None = None
     dataset_strategy: tuple | None = None
-    train_flags: str = ""
+    shape: dict = dataclasses.field(default_factory=dict)
 
 
 def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
@@ -305,11 +306,9 @@ def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
                                  f"--model {' or '.join(VISION)}, or leave out --image-size")
         cfg = models.config(args.model, args.seq_len)
         named_whole = args.seq_len is None or args.model.startswith("hf:")  # a gpt: shape spells its length
-        # a plan file names a transformers model alone: its run is told the length
-        flags = f" --seq-len {cfg.seq_len}" if args.model.startswith("hf:") and args.seq_len is not None else ""
         return _Planned(args.model if named_whole else models.shape_spec(cfg), cfg, f"{cfg.seq_len} tokens",
                         functools.partial(models.build, args.model, device="meta", seq_len=args.seq_len),
-                        train_flags=flags)
+                        shape={"seq_len": cfg.seq_len})
     for flag, given in (("--seq-len", args.seq_len is not None), ("--pp-plan", args.pp_plan)):
         if given:
             raise PolyshardError(f"{flag} is for token models; {args.model} reads images: leave it out")
@@ -324,7 +323,7 @@ def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
                              f"of {devices * 2 ** VISION[args.model].halvings}")
     return _Planned(args.model, None, f"{size} x {size} images",
                     functools.partial(build_vision, args.model, size, device="meta"), meshes,
-                    dataset_strategy(args.model), f" --image-size {size}")
+                    dataset_strategy(args.model), {"image_size": size})
 
 
 def _check_reserve(limit: int, reserve: int | None, default: int) -> None:
@@ -420,7 +419,7 @@ def _draw_plan_timeline(plan, path: str, cluster) -> None:
         from polyshard.planner.stages import predict_timings
 
         rows = plan.global_batch // math.prod(s for n, s in plan.mesh if n in plan.data_axes)
-        model = models.build(plan.model or "gpt-small", device="meta")
+        model = models.build(plan.model or "gpt-small", device="meta", seq_len=plan.seq_len or None)
         times = predict_timings(model, model.example_inputs(rows), plan, pp, cluster)  # cut into micro-batches there
         source = f"compute on {cluster.num_devices}x {cluster.device_name}"
     bubble = draw_timeline(path, predicted=times, title=f"{plan.model}: {plan.schedule}, {pp} stages, "
@@ -493,8 +492,13 @@ def _models(args) -> int:
 
 def run() -> None:
     """The ``polyshard`` command: :func:`main` in a process of its own, whose objects are left to the process's end
-    uncollected (once torch is loaded, collecting them at exit takes about a second, in every rank)."""
-    code = main()
+    uncollected (once torch is loaded, collecting them at exit takes about a second, in every rank). Output piped
+    into a reader that stops early (``| head``) ends it quietly, as other command-line tools end."""
+    try:
+        code = main()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
+        sys.exit(1)
     gc.freeze()
     sys.exit(code)
 

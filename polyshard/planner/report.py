@@ -65,7 +65,9 @@ def render(plan: Plan, layouts: int = 40, candidates: int = 20) -> str:
     rep = plan.report
     lines = []
     if rep:
-        lines.append(f"model {plan.model or '?'}, global batch {plan.global_batch}, "
+        row = (f" x {plan.seq_len} tokens" if plan.seq_len else
+               f" x {plan.image_size} x {plan.image_size} images" if plan.image_size else "")
+        lines.append(f"model {plan.model or '?'}, global batch {plan.global_batch}{row}, "
                      f"memory limit {format_bytes(rep['limit_bytes'])} per device")
         chosen = chosen_row(rep)
         shown = [c for k, c in enumerate(rep["candidates"]) if k < candidates or c is chosen]

@@ -28,6 +28,7 @@ from polyshard.plan import Plan
 from polyshard.train.options import TrainConfig
 
 DEFAULT_MODEL = "gpt-small"
+DEFAULT_BATCH_SIZE = 8
 
 
 def token_source(cfg: TrainConfig) -> tuple[str, str]:
@@ -78,7 +79,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, dict[s
     """Every flag checked against the others and the world; returns the config with its model named (the
     flag's, else the --plan file's, else the default), the mesh shape and the --plan file's plan."""
     plan = load_plan(cfg.plan) if cfg.plan else None
-    cfg = _with_model_named(cfg, plan)
+    cfg = _planned_for(_with_model_named(cfg, plan), plan)
     shape = _check_mesh(cfg, plan, world_size)
     _check_image_flags(cfg, shape)
     _check_numbers(cfg)
@@ -118,6 +119,28 @@ def _with_model_named(cfg: TrainConfig, plan: Plan | None) -> TrainConfig:
                              f"({', '.join([*models.CONFIGS, *VISION])}), a shape such as "
                              "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=256, or hf:<family or config.json>")
     return replace(cfg, model=name)
+
+
+def _planned_for(cfg: TrainConfig, plan: Plan | None) -> TrainConfig:
+    """``cfg`` at the batch, tokens a row and image size the --plan file was made for, where the flags leave them out
+    (its layouts, micro-batches and memory were chosen for those); a flag that asks for other ones is refused."""
+    if plan is not None:
+        accum = max(cfg.accum, 1)  # a bad --accum is refused with the other numbers
+        made = {"batch_size": (plan.global_batch * accum, f"{plan.global_batch} rows a step" + (
+                    f" (--batch-size {plan.global_batch * accum} at --accum {accum})" if accum > 1 else "")),
+                "seq_len": (0 if cfg.vision else plan.seq_len, f"{plan.seq_len} tokens a row"),
+                "image_size": (plan.image_size if cfg.vision else 0, f"{plan.image_size} x {plan.image_size} images")}
+        again = {"batch_size": f"--global-batch {(cfg.batch_size or 0) // accum}",
+                 "seq_len": f"--seq-len {cfg.seq_len}", "image_size": f"--image-size {cfg.image_size}"}
+        for name, (value, words) in made.items():
+            given = getattr(cfg, name)
+            if value and given is not None and given != value:
+                flag = "--" + name.replace("_", "-")
+                raise PolyshardError(f"--plan {cfg.plan!r} was made for {words}, not {flag} {given}: leave out "
+                                     f"{flag}, or plan again with {again[name]}")
+            if value:
+                cfg = replace(cfg, **{name: value})
+    return replace(cfg, batch_size=DEFAULT_BATCH_SIZE) if cfg.batch_size is None else cfg
 
 
 def _check_image_flags(cfg: TrainConfig, shape: dict[str, int]) -> None:

@@ -32,9 +32,9 @@ class TrainConfig:
                                     "instead of all-reducing, so norms, dropout and residual adds run on a slice of "
                                     "it and hold a slice of their activations (Megatron's sequence parallel)")
     steps: int = _flag(50, "optimizer steps (default %(default)s)")
-    batch_size: int = _flag(8, "global batch rows per step (default %(default)s)")
-    seq_len: int | None = _flag(None, "tokens per row of a token model (default: the model's own; a transformers "
-                                "config's longest, at most 2048)", type=int)
+    batch_size: int | None = _flag(None, "global batch rows per step (default: the --plan file's, else 8)", type=int)
+    seq_len: int | None = _flag(None, "tokens per row of a token model (default: the --plan file's, else the model's "
+                                "own; a transformers config's longest, at most 2048)", type=int)
     accum: int = _flag(1, "gradient accumulation micro-steps per step (default %(default)s)")
     lr: float = _flag(3e-3, "AdamW learning rate (default %(default)s)")
     seed: int = _flag(0, "seed for weights and data (default %(default)s)")
@@ -73,7 +73,8 @@ class TrainConfig:
     tokenizer: str = _flag("", "a tokenizer.json (or a folder with one, e.g. a transformers model's): --data is then "
                            "a text file (or a saved dataset's text rows), tokenized once into runs/data/ beside the "
                            "metrics")
-    image_size: int | None = _flag(None, "with an image model: square images of N pixels (default 64)", type=int)
+    image_size: int | None = _flag(None, "with an image model: square images of N pixels (default: the --plan "
+                                   "file's, else 64)", type=int)
 
     @property
     def vision(self) -> bool:

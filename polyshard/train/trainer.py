@@ -61,7 +61,8 @@ def train(cfg: TrainConfig) -> list[dict]:
         plan, _ = search(meta, meta.example_inputs(1), Cluster.from_env(), cfg.batch_size // cfg.accum, limit,
                          meshes=meshes, fixed=Fixed(sp=1) if cfg.sequence_parallel else Fixed(),
                          dataset_strategy=dataset_strategy(cfg.model) if cfg.vision else None)
-        plan, shape = dataclasses.replace(plan, model=cfg.model), dict(plan.mesh)
+        made_for = {"image_size": cfg.image_side} if cfg.vision else {"seq_len": meta.cfg.seq_len}
+        plan, shape = dataclasses.replace(plan, model=cfg.model, **made_for), dict(plan.mesh)
     if plan is not None and cfg.settings:
         plan = dataclasses.replace(plan, **dict(cfg.settings))
     mesh = init(shape)
@@ -86,9 +87,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             planned = Path(cfg.metrics).parent / "plan.json"
             planned.parent.mkdir(parents=True, exist_ok=True)
             planned.write_text(pm.plan.to_json())
-            size = (f" --image-size {cfg.image_side}" if cfg.vision else
-                    f" --seq-len {cfg.seq_len}" if cfg.seq_len is not None else "")
-            print(f"plan: {planned} (train it again with --plan {planned}{size})")
+            print(f"plan: {planned} (train it again with --plan {planned})")
         nodes = f" on {mesh.cluster.num_nodes} machines" if mesh.cluster and mesh.cluster.num_nodes > 1 else ""
         where = f"on {mesh.device}" if mesh.device_type == "cuda" else f"{torch.get_num_threads()} thread each"
         print(f"mesh: {mesh}  ({world} processes{nodes}, {where})")

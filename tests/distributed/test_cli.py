@@ -103,10 +103,10 @@ def test_a_memory_limit_makes_the_planner_fit_the_run(tmp_path):
     used = float(out.stdout.split("memory per device")[1].split(" = ")[1].split(" KiB")[0])
     assert used <= 900
     # the plan it made is written beside the metrics (test_plan_explain_and_train_from_the_plan trains from one)
-    assert f"plan: {tmp_path / 'plan.json'} (train it again with --plan {tmp_path / 'plan.json'} --seq-len 8)" \
-        in out.stdout
+    assert f"plan: {tmp_path / 'plan.json'} (train it again with --plan {tmp_path / 'plan.json'})" in out.stdout
     written = Plan.from_json((tmp_path / "plan.json").read_text())
     assert math.prod(s for _, s in written.mesh) == 2 and written.model == "gpt-tiny"
+    assert (written.global_batch, written.seq_len) == (8, 8)
 
 
 def test_two_machines_on_localhost_train_as_one_process_does(tmp_path):

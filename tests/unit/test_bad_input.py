@@ -71,6 +71,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     plan("axis_size", lambda r: r["params"]["blocks.0.attn.q.weight"].update(axes=[["tp", 4]]))
     plan("bad_schedule", lambda r: r.update(schedule="zigzag"))
     plan("pipelined_plan", lambda r: r.update(mesh=[["dp", 1], ["tp", 2], ["pp", 2]], global_batch=8))
+    plan("made_for", lambda r: r.update(global_batch=8, seq_len=16))
     plan("zero_micro", lambda r: r.update(micro_batches=0))
     plan("zero_string", lambda r: r.update(zero="2"))
     plan("mesh_foo", lambda r: r.update(mesh=[["foo", 1], ["tp", 2]]))
@@ -337,6 +338,12 @@ CLI_CASES = [
     ("plan-shape-divisor", TRAIN[:3] + ["--plan", "{bad_divisor}"], ["shape_divisors", "9"]),
     ("plan-world", ["train", "--nproc", "4", "--plan", "{plan}"], ["2 devices", "4 processes"]),
     ("plan-other-model", TRAIN[:3] + ["--plan", "{plan}", "--model", "gpt-small"], ["gpt-small", "gpt-tiny"]),
+    ("plan-other-batch", TRAIN[:3] + ["--plan", "{made_for}", "--batch-size", "4"],
+     ["made_for.json", "8 rows a step", "--batch-size 4", "--global-batch 4"]),
+    ("plan-other-batch-accum", TRAIN[:3] + ["--plan", "{made_for}", "--batch-size", "8", "--accum", "2"],
+     ["8 rows a step", "--batch-size 16 at --accum 2", "--batch-size 8", "--global-batch 4"]),
+    ("plan-other-seq-len", TRAIN[:3] + ["--plan", "{made_for}", "--seq-len", "8"],
+     ["16 tokens a row", "--seq-len 8", "leave out --seq-len"]),
     # clusters, plan and cost flags
     ("cluster-missing", PLAN[:3] + ["--cluster", "nope.yaml"], ["nope.yaml"]),
     ("cluster-preset", PLAN[:3] + ["--cluster", "8xA999"], ["A999", "A100"]),

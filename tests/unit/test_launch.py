@@ -33,3 +33,15 @@ def test_the_agent_ends_as_torchrun_would(monkeypatch, capsys, raised, code, sai
     assert said in err and (said or err == "")
     if isinstance(raised, ChildFailedError):
         assert err == said  # no traceback, no banner
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """`polyshard models | head -1`: the reader closes the pipe before the command has written; no traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "from polyshard.cli.main import run; run()", "models"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and err == b"", err.decode()

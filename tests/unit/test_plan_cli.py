@@ -7,6 +7,7 @@ import pytest
 from polyshard import models
 from polyshard.cli.main import main
 from polyshard.cluster import DEVICE_TYPES
+from polyshard.errors import PolyshardError
 from polyshard.plan import Plan
 from polyshard.planner.report import chosen_row
 
@@ -173,10 +174,13 @@ def test_plan_takes_a_transformers_config(capsys, tmp_path):
              "--config", "dp=1,precision=bf16")
     code, out, _ = _run(capsys, *at_64, "--json")
     assert code == 0 and json.loads(out)["step_s"] > 0
-    # the plan file names the config alone: the command that trains it is told the length
+    # the plan file records the length it was made for, which a run of it trains at
     code, out, _ = _run(capsys, *at_64, "--out", str(tmp_path / "p.json"))
-    assert code == 0 and f"`polyshard train --plan {tmp_path / 'p.json'} --seq-len 64`" in out
-    assert Plan.from_json((tmp_path / "p.json").read_text()).model == f"hf:{config}"
+    assert code == 0 and f"`polyshard train --plan {tmp_path / 'p.json'}`" in out
+    written = Plan.from_json((tmp_path / "p.json").read_text())
+    assert (written.model, written.global_batch, written.seq_len) == (f"hf:{config}", 4, 64)
+    _trains_at_what_it_was_made_for(str(tmp_path / "p.json"), 1, {"batch_size": 4, "seq_len": 64},
+                                    {"seq_len": 32, "batch_size": 8})
 
 
 def test_plan_of_an_image_model_weighs_height_and_width_splits(capsys, tmp_path):
@@ -190,9 +194,28 @@ def test_plan_of_an_image_model_weighs_height_and_width_splits(capsys, tmp_path)
     assert result["images_per_s"] == pytest.approx(4 / result["step_s"])
     path = tmp_path / "p.json"
     code, out, _ = _run(capsys, "cost", *args, "--config", "dp=1,h=2,w=2", "--out", str(path))
-    assert code == 0 and "kept dp=1,h=2,w=2" in out and "--image-size 1024" in out
+    assert code == 0 and "kept dp=1,h=2,w=2" in out and "1024 x 1024 images" in out
     plan = Plan.from_json(path.read_text())
     assert plan.model == "unet-small" and dict(plan.mesh) == {"dp": 1, "h": 2, "w": 2}
+    assert (plan.image_size, plan.seq_len, plan.global_batch) == (1024, 0, 4)
+    _trains_at_what_it_was_made_for(str(path), 4, {"batch_size": 4, "image_size": 1024},
+                                    {"image_size": 512, "batch_size": 12})
+
+
+def _trains_at_what_it_was_made_for(path: str, world: int, made_for: dict, others: dict) -> None:
+    """`train --plan` takes the plan file's batch and row size where its flags leave them out, refuses others, and
+    takes a batch the plan's times --accum."""
+    from polyshard.train.config import check_config
+    from polyshard.train.options import TrainConfig
+
+    cfg, _, _ = check_config(TrainConfig(plan=path), world)
+    assert {k: getattr(cfg, k) for k in made_for} == made_for
+    for name, value in others.items():
+        flag = "--" + name.replace("_", "-")
+        with pytest.raises(PolyshardError, match=f"made for .* not {flag} {value}: leave out {flag}, or plan again"):
+            check_config(TrainConfig(plan=path, **{name: value}), world)
+    accumulated, _, _ = check_config(TrainConfig(plan=path, batch_size=2 * made_for["batch_size"], accum=2), world)
+    assert accumulated.batch_size == 2 * made_for["batch_size"]
 
 
 def test_a_cluster_whose_ranks_arrive_apart_shows_the_wait_as_a_term(capsys, tmp_path):
