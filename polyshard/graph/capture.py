@@ -9,7 +9,11 @@ whole (one node each); everything else is traced through.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import operator
+import sys
 from dataclasses import dataclass
 from functools import partial
 from typing import Mapping, Sequence
@@ -233,14 +237,15 @@ def capture(model: nn.Module, example_inputs: Sequence | Mapping) -> fx.GraphMod
 def _with_shapes(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence) -> fx.GraphModule:
     """``gm``, a trace of ``model``, with each node's shape and dtype at ``example_inputs``."""
     try:
-        if _on_meta(model):
-            # meta tensors carry shapes already: the fastest way through a 175B model (seconds)
-            _RepeatShapeProp(gm).propagate(*[t.to("meta") if isinstance(t, torch.Tensor) else t
-                                             for t in example_inputs])
-        else:
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            _RepeatShapeProp(gm, fake_mode=mode).propagate(
-                *[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+        with _quiet_unless_it_runs():
+            if _on_meta(model):
+                # meta tensors carry shapes already: the fastest way through a 175B model (seconds)
+                _RepeatShapeProp(gm).propagate(*[t.to("meta") if isinstance(t, torch.Tensor) else t
+                                                 for t in example_inputs])
+            else:
+                mode = FakeTensorMode(allow_non_fake_inputs=True)
+                _RepeatShapeProp(gm, fake_mode=mode).propagate(
+                    *[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:  # the model's own code, on these inputs
         root = exc
         while root.__cause__ is not None:
@@ -250,6 +255,21 @@ def _with_shapes(gm: fx.GraphModule, model: nn.Module, example_inputs: Sequence)
         raise PolyshardError(f"{type(model).__name__} does not run on its example inputs ({shapes}): {root}") from exc
     _mark_fused_norms(gm)
     return install_fused_norms(gm)
+
+
+@contextlib.contextmanager
+def _quiet_unless_it_runs():
+    """What the block writes to stderr, passed on once it has run; where it fails, dropped with the traceback fx's
+    ShapeProp prints and fake tensors log for the failed op, as the refusal then says why."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level, held = logger.level, io.StringIO()
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        logger.setLevel(level)
+    sys.stderr.write(held.getvalue())
 
 
 def _on_meta(model: nn.Module) -> bool:

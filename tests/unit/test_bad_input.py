@@ -526,6 +526,9 @@ API_CASES = [
     ("parallelize-inputs-do-not-fit", lambda: ps.parallelize(torch.nn.Linear(4, 4, device="meta"), mesh=_TP2,
                                                              example_inputs=torch.ones(2, 5)),
      ["Linear does not run on its example inputs ([2, 5])", "[2, 5] X [4, 4]"]),
+    ("plan-inputs-do-not-fit-on-cpu", lambda: ps.plan(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(2, 2)),
+                                                      example_inputs=torch.ones(2, 4), mesh=_TP2),
+     ["Sequential does not run on its example inputs ([2, 4])", "[2, 3] X [2, 2]"]),
     ("interleave-copies", lambda: ps.micro_batch_interleaved(_tiny(), 0), ["copies", "0"]),
     ("plan-json", lambda: Plan.from_json("{}"), ["op_axes"]),
     ("plan-schedule", lambda: Plan(op_axes=(), schedule="zigzag"), ["schedule", "zigzag"]),
@@ -553,11 +556,12 @@ def _parallelize_edited(edit: str):
 
 
 @pytest.mark.parametrize("call,needles", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES])
-def test_api_refuses(call, needles):
+def test_api_refuses(call, needles, capfd):
     with pytest.raises(PolyshardError) as exc:
         call()
     for needle in needles:
         assert needle in str(exc.value), f"{needle!r} not named in: {exc.value}"
+    assert capfd.readouterr().err == "", "the refusal alone says what is wrong"
 
 
 def test_more_processes_than_gpus_are_refused_before_launch(monkeypatch, tmp_path, capsys):
