@@ -123,6 +123,22 @@ class Fixed:
         if {"dp", "tp", "pp"} <= set(given) and product != devices:
             raise PolyshardError(f"--config {' x '.join(given)} = {product}, and the cluster has {devices} devices")
 
+    def conflict(self, global_batch: int, blocks: int) -> str:
+        """The first rule of a plan that these settings break for ``global_batch`` rows and a model of ``blocks``
+        repeated blocks, in words; '' where each could hold."""
+        chunks, rows = (self.pp or 1) * (self.v or 1), global_batch // (self.dp or 1)
+        cut = " x ".join(f"{k}={getattr(self, k)}" for k in ("mbs", "m") if getattr(self, k))
+        per_step = (self.mbs or 1) * (self.m or 1)
+        rules = (
+            (chunks > blocks, f"pp={self.pp}{f' x v={self.v}' if self.v else ''} makes {chunks} pipeline chunks, and "
+                              f"the model has {blocks} blocks to cut them at"),
+            (self.dp and global_batch % self.dp, f"dp={self.dp} does not split the batch of {global_batch}"),
+            (self.dp and rows % per_step, f"{cut} does not divide a replica's {rows} rows (the batch of "
+                                          f"{global_batch} at dp={self.dp})"),
+            (self.dp == 1 and self.zero, f"zero={self.zero} shards over data-parallel replicas, and dp=1 has one"),
+        )
+        return next((words for broken, words in rules if broken), "")
+
     @property
     def bucket_bytes(self) -> int:
         """The fixed bucket size in bytes, else the default."""

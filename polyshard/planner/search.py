@@ -159,12 +159,11 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     skipped = [s for t in tried for s in t.skipped]
     if not candidates:
         rows = f" ({global_batch // fixed.dp} at dp={fixed.dp})" if fixed.dp and global_batch % fixed.dp == 0 else ""
-        why = "; ".join(skipped) or (f"none allowed by {fixed.text()} holds a plan (the data-parallel size must "
-                                     f"divide the batch of {global_batch}, mbs and m each replica's rows{rows} and, "
-                                     f"interleaved, m be a multiple of pp; pp x v cannot exceed the model's "
-                                     f"{len(costs.blocks)} blocks; optimizer levels above 0 need dp > 1, offload "
-                                     "needs zero=0 and fp32)" if fixed.text() else
-                                     f"none divides the batch of {global_batch}")
+        why = "; ".join(skipped) or fixed.conflict(global_batch, len(costs.blocks)) or (
+            f"none allowed by {fixed.text()} holds a plan (the data-parallel size must divide the batch of "
+            f"{global_batch}, mbs and m each replica's rows{rows} and, interleaved, m be a multiple of pp; pp x v "
+            f"cannot exceed the model's {len(costs.blocks)} blocks; optimizer levels above 0 need dp > 1, offload "
+            "needs zero=0 and fp32)" if fixed.text() else f"none divides the batch of {global_batch}")
         raise PolyshardError(f"no split of {cluster.num_devices} devices works: {why}")
     fitting = [c for c in candidates if c.memory.total_bytes <= limit and not c.pruned]
     if not fitting:
