@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 
 from polyshard.errors import PolyshardError, check_output_file
@@ -52,6 +53,7 @@ def job_of(args: argparse.Namespace) -> dict:
     import torch
 
     from polyshard.runtime.ps.jobs import NamedBatches, NamedModel, check_name
+    from polyshard.runtime.ps.launch import MIN_STRAGGLER_SECONDS
 
     check_name(args.model)
     for flag, value in (("--servers", args.servers), ("--workers", args.workers), ("--steps", args.steps),
@@ -63,11 +65,19 @@ def job_of(args: argparse.Namespace) -> dict:
         raise PolyshardError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     if args.batch_size % args.workers:
         raise PolyshardError(f"--batch-size {args.batch_size} must split evenly over --workers {args.workers}")
-    if not args.lr > 0:
-        raise PolyshardError(f"--lr must be positive, got {args.lr}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise PolyshardError(f"--lr must be positive and finite, got {args.lr}")
     if args.straggler_timeout is not None and args.mode == "async":
         raise PolyshardError("--straggler-timeout is how long a sync update waits for a silent worker, and async "
                              "applies each gradient as it arrives; leave it out or use --mode sync")
+    if args.straggler_timeout is not None and not args.straggler_timeout >= MIN_STRAGGLER_SECONDS:
+        raise PolyshardError(f"--straggler-timeout must be at least {MIN_STRAGGLER_SECONDS} seconds, got "
+                             f"{args.straggler_timeout}")
+    if args.staleness is not None and args.mode == "sync":
+        raise PolyshardError("--staleness bounds how old an async gradient may be, and sync waits for every worker's; "
+                             "leave it out or use --mode async")
+    if args.staleness is not None and args.staleness < 0:
+        raise PolyshardError(f"--staleness must be 0 or more updates, got {args.staleness}")
     waits = {} if args.straggler_timeout is None else {"straggler_seconds": args.straggler_timeout}
     optimizer = functools.partial(getattr(torch.optim, OPTIMIZERS[args.optimizer]), lr=args.lr)
     return dict(model_fn=NamedModel(args.model), batch_fn=NamedBatches(args.model, args.batch_size, args.seed),

@@ -66,13 +66,17 @@ def train_ps(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int, int, in
         return _Supervisor(spec, max_restarts).run()
 
 
+MIN_STRAGGLER_SECONDS = 0.1  # shorter waits drop workers that are merely slow to answer
+
+
 def check(spec: PSSpec, servers: int, max_restarts: int) -> None:
     """Every argument, and the model against the server count, before any process starts."""
     if spec.mode not in MODES:
         raise PolyshardError(f"mode must be one of {', '.join(MODES)}, got {spec.mode!r}")
     for what, value, least in (("servers", servers, 1), ("workers", spec.workers, 1), ("steps", spec.steps, 1),
                                ("snapshot_every", spec.snapshot_every, 1), ("max_restarts", max_restarts, 0),
-                               ("log_every", spec.log_every, 1), ("straggler_seconds", spec.straggler_seconds, 0.1)):
+                               ("log_every", spec.log_every, 1),
+                               ("straggler_seconds", spec.straggler_seconds, MIN_STRAGGLER_SECONDS)):
         if not value >= least:  # nan too
             raise PolyshardError(f"{what} must be at least {least}, got {value}")
     if spec.staleness is not None and (spec.mode != "async" or spec.staleness < 0):
