@@ -390,9 +390,11 @@ def _check_comparable(plan, other, path: str) -> None:
         if chosen_row(p.report) is None:
             raise PolyshardError(f"{name} holds no search report to compare; write plans with `polyshard plan` or "
                                  "`polyshard cost --out`")
-    mine, theirs = ((p.model, p.global_batch, math.prod(s for _, s in p.mesh)) for p in (plan, other))
-    differ = [f"{what} {t} against {m}" for what, t, m in zip(("model", "global batch", "devices"), theirs, mine)
-              if t != m]
+    mine, theirs = ((p.model, p.global_batch, p.seq_len, p.image_size, math.prod(s for _, s in p.mesh))
+                    for p in (plan, other))
+    differ = [f"{what} {t} against {m}" for what, t, m in zip(("model", "global batch", "tokens a row", "image size",
+                                                                "devices"), theirs, mine)
+              if t != m and (t and m or what not in ("tokens a row", "image size"))]  # older files lack the sizes
     if differ:
         raise PolyshardError(f"--beside {path!r} differs from the plan in {', '.join(differ)}; compare plans of one "
                              "model, batch and cluster")

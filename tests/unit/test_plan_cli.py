@@ -97,6 +97,9 @@ def test_explain_shows_a_plan_beside_another_term_by_term(capsys, tmp_path):
                 "--config", "tp=4", "--out", str(other))[0] == 0
     code, _, err = _run(capsys, "explain", str(pick), "--beside", str(other))
     assert code == 2 and "differs from the plan in devices 4 against 8" in err
+    assert _run(capsys, "cost", *args, "--seq-len", "32", "--config", "tp=8", "--out", str(other))[0] == 0
+    code, _, err = _run(capsys, "explain", str(pick), "--beside", str(other))
+    assert code == 2 and "differs from the plan in model" in err and "tokens a row 32 against 128" in err
 
 
 @pytest.mark.parametrize("args,needle", [
