@@ -8,6 +8,7 @@ talk only point to point, rank to rank along ``pp``.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import math
@@ -280,6 +281,7 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
     ``timeout``: seconds a collective waits for its peers before failing (None: torch's default).
     ``allow_all_to_all=False``: redistributions never use all-to-all (a split moving between dims is
     gathered and sliced), and plans made on this mesh are costed so.
+    A gloo group it starts is destroyed at the interpreter's exit if the script has not destroyed it.
     """
     global _current
     import torch
@@ -319,11 +321,23 @@ def init(mesh: dict[str, int] | str | None = None, data_axes: tuple[str, ...] = 
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout) if timeout else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        if backend == "gloo":
+            atexit.register(_release_gloo_group)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     _current = Mesh(tuple(shape.items()), tuple(a for a in data_axes if a in shape), device_type, dist.get_rank(),
                     cluster, pipe[0] if pipe else None)
     return _current
+
+
+def _release_gloo_group() -> None:
+    """A script that leaves its gloo process group to the interpreter's end is aborted there now and then ("terminate
+    called without an active exception": gloo's threads still hold tensors as the interpreter goes): release it while
+    the interpreter lives. Destroying a gloo group is local to the process, so it cannot wait on a failed peer."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _checked(shape: dict) -> dict[str, int]:
