@@ -125,14 +125,67 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
                    # the ranks' own store, new for each restart: the agent's shared one keeps the last attempt's
                    # addresses, which a restarted rank can read before its peer replaces them
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-        proc = _Agent(argv, env)
-        last = _relay(proc, errors, stop_after_error=not max_restarts)
+        proc = _Agent(argv, env)  # forked before the handlers below: the agent keeps torchrun's own
+        with _terminate_as_interrupt():
+            try:
+                last = _relay(proc, errors, stop_after_error=not max_restarts)
+            except _Interrupt as exc:
+                _end(proc)
+                raise Stopped(exc.signum) from None
         code = proc.wait()
         said = sorted({p.read_text() for p in Path(errors).iterdir()})
     for message in said:
         print(("" if last == b"\n" else "\n") + f"polyshard: error: {message}", file=sys.stderr)
         last = b"\n"
     return 2 if said and code else code  # a restart that then finished overrides what a rank said
+
+
+class Stopped(Exception):
+    """The job was stopped from outside: Ctrl-C, or SIGTERM from a scheduler; its processes have ended."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}, and every process of the job with it")
+        self.signum = signum
+        self.then = ""  # what the command that launched the job adds: where to continue from
+
+
+class _Interrupt(BaseException):
+    """A signal that asks the launcher to stop the job."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """Ctrl-C (SIGINT) and SIGTERM, inside the block, raise :class:`_Interrupt` rather than end this process without
+    a word and leave the ranks to torchrun's agent."""
+    def interrupt(signum, frame):
+        raise _Interrupt(signum)
+
+    kept = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in kept.items():
+            signal.signal(s, handler)
+
+
+def _end(proc: _Agent) -> None:
+    """Stop the agent and the ranks under it: SIGTERM, STOP_GRACE_S seconds to end (its output dropped: torchrun's
+    shutdown chatter), then SIGKILL for what is left."""
+    def signal_all(signum: int) -> None:
+        for pid in _descendants(proc.pid) + [proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    signal_all(signal.SIGTERM)
+    stop_at = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < stop_at:
+        if select.select([proc.stderr], [], [], 0.1)[0] and not os.read(proc.stderr.fileno(), 1 << 16):
+            break  # every writer of the pipe has ended
+    signal_all(signal.SIGKILL)
+    proc.wait()
 
 
 class _Agent:

@@ -15,7 +15,7 @@ from typing import Callable
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.cli.k8s import add_parser as add_k8s
-from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, check_nodes, launch, reach_rendezvous,
+from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, Stopped, check_nodes, launch, reach_rendezvous,
                                   under_torchrun, without_flag)
 from polyshard.cli.ps import add_parser as add_ps
 from polyshard.cli.train_args import add_config_flags, train_config
@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     args.parser = parser  # for commands that check the flags of another (k8s)
     try:
         return args.handler(args)
+    except Stopped as exc:
+        print(f"\npolyshard: {exc}{exc.then}", file=sys.stderr)
+        return 128 + exc.signum  # as a shell reports a command a signal ended
     except PolyshardError as exc:
         if args.debug:
             traceback.print_exc()
@@ -141,8 +144,12 @@ def _train(args) -> int:
                 rest = without_flag(rest, flag)
             data, dtype = token_source(cfg)
             rest += ["--data", data, "--data-dtype", dtype]
-        return launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + rest,
-                       nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous, max_restarts=args.max_restarts)
+        try:
+            return launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + rest,
+                          nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous, max_restarts=args.max_restarts)
+        except Stopped as exc:
+            exc.then = _saved_so_far(cfg.save_dir)
+            raise
     from polyshard.train.trainer import train
 
     train(cfg)
@@ -150,6 +157,17 @@ def _train(args) -> int:
 
     dist.destroy_process_group()
     return 0
+
+
+def _saved_so_far(save_dir: str) -> str:
+    """What a stopped run leaves to continue from, in words: its newest checkpoint, if it saved one."""
+    if not save_dir:
+        return ""
+    from polyshard.runtime.checkpoint import committed
+
+    saved = committed(save_dir)
+    return (f"; its newest checkpoint is {saved[-1]} (train again with --resume auto to continue)" if saved else
+            f"; it had saved no checkpoint in {save_dir}")
 
 
 def _planning_flags(p: argparse.ArgumentParser) -> None:

@@ -3,8 +3,11 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +39,38 @@ def test_an_error_the_ranks_find_is_said_once_with_code_2(tmp_path):
     assert out.stderr.count("polyshard: error: loss became nan at step 2; lower --lr") == 1
     assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
     assert len((tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()) == 1  # the steps that ran are kept
+
+
+@pytest.mark.parametrize("signum,to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["SIGTERM to the launcher", "Ctrl-C to the terminal's group"])
+def test_a_stopped_job_ends_every_process_and_says_so(tmp_path, signum, to_group):
+    """A scheduler's SIGTERM (to the launcher alone) or Ctrl-C (to the foreground group): one line, the shell's
+    exit code for the signal, and no rank left running."""
+    script = tmp_path / "wait.py"
+    script.write_text("import os, pathlib, time\n"
+                      "pathlib.Path(os.environ['RANK'] + '.pid').write_text(str(os.getpid()))\n"
+                      "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "polyshard.cli.main", "run", "-n", "2", str(script)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    ranks = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(ranks) == 2, proc.communicate()[1][-2000:]
+    os.killpg(proc.pid, signum) if to_group else proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert f"polyshard: stopped by {signal.Signals(signum).name}, and every process of the job with it" in err
+    assert "Traceback" not in err, err[-2000:]
+    assert not [pid for pid in ranks if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def test_train_runs_on_two_ranks_with_pins_and_writes_metrics(tmp_path):

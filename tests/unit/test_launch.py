@@ -45,3 +45,14 @@ def test_a_reader_that_stops_early_ends_the_command_quietly():
     proc.stdout.close()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and err == b"", err.decode()
+
+
+def test_a_stopped_training_run_names_where_to_continue_from(tmp_path):
+    from polyshard.cli.main import _saved_so_far
+
+    assert _saved_so_far("") == ""
+    assert _saved_so_far(str(tmp_path)) == f"; it had saved no checkpoint in {tmp_path}"
+    for step in (100, 200):
+        (tmp_path / f"step-{step:08d}").mkdir()
+    assert f"newest checkpoint is {tmp_path / 'step-00000200'} (train again with --resume auto" in \
+        _saved_so_far(str(tmp_path))
