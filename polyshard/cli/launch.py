@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 from polyshard.errors import PolyshardError
+from polyshard.runtime.signals import Interrupt, Stopped, interrupts_raised
 
 STOP_GRACE_S = 5.0  # after a rank's error, how long the others may take to stop before they are killed
 ERRORS_ENV = "POLYSHARD_ERRORS_DIR"  # where ranks launched by `polyshard` leave the bad input they found
@@ -126,10 +127,10 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
                    # addresses, which a restarted rank can read before its peer replaces them
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         proc = _Agent(argv, env)  # forked before the handlers below: the agent keeps torchrun's own
-        with _terminate_as_interrupt():
+        with interrupts_raised():
             try:
                 last = _relay(proc, errors, stop_after_error=not max_restarts)
-            except _Interrupt as exc:
+            except Interrupt as exc:
                 _end(proc)
                 raise Stopped(exc.signum) from None
         code = proc.wait()
@@ -138,37 +139,6 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
         print(("" if last == b"\n" else "\n") + f"polyshard: error: {message}", file=sys.stderr)
         last = b"\n"
     return 2 if said and code else code  # a restart that then finished overrides what a rank said
-
-
-class Stopped(Exception):
-    """The job was stopped from outside: Ctrl-C, or SIGTERM from a scheduler; its processes have ended."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}, and every process of the job with it")
-        self.signum = signum
-        self.then = ""  # what the command that launched the job adds: where to continue from
-
-
-class _Interrupt(BaseException):
-    """A signal that asks the launcher to stop the job."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """Ctrl-C (SIGINT) and SIGTERM, inside the block, raise :class:`_Interrupt` rather than end this process without
-    a word and leave the ranks to torchrun's agent."""
-    def interrupt(signum, frame):
-        raise _Interrupt(signum)
-
-    kept = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in kept.items():
-            signal.signal(s, handler)
 
 
 def _end(proc: _Agent) -> None:

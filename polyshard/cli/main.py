@@ -15,11 +15,12 @@ from typing import Callable
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.cli.k8s import add_parser as add_k8s
-from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, Stopped, check_nodes, launch, reach_rendezvous,
-                                  under_torchrun, without_flag)
+from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, check_nodes, launch, reach_rendezvous, under_torchrun,
+                                  without_flag)
 from polyshard.cli.ps import add_parser as add_ps
 from polyshard.cli.train_args import add_config_flags, train_config
 from polyshard.errors import PolyshardError, check_output_file, file_in_the_way
+from polyshard.runtime.signals import Stopped
 
 
 def main(argv: list[str] | None = None) -> int:

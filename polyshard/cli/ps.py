@@ -97,9 +97,15 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file("--out", args.out)
     from polyshard.runtime.ps import train_ps
+    from polyshard.runtime.signals import Stopped
 
-    result = train_ps(servers=args.servers, snapshot_dir=args.snapshot_dir or None, max_restarts=args.max_restarts,
-                      **job)
+    try:
+        result = train_ps(servers=args.servers, snapshot_dir=args.snapshot_dir or None,
+                          max_restarts=args.max_restarts, **job)
+    except Stopped as exc:
+        if args.snapshot_dir:  # else they were in a temporary folder, gone with the run
+            exc.then = f"; the servers' last snapshots are in {args.snapshot_dir}"
+        raise
     restarted = {role: n for role, n in result.restarts.items() if n}
     print(f"polyshard ps: {len(result.losses)} updates, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
           + (f"; restarted {restarted}" if restarted else "")

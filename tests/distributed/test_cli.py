@@ -62,10 +62,10 @@ def test_a_stopped_job_ends_every_process_and_says_so(tmp_path, signum, to_group
     assert proc.returncode == 128 + signum, err[-2000:]
     assert f"polyshard: stopped by {signal.Signals(signum).name}, and every process of the job with it" in err
     assert "Traceback" not in err, err[-2000:]
-    assert not [pid for pid in ranks if _running(pid)]
+    assert not [pid for pid in ranks if running(pid)]
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie waiting to be reaped."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"

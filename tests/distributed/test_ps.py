@@ -167,3 +167,29 @@ def test_kubernetes_pods_run_what_polyshard_ps_runs_here(tmp_path):
     for name, value in here.items():
         pieces = [s[name] for s in shards if name in s]
         torch.testing.assert_close(torch.cat(pieces), value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("signum,to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["SIGTERM to the command", "Ctrl-C to the terminal's group"])
+def test_a_stopped_ps_job_ends_every_role_and_says_where_its_snapshots_are(tmp_path, signum, to_group):
+    import json
+
+    from tests.distributed.test_cli import running
+
+    snaps = tmp_path / "snaps"
+    proc = subprocess.Popen([sys.executable, "-m", "polyshard.cli.main", "ps", "--servers", "2", "--workers", "2",
+                             "--steps", "100000", "--snapshot-dir", str(snaps)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (snaps / "roles.json").exists() or len(json.loads((snaps / "roles.json").read_text())) < 4:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    roles = json.loads((snaps / "roles.json").read_text()).values()
+    time.sleep(1)  # the roles at work
+    os.killpg(proc.pid, signum) if to_group else proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert (f"polyshard: stopped by {signal.Signals(signum).name}, and every server and worker with it; the "
+            f"servers' last snapshots are in {snaps}") in err
+    assert "Traceback" not in err, err[-2000:]
+    assert not [pid for pid in roles if running(pid)]

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import pickle
 import secrets
+import signal
 import socket
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from polyshard.errors import PolyshardError
 from polyshard.runtime.ps.server import read_snapshot, serve
 from polyshard.runtime.ps.spec import MODES, PSSpec, placement_of
 from polyshard.runtime.ps.worker import work
+from polyshard.runtime.signals import Interrupt, Stopped, interrupts_raised
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ def run_role(spec: PSSpec, role: str, index: int, log_dir: str = "") -> None:
             with open(Path(log_dir, f"{role}-{index}.{suffix}"), "ab") as log:
                 os.dup2(log.fileno(), fd)
     torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the launcher ends the roles
     try:
         (serve if role == "server" else work)(spec, index)
     except PolyshardError as exc:  # a bad input or an unreachable peer: one line, not a traceback
@@ -165,16 +168,19 @@ class _Supervisor:
 
     def run(self) -> PSResult:
         try:
-            for role in self.roles:
-                self._start(role)
-            while not all(self._finished(("server", i)) for i in range(len(self.spec.servers))):
-                time.sleep(0.1)
-                self.relay.pump()
-                for role, proc in list(self.procs.items()):
-                    if proc.exitcode not in (None, 0) and role not in self.given_up:
-                        self._died(role, proc.exitcode)
-                if all(r in self.given_up for r in self.roles if r[0] == "worker"):
-                    raise PolyshardError("every worker failed and used up its restarts; see their output above")
+            with interrupts_raised():
+                for role in self.roles:
+                    self._start(role)
+                while not all(self._finished(("server", i)) for i in range(len(self.spec.servers))):
+                    time.sleep(0.1)
+                    self.relay.pump()
+                    for role, proc in list(self.procs.items()):
+                        if proc.exitcode not in (None, 0) and role not in self.given_up:
+                            self._died(role, proc.exitcode)
+                    if all(r in self.given_up for r in self.roles if r[0] == "worker"):
+                        raise PolyshardError("every worker failed and used up its restarts; see their output above")
+        except Interrupt as exc:  # the roles are ended below
+            raise Stopped(exc.signum, "every server and worker") from None
         finally:
             for proc in self.procs.values():
                 if proc.is_alive():
