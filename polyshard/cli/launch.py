@@ -144,8 +144,10 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
 def _end(proc: _Agent) -> None:
     """Stop the agent and the ranks under it: SIGTERM, STOP_GRACE_S seconds to end (its output dropped: torchrun's
     shutdown chatter), then SIGKILL for what is left."""
+    job = set(_descendants(proc.pid) + [proc.pid])  # taken now: a rank outliving the agent is no longer under it
+
     def signal_all(signum: int) -> None:
-        for pid in _descendants(proc.pid) + [proc.pid]:
+        for pid in job | set(_descendants(proc.pid)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 

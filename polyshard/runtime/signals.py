@@ -28,6 +28,8 @@ def interrupts_raised():
     """Inside the block, SIGINT and SIGTERM raise :class:`Interrupt` (SIGTERM would end the process at once, leaving
     its children running; SIGINT would raise a KeyboardInterrupt that no caller tells from a bug)."""
     def interrupt(signum, frame):
+        for s in kept:  # a second Ctrl-C while the processes end is not a second stop
+            signal.signal(s, signal.SIG_IGN)
         raise Interrupt(signum)
 
     kept = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}

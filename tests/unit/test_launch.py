@@ -56,3 +56,21 @@ def test_a_stopped_training_run_names_where_to_continue_from(tmp_path):
         (tmp_path / f"step-{step:08d}").mkdir()
     assert f"newest checkpoint is {tmp_path / 'step-00000200'} (train again with --resume auto" in \
         _saved_so_far(str(tmp_path))
+
+
+def test_a_second_signal_while_stopping_is_not_a_second_stop():
+    """The first SIGINT or SIGTERM raises; until the block ends, more are ignored (the processes are ending)."""
+    import os
+    import signal
+
+    from polyshard.runtime.signals import Interrupt, interrupts_raised
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupt) as stop:
+        with interrupts_raised():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            except Interrupt:
+                assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+                raise
+    assert stop.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) == before
