@@ -18,7 +18,7 @@ from pathlib import Path
 from polyshard.errors import PolyshardError
 from polyshard.runtime.signals import Interrupt, Stopped, interrupts_raised
 
-STOP_GRACE_S = 5.0  # after a rank's error, how long the others may take to stop before they are killed
+STOP_GRACE_S = 5.0  # after a rank's error or a stop, how long the processes may take to end before they are killed
 ERRORS_ENV = "POLYSHARD_ERRORS_DIR"  # where ranks launched by `polyshard` leave the bad input they found
 # `polyshard train`'s flags for the launch itself, as argparse takes them: the ranks are started without them
 LAUNCH_FLAGS = {
