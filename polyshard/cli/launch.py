@@ -145,19 +145,20 @@ def _end(proc: _Agent) -> None:
     """Stop the agent and the ranks under it: SIGTERM, STOP_GRACE_S seconds to end (its output dropped: torchrun's
     shutdown chatter), then SIGKILL for what is left."""
     job = set(_descendants(proc.pid) + [proc.pid])  # taken now: a rank outliving the agent is no longer under it
-
-    def signal_all(signum: int) -> None:
-        for pid in job | set(_descendants(proc.pid)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-
-    signal_all(signal.SIGTERM)
+    _signal(job, signal.SIGTERM)
     stop_at = time.monotonic() + STOP_GRACE_S
     while time.monotonic() < stop_at:
         if select.select([proc.stderr], [], [], 0.1)[0] and not os.read(proc.stderr.fileno(), 1 << 16):
             break  # every writer of the pipe has ended
-    signal_all(signal.SIGKILL)
+    _signal(job | set(_descendants(proc.pid)), signal.SIGKILL)
     proc.wait()
+
+
+def _signal(pids, signum: int) -> None:
+    """Send ``signum`` to each of ``pids`` still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 class _Agent:
@@ -228,9 +229,7 @@ def _relay(proc: _Agent, errors: str, stop_after_error: bool) -> bytes:
         if stop_after_error and stop_at is None and os.listdir(errors):
             stop_at = time.monotonic() + STOP_GRACE_S
         if stop_at is not None and time.monotonic() > stop_at:
-            for pid in _descendants(proc.pid) + [proc.pid]:  # torchrun starts each rank in a session of its own
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            _signal(_descendants(proc.pid) + [proc.pid], signal.SIGKILL)  # each rank is in a session of its own
             stop_at = float("inf")
 
 

@@ -130,14 +130,13 @@ def _planned_for(cfg: TrainConfig, plan: Plan | None) -> TrainConfig:
                     f" (--batch-size {plan.global_batch * accum} at --accum {accum})" if accum > 1 else "")),
                 "seq_len": (0 if cfg.vision else plan.seq_len, f"{plan.seq_len} tokens a row"),
                 "image_size": (plan.image_size if cfg.vision else 0, f"{plan.image_size} x {plan.image_size} images")}
-        again = {"batch_size": f"--global-batch {(cfg.batch_size or 0) // accum}",
-                 "seq_len": f"--seq-len {cfg.seq_len}", "image_size": f"--image-size {cfg.image_size}"}
         for name, (value, words) in made.items():
             given = getattr(cfg, name)
             if value and given is not None and given != value:
                 flag = "--" + name.replace("_", "-")
+                again = f"--global-batch {given // accum}" if name == "batch_size" else f"{flag} {given}"
                 raise PolyshardError(f"--plan {cfg.plan!r} was made for {words}, not {flag} {given}: leave out "
-                                     f"{flag}, or plan again with {again[name]}")
+                                     f"{flag}, or plan again with {again}")
             if value:
                 cfg = replace(cfg, **{name: value})
     return replace(cfg, batch_size=DEFAULT_BATCH_SIZE) if cfg.batch_size is None else cfg
