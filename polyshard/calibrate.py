@@ -79,6 +79,9 @@ _STREAM = {"cpu": (64 * 2**20, 1), "cuda": (512 * 2**20, 10)}
 # sharing cores take turns, each timing a core of its own (four ranks on two cores: attention of 524 kFLOP a head
 # came out at 0.67-0.88 of the product rate, against 0.47 for one rank alone and 0.36-0.44 timed so)
 _CPU_TIMING_S = 0.05
+# A sweep whose all_reduce times do not grow with message size (load on a shared machine) is timed again this many
+# times, with twice the repeats each time, before calibration gives up.
+_SWEEP_RETRIES = 2
 
 
 class Sweep(NamedTuple):
@@ -485,8 +488,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         host_update = _all_reduce([measure_update_overhead(repeats)], dist.ReduceOp.MAX, None)[0]
     if world > 1:
         say(f"collectives on {len(sizes)} message sizes, and how far apart ranks reach them")
-    sweeps = _sweeps(base, sizes, repeats)
-    fits = _fits(sweeps, sizes)
+    sweeps, fits = _fitted_sweeps(base, sizes, repeats, say)
     skew, node_skew, pair_skew = (measure_arrival_skew(_comm_device(None), repeats, _pairs(base)) if world > 1
                                   else (0.0, 0.0, 0.0))
     intra, inter = (fits["all_reduce"], fits.get(RAILS, fits["all_reduce"])) if sweeps else \
@@ -567,6 +569,21 @@ def _sweeps(base: Cluster, sizes: list[int], repeats: int) -> dict[str, Sweep]:
     if split:
         sweeps[RAILS] = _sweep("all_reduce", sizes, _rail(base), repeats)
     return sweeps
+
+
+def _fitted_sweeps(base: Cluster, sizes: list[int], repeats: int,
+                   say: Callable[[str], None]) -> tuple[dict[str, Sweep], dict[str, Link | str]]:
+    """The sweeps and their fits; where all_reduce's times are too noisy to fit, the sweeps again with twice the
+    repeats, _SWEEP_RETRIES times at most (every rank holds the same times, so all time again together)."""
+    for _ in range(_SWEEP_RETRIES):
+        sweeps = _sweeps(base, sizes, repeats)
+        try:
+            return sweeps, _fits(sweeps, sizes)
+        except PolyshardError as e:
+            repeats *= 2
+            say(f"collectives again with {repeats} repeats ({str(e).split(', so ')[0]})")
+    sweeps = _sweeps(base, sizes, repeats)
+    return sweeps, _fits(sweeps, sizes)
 
 
 def _rail(base: Cluster) -> dist.ProcessGroup:

@@ -14,12 +14,15 @@ from polyshard.cluster import Cluster
 
 def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     out = tmp_path / "cluster.yaml"
+    # messages up to the default 16 MiB: on a loaded machine, times up to 4 MiB can be all latency and noise
     run = subprocess.run([sys.executable, "-m", "polyshard.cli.main", "calibrate", "--nproc", "2", "--out", str(out),
-                          "--max-bytes", "4MiB", "--repeats", "3"], capture_output=True, text=True, timeout=300)
+                          "--repeats", "3"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    # what it times as it goes, said once (by rank 0) on stderr; the figures on stdout at the end
+    # what it times as it goes, said once (by rank 0) on stderr; the figures on stdout at the end (and a sweep too
+    # noisy to fit is timed again, said so)
     said = [line.split(": ", 1)[1] for line in run.stderr.splitlines() if line.startswith("calibrating (")]
-    assert len(said) == 7 and said[0] == "matmul rate per dtype" and said[-1].startswith("collectives on")
+    assert len(said) >= 7 and said[0] == "matmul rate per dtype" and said[6].startswith("collectives on")
+    assert all(again.startswith("collectives again with") for again in said[7:])
     for needle in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "bus bandwidth",
                    "inter_node is a copy of intra_node", "fixed cost per op", "host <-> disk"):
         assert needle in run.stdout

@@ -106,3 +106,33 @@ def test_skew_is_the_nodes_least_wait_per_call_its_growth_per_work_and_the_pairs
     assert calibrate.skew_fit(work, [-1e-4] * 3, [-1e-4, -2e-4, 1e-4]) == (0.0, 0.0, 0.0)  # noise below zero: none
 
 
+
+
+def _noisy_then(clean_after: int, monkeypatch) -> tuple[list[int], list[str]]:
+    """Sweeps whose all_reduce times fall with message size until ``clean_after`` sweeps have run; the repeats each
+    sweep ran with, and what calibration said."""
+    ran, said = [], []
+
+    def sweeps(base, sizes, repeats):
+        ran.append(repeats)
+        grow = len(ran) > clean_after
+        seconds = [1e-4 + s / 1e9 if grow else 1e-3 / (i + 1) for i, s in enumerate(sizes)]
+        return {"all_reduce": calibrate.Sweep("all_reduce", 2, seconds, "")}
+
+    monkeypatch.setattr(calibrate, "_sweeps", sweeps)
+    try:
+        calibrate._fitted_sweeps(Cluster.preset("cpu-gloo:2"), SIZES, 3, said.append)
+    except PolyshardError as e:
+        said.append(str(e))
+    return ran, said
+
+
+def test_collectives_too_noisy_to_fit_are_timed_again_with_twice_the_repeats(monkeypatch):
+    ran, said = _noisy_then(1, monkeypatch)
+    assert ran == [3, 6] and len(said) == 1
+    assert said[0].startswith("collectives again with 6 repeats (all_reduce times (") and "do not grow" in said[0]
+
+
+def test_calibration_gives_up_on_collectives_that_never_fit(monkeypatch):
+    ran, said = _noisy_then(9, monkeypatch)
+    assert ran == [3, 6, 12] and "no bandwidth fits" in said[-1] and len(said) == 3
