@@ -106,8 +106,6 @@ def test_skew_is_the_nodes_least_wait_per_call_its_growth_per_work_and_the_pairs
     assert calibrate.skew_fit(work, [-1e-4] * 3, [-1e-4, -2e-4, 1e-4]) == (0.0, 0.0, 0.0)  # noise below zero: none
 
 
-
-
 def _noisy_then(clean_after: int, monkeypatch) -> tuple[list[int], list[str]]:
     """Sweeps whose all_reduce times fall with message size until ``clean_after`` sweeps have run; the repeats each
     sweep ran with, and what calibration said."""
