@@ -19,6 +19,8 @@ from polyshard.errors import PolyshardError
 from polyshard.runtime.signals import Interrupt, Stopped, interrupts_raised
 
 STOP_GRACE_S = 5.0  # after a rank's error or a stop, how long the processes may take to end before they are killed
+# A stopped run that checkpoints gets this long: its ranks end the step they are in and save it before they exit.
+SAVE_STOP_GRACE_S = 60.0
 ERRORS_ENV = "POLYSHARD_ERRORS_DIR"  # where ranks launched by `polyshard` leave the bad input they found
 # `polyshard train`'s flags for the launch itself, as argparse takes them: the ranks are started without them
 LAUNCH_FLAGS = {
@@ -100,12 +102,13 @@ def check_gpus(nproc: int) -> None:
                              f"--nproc {count} or fewer, or run on the CPU with CUDA_VISIBLE_DEVICES=''")
 
 
-def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
-            rendezvous: tuple[str, int] | None = None, max_restarts: int = 0) -> int:
+def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0), rendezvous: tuple[str, int] | None = None,
+           max_restarts: int = 0, stop_grace_s: float = STOP_GRACE_S) -> int:
     """torchrun: ``nproc`` ranks on this machine, one thread each (one GPU each, where it has GPUs), machine
     ``nodes[1]`` of ``nodes[0]`` meeting the others at ``rendezvous`` (default: this machine alone, on a free
     port). A bad input the ranks find is said once, with exit code 2, instead of once per rank under torchrun's
-    own report; a rank that dies otherwise restarts the job up to ``max_restarts`` times."""
+    own report; a rank that dies otherwise restarts the job up to ``max_restarts`` times. Stopped (Ctrl-C,
+    SIGTERM), the ranks get ``stop_grace_s`` seconds to end before they are killed."""
     check_gpus(nproc)
     if rendezvous is None:
         with socket.socket() as s:
@@ -131,7 +134,7 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
             try:
                 last = _relay(proc, errors, stop_after_error=not max_restarts)
             except Interrupt as exc:
-                _end(proc)
+                _end(proc, stop_grace_s)
                 raise Stopped(exc.signum) from None
         code = proc.wait()
         said = sorted({p.read_text() for p in Path(errors).iterdir()})
@@ -141,12 +144,12 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0),
     return 2 if said and code else code  # a restart that then finished overrides what a rank said
 
 
-def _end(proc: _Agent) -> None:
-    """Stop the agent and the ranks under it: SIGTERM, STOP_GRACE_S seconds to end (its output dropped: torchrun's
+def _end(proc: _Agent, grace_s: float) -> None:
+    """Stop the agent and the ranks under it: SIGTERM, ``grace_s`` seconds to end (its output dropped: torchrun's
     shutdown chatter), then SIGKILL for what is left."""
     job = set(_descendants(proc.pid) + [proc.pid])  # taken now: a rank outliving the agent is no longer under it
     _signal(job, signal.SIGTERM)
-    stop_at = time.monotonic() + STOP_GRACE_S
+    stop_at = time.monotonic() + grace_s
     while time.monotonic() < stop_at:
         if select.select([proc.stderr], [], [], 0.1)[0] and not os.read(proc.stderr.fileno(), 1 << 16):
             break  # every writer of the pipe has ended

@@ -15,8 +15,8 @@ from typing import Callable
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.cli.k8s import add_parser as add_k8s
-from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, check_nodes, launch, reach_rendezvous, under_torchrun,
-                                  without_flag)
+from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, SAVE_STOP_GRACE_S, STOP_GRACE_S, check_nodes, launch,
+                                  reach_rendezvous, under_torchrun, without_flag)
 from polyshard.cli.ps import add_parser as add_ps
 from polyshard.cli.train_args import add_config_flags, train_config
 from polyshard.errors import PolyshardError, check_output_file, file_in_the_way
@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except Stopped as exc:
-        print(f"\npolyshard: {exc}{exc.then}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # of a job's ranks, the first says it
+            print(f"\npolyshard: {exc}{exc.then}", file=sys.stderr)
         return 128 + exc.signum  # as a shell reports a command a signal ended
     except PolyshardError as exc:
         if args.debug:
@@ -147,13 +148,18 @@ def _train(args) -> int:
             rest += ["--data", data, "--data-dtype", dtype]
         try:
             return launch(world // args.nnodes, ["-m", "polyshard.cli.main"] + rest,
-                          nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous, max_restarts=args.max_restarts)
+                          nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous, max_restarts=args.max_restarts,
+                          stop_grace_s=SAVE_STOP_GRACE_S if cfg.save_dir else STOP_GRACE_S)
         except Stopped as exc:
             exc.then = _saved_so_far(cfg.save_dir)
             raise
     from polyshard.train.trainer import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except Stopped as exc:  # every rank, after the step they were in, saved
+        exc.then += _saved_so_far(cfg.save_dir)
+        raise
     import torch.distributed as dist
 
     dist.destroy_process_group()

@@ -1,9 +1,11 @@
-"""Ctrl-C and SIGTERM, in a process that supervises others, as an exception: it ends them, then says it stopped."""
+"""Ctrl-C and SIGTERM: in a process that supervises others, an exception (it ends them, then says it stopped); in a
+training rank, a request noted for the ranks to agree on, so they stop together after a checkpoint."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 
 
 class Stopped(Exception):
@@ -23,18 +25,51 @@ class Interrupt(BaseException):
         self.signum = signum
 
 
+STOPS = (signal.SIGINT, signal.SIGTERM)  # what asks a job to stop: Ctrl-C, and a scheduler's
+
+
 @contextlib.contextmanager
 def interrupts_raised():
     """Inside the block, SIGINT and SIGTERM raise :class:`Interrupt` (SIGTERM would end the process at once, leaving
     its children running; SIGINT would raise a KeyboardInterrupt that no caller tells from a bug)."""
     def interrupt(signum, frame):
-        for s in kept:  # a second Ctrl-C while the processes end is not a second stop
+        for s in STOPS:  # a second Ctrl-C while the processes end is not a second stop
             signal.signal(s, signal.SIG_IGN)
         raise Interrupt(signum)
 
-    kept = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    with _handled(interrupt):
+        yield
+
+
+class StopRequest:
+    """The first SIGINT or SIGTERM a training rank was sent (``signum``; 0 while none), noted instead of ending it
+    mid-step: a rank ended there would leave the others waiting in a collective, and the step unsaved."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def note(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+
+
+@contextlib.contextmanager
+def stops_noted():
+    """Inside the block, SIGINT and SIGTERM are noted on the :class:`StopRequest` it yields (in the main thread,
+    the only one signals reach; elsewhere nothing is noted)."""
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+    with _handled(request.note):
+        yield request
+
+
+@contextlib.contextmanager
+def _handled(handler):
+    """SIGINT and SIGTERM go to ``handler`` inside the block, and to what they went to before after it."""
+    kept = {s: signal.signal(s, handler) for s in STOPS}
     try:
         yield
     finally:
-        for s, handler in kept.items():
-            signal.signal(s, handler)
+        for s, before in kept.items():
+            signal.signal(s, before)

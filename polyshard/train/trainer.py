@@ -39,6 +39,7 @@ from polyshard.runtime.offload import OffloadedOptimizer
 from polyshard.runtime.parallel import ParallelModule
 from polyshard.runtime.pipeline import PipelineModule
 from polyshard.runtime.resume import restore_run, resume_path, save_run
+from polyshard.runtime.signals import StopRequest, Stopped, stops_noted
 from polyshard.runtime.stall import is_timeout, stalled, time_out_collectives
 from polyshard.runtime.timeline import draw_timeline
 from polyshard.train.config import (
@@ -125,48 +126,62 @@ def train(cfg: TrainConfig) -> list[dict]:
     pending = None
     bar = tqdm(total=cfg.steps, initial=done, disable=not lead, unit="step", dynamic_ncols=True)
     start = time.perf_counter() - (history[-1]["elapsed_s"] if history else 0.0)
-    for step in range(done + 1, cfg.steps + 1):
-        t0 = time.perf_counter()
-        x, y = next(batches)
-        data_s = time.perf_counter() - t0
-        if cfg.data and not cfg.vision and int(y.max()) >= model.cfg.vocab_size:
-            raise PolyshardError(out_of_vocabulary(cfg.data, int(y.max()), model.cfg.vocab_size))
-        x, y = x.to(mesh.device, non_blocking=True), y.to(mesh.device, non_blocking=True)
-        try:
-            loss_sum = train_step(pm, opt, x, y, accum, record=pipelined and bool(cfg.timeline) and step == cfg.steps)
-            if mesh.data_group() is not None:
-                dist.all_reduce(loss_sum, group=mesh.data_group())
-                loss_sum /= mesh.num_data_shards
-        except RuntimeError as exc:
-            if cfg.collective_timeout and is_timeout(exc):
-                raise stalled(exc, step, cfg.collective_timeout) from exc
-            raise
-        if not math.isfinite(loss_sum.item()):
-            raise PolyshardError(f"loss became {loss_sum.item()} at step {step}; lower --lr (now {cfg.lr})")
-        step_s = time.perf_counter() - t0
-        record = {"step": step, "loss": round(loss_sum.item(), 6), f"{unit}_per_s": round(per_step / step_s, 1),
-                  "step_s": round(step_s, 4), "data_s": round(data_s, 4),
-                  "elapsed_s": round(time.perf_counter() - start, 3), "peak_rss_bytes": peak_rss_bytes(), **comm_counts(pm)}
-        history.append(record)
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", **{f"{unit[:3]}_s": f"{record[f'{unit}_per_s']:.0f}"})
-        if metrics_file:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-        if lead and (step % cfg.log_every == 0 or step == cfg.steps):
-            bar.write(f"step {step:>5}  loss {record['loss']:.4f}  {record[f'{unit}_per_s']:.0f} {unit}/s")
-        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
-            if pending is not None:
-                _committed(pending.wait(), lead, bar)
-            pending = save_run(cfg.save_dir, pm, opt, batches, step, history, model=cfg.model, keep=cfg.keep,
-                               async_save=cfg.async_save, group=save_group)
-            if not cfg.async_save:
-                _committed(pending.wait(), lead, bar)
-                pending = None
+    stopping = 0
+    with stops_noted() if cfg.save_dir else contextlib.nullcontext() as noted:
+        for step in range(done + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            x, y = next(batches)
+            data_s = time.perf_counter() - t0
+            if cfg.data and not cfg.vision and int(y.max()) >= model.cfg.vocab_size:
+                raise PolyshardError(out_of_vocabulary(cfg.data, int(y.max()), model.cfg.vocab_size))
+            x, y = x.to(mesh.device, non_blocking=True), y.to(mesh.device, non_blocking=True)
+            try:
+                timed = pipelined and bool(cfg.timeline) and step == cfg.steps
+                loss_sum = train_step(pm, opt, x, y, accum, record=timed)
+                if mesh.data_group() is not None:
+                    dist.all_reduce(loss_sum, group=mesh.data_group())
+                    loss_sum /= mesh.num_data_shards
+            except RuntimeError as exc:
+                if cfg.collective_timeout and is_timeout(exc):
+                    raise stalled(exc, step, cfg.collective_timeout) from exc
+                raise
+            if not math.isfinite(loss_sum.item()):
+                raise PolyshardError(f"loss became {loss_sum.item()} at step {step}; lower --lr (now {cfg.lr})")
+            step_s = time.perf_counter() - t0
+            record = {"step": step, "loss": round(loss_sum.item(), 6), f"{unit}_per_s": round(per_step / step_s, 1),
+                      "step_s": round(step_s, 4), "data_s": round(data_s, 4),
+                      "elapsed_s": round(time.perf_counter() - start, 3), "peak_rss_bytes": peak_rss_bytes(),
+                      **comm_counts(pm)}
+            history.append(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", **{f"{unit[:3]}_s": f"{record[f'{unit}_per_s']:.0f}"})
+            if metrics_file:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+            if lead and (step % cfg.log_every == 0 or step == cfg.steps):
+                bar.write(f"step {step:>5}  loss {record['loss']:.4f}  {record[f'{unit}_per_s']:.0f} {unit}/s")
+            # a stop any rank was asked for (SIGTERM, Ctrl-C) ends the run on all after this step, saved first
+            stopping = noted is not None and _stop_agreed(noted, mesh.device)
+            if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stopping):
+                if pending is not None:
+                    _committed(pending.wait(), lead, bar)
+                pending = save_run(cfg.save_dir, pm, opt, batches, step, history, model=cfg.model, keep=cfg.keep,
+                                   async_save=cfg.async_save, group=save_group)
+                if not cfg.async_save:
+                    _committed(pending.wait(), lead, bar)
+                    pending = None
+            if stopping:
+                break
     if pending is not None:
         _committed(pending.wait(), lead, bar)
     batches.close()
     bar.close()
+    if stopping:
+        if metrics_file:
+            metrics_file.close()
+        stopped = Stopped(stopping, "every rank")
+        stopped.then = f" after step {step}"
+        raise stopped
     if pipelined and cfg.timeline:
         draw_measured_timeline(pm, cfg.timeline, partial(predicted_timings, cfg, cfg.model, pm.plan, micro, mesh))
     if lead and isinstance(opt, OffloadedOptimizer):
@@ -180,6 +195,13 @@ def train(cfg: TrainConfig) -> list[dict]:
         scratch.cleanup()
     dist.barrier()
     return history
+
+
+def _stop_agreed(noted: StopRequest, device: torch.device) -> int:
+    """The signal any rank has noted (0: none), the same on every rank: all stop after the same step."""
+    signum = torch.tensor([noted.signum], device=device)
+    dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+    return int(signum.item())
 
 
 def batch_source(cfg: TrainConfig, model, mesh, reads: bool = True):

@@ -94,6 +94,30 @@ def test_a_rank_killed_while_an_async_save_is_uncommitted_restarts_the_job_from_
     assert not left  # no run folder stays behind, a killed rank's included
 
 
+def test_a_run_stopped_from_outside_saves_the_step_it_was_in_and_resumes_to_the_whole_runs_end(tmp_path, whole):
+    """A scheduler's SIGTERM to the launcher: every rank ends the step it is in, saves it (between the periodic
+    saves), and exits; the launcher names that checkpoint, and the run resumed from it ends as the uninterrupted
+    run does."""
+    proc = start(tmp_path, "killed", "--steps", "20", "--save-dir", str(tmp_path / "killed"), "--save-every", "5")
+    metrics = tmp_path / "killed.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 6:
+        assert proc.poll() is None, (tmp_path / "killed.err").read_text()[-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, (tmp_path / "killed.err").read_text()[-3000:]
+    ran = len(metrics.read_text().splitlines())
+    newest = committed(tmp_path / "killed")[-1]
+    assert 6 <= ran < 20 and newest == step_dir(tmp_path / "killed", ran)  # nothing trained is lost
+    assert f"its newest checkpoint is {newest} (train again with --resume auto" in \
+        (tmp_path / "killed.err").read_text()
+    # the same run again (its output and metrics in the same files), from where it stopped
+    resumed = start(tmp_path, "killed", "--steps", "20", "--save-dir", str(tmp_path / "killed"), "--save-every", "5",
+                    "--resume", "auto")
+    assert resumed.wait(timeout=300) == 0, (tmp_path / "killed.err").read_text()[-3000:]
+    assert f"resumed from {newest} (step {ran})" in (tmp_path / "killed.out").read_text()
+    _matches_the_whole_run(tmp_path, whole)
+
+
 def test_a_stopped_rank_fails_the_run_within_the_timeout_naming_it(tmp_path):
     # 5 s: with 2, a rank slowed by the rest of a loaded 2-core machine was once declared stopped before step 5
     proc = start(tmp_path, "stopped", "--steps", "100000", "--collective-timeout", "5")

@@ -74,3 +74,31 @@ def test_a_second_signal_while_stopping_is_not_a_second_stop():
                 assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
                 raise
     assert stop.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_training_rank_notes_a_stop_and_goes_on_until_its_ranks_agree():
+    """Inside the block SIGTERM and SIGINT are noted, the first kept, and the process goes on (its ranks stop after
+    the step they are in); after it, the handlers are what they were."""
+    import os
+    import signal
+    import threading
+
+    from polyshard.runtime.signals import stops_noted
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with stops_noted() as noted:
+        assert noted.signum == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert noted.signum == signal.SIGTERM
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    seen = []  # off the main thread, which signals never reach, nothing is installed
+
+    def elsewhere():
+        with stops_noted() as noted:
+            seen.append((noted.signum, signal.getsignal(signal.SIGTERM) == before[0]))
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert seen == [(0, True)]
