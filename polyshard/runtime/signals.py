@@ -12,10 +12,10 @@ class Stopped(Exception):
     """A job stopped from outside (Ctrl-C, or a scheduler's SIGTERM), once every process of it has ended; ``then``:
     what the command adds, such as where to continue from."""
 
-    def __init__(self, signum: int, processes: str = "every process of the job"):
+    def __init__(self, signum: int, processes: str = "every process of the job", then: str = ""):
         super().__init__(f"stopped by {signal.Signals(signum).name}, and {processes} with it")
         self.signum = signum
-        self.then = ""
+        self.then = then
 
 
 class Interrupt(BaseException):

@@ -161,7 +161,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             if lead and (step % cfg.log_every == 0 or step == cfg.steps):
                 bar.write(f"step {step:>5}  loss {record['loss']:.4f}  {record[f'{unit}_per_s']:.0f} {unit}/s")
             # a stop any rank was asked for (SIGTERM, Ctrl-C) ends the run on all after this step, saved first
-            stopping = noted is not None and _stop_agreed(noted, mesh.device)
+            stopping = _stop_agreed(noted, mesh.device) if noted else 0
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stopping):
                 if pending is not None:
                     _committed(pending.wait(), lead, bar)
@@ -179,9 +179,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     if stopping:
         if metrics_file:
             metrics_file.close()
-        stopped = Stopped(stopping, "every rank")
-        stopped.then = f" after step {step}"
-        raise stopped
+        raise Stopped(stopping, "every rank", then=f" after step {step}")
     if pipelined and cfg.timeline:
         draw_measured_timeline(pm, cfg.timeline, partial(predicted_timings, cfg, cfg.model, pm.plan, micro, mesh))
     if lead and isinstance(opt, OffloadedOptimizer):
