@@ -4,6 +4,7 @@ ranks find said once."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import select
@@ -22,6 +23,7 @@ STOP_GRACE_S = 5.0  # after a rank's error or a stop, how long the processes may
 # A stopped run that checkpoints gets this long: its ranks end the step they are in and save it before they exit.
 SAVE_STOP_GRACE_S = 60.0
 ERRORS_ENV = "POLYSHARD_ERRORS_DIR"  # where ranks launched by `polyshard` leave the bad input they found
+STOPS_ENV = "POLYSHARD_STOPS_DIR"  # where they leave word that they stopped on purpose, and how
 # `polyshard train`'s flags for the launch itself, as argparse takes them: the ranks are started without them
 LAUNCH_FLAGS = {
     "--nproc": dict(type=int, default=None,
@@ -108,7 +110,8 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0), rend
     ``nodes[1]`` of ``nodes[0]`` meeting the others at ``rendezvous`` (default: this machine alone, on a free
     port). A bad input the ranks find is said once, with exit code 2, instead of once per rank under torchrun's
     own report; a rank that dies otherwise restarts the job up to ``max_restarts`` times. Stopped (Ctrl-C,
-    SIGTERM), the ranks get ``stop_grace_s`` seconds to end before they are killed."""
+    SIGTERM), the ranks get ``stop_grace_s`` seconds to end before they are killed; ranks that stopped on purpose
+    (those of another machine, their peers told to stop) end the job here too, restarting nothing."""
     check_gpus(nproc)
     if rendezvous is None:
         with socket.socket() as s:
@@ -121,22 +124,27 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0), rend
     else:  # static: machine r holds ranks r*nproc .., so node 0 holds rank 0
         meet = [f"--node-rank={nodes[1]}", f"--master-addr={host}", f"--master-port={port}"]
     with tempfile.TemporaryDirectory(prefix="polyshard-launch-") as scratch:  # torchrun's logs too: it keeps them
-        errors = os.path.join(scratch, "errors")
+        errors, stops = os.path.join(scratch, "errors"), os.path.join(scratch, "stops")
         os.mkdir(errors)
+        os.mkdir(stops)
         argv = [f"--nproc-per-node={nproc}", f"--nnodes={nodes[0]}", *meet, f"--max-restarts={max_restarts}",
                 f"--log-dir={os.path.join(scratch, 'logs')}", *command]
-        env = dict(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors},
+        env = dict(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors, STOPS_ENV: stops},
                    # the ranks' own store, new for each restart: the agent's shared one keeps the last attempt's
                    # addresses, which a restarted rank can read before its peer replaces them
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         proc = _Agent(argv, env)  # forked before the handlers below: the agent keeps torchrun's own
         with interrupts_raised():
             try:
-                last = _relay(proc, errors, stop_after_error=not max_restarts)
+                last = _relay(proc, errors, stop_after_error=not max_restarts, stops=stops, ranks=nproc,
+                              stop_grace_s=stop_grace_s)
             except Interrupt as exc:
                 _end(proc, stop_grace_s)
-                raise Stopped(exc.signum) from None
+                raise _said_stop(stops) or Stopped(exc.signum) from None
         code = proc.wait()
+        stopped = _said_stop(stops)
+        if stopped:
+            raise stopped
         said = sorted({p.read_text() for p in Path(errors).iterdir()})
     for message in said:
         print(("" if last == b"\n" else "\n") + f"polyshard: error: {message}", file=sys.stderr)
@@ -216,24 +224,43 @@ def _run_agent(argv: list[str]) -> int:
         sys.stderr.flush()
 
 
-def _relay(proc: _Agent, errors: str, stop_after_error: bool) -> bytes:
-    """Copy torchrun's stderr through until a rank says an error; then, if ``stop_after_error``, give the
-    job STOP_GRACE_S seconds to end and kill what is left (a hung or stopped rank). Returns the last byte."""
-    last, stop_at = b"\n", None
+def _relay(proc: _Agent, errors: str, stop_after_error: bool, stops: str, ranks: int, stop_grace_s: float) -> bytes:
+    """Copy torchrun's stderr through until a rank says an error or that it stopped. After an error, if
+    ``stop_after_error``, give the job STOP_GRACE_S seconds to end and kill what is left (a hung or stopped rank);
+    after a stop, kill the agent (which would restart the job) once this machine's ``ranks`` have all said it, or
+    ``stop_grace_s`` seconds after the first did. Returns the last byte."""
+    last, kill_at = b"\n", None
     while True:
         if select.select([proc.stderr], [], [], 0.5)[0]:
             chunk = os.read(proc.stderr.fileno(), 1 << 16)
             if not chunk:
                 return last
-            if not os.listdir(errors):  # after a rank's error, the rest is the other ranks stopping
+            if not os.listdir(errors) and not os.listdir(stops):  # the rest is the ranks ending
                 sys.stderr.buffer.write(chunk)
                 sys.stderr.flush()
                 last = chunk[-1:]
-        if stop_after_error and stop_at is None and os.listdir(errors):
-            stop_at = time.monotonic() + STOP_GRACE_S
-        if stop_at is not None and time.monotonic() > stop_at:
+        stopped = len(os.listdir(stops))
+        if kill_at is None and (stopped or stop_after_error and os.listdir(errors)):
+            kill_at = time.monotonic() + (stop_grace_s if stopped else STOP_GRACE_S)
+        if kill_at is not None and kill_at < math.inf and (time.monotonic() > kill_at or stopped >= ranks):
             _signal(_descendants(proc.pid) + [proc.pid], signal.SIGKILL)  # each rank is in a session of its own
-            stop_at = float("inf")
+            kill_at = math.inf
+
+
+def say_stopped(stops: str, exc: Stopped) -> None:
+    """Leave word in ``stops`` (a rank's :data:`STOPS_ENV`) that this rank stopped on purpose, and how."""
+    rank = os.environ.get("RANK", "0")
+    sys.stdout.flush()
+    sys.stderr.flush()  # before the launcher may end this process
+    written = Path(stops).parent / f"stop-rank{rank}"
+    written.write_text(json.dumps([exc.signum, exc.processes, exc.then]))
+    os.replace(written, Path(stops, f"rank{rank}"))  # whole, or not there
+
+
+def _said_stop(stops: str) -> Stopped | None:
+    """The stop the lowest rank of this machine left word of in ``stops``, if any did."""
+    said = sorted(Path(stops).iterdir(), key=lambda p: int(p.name.removeprefix("rank")))
+    return Stopped(*json.loads(said[0].read_text())) if said else None
 
 
 def _descendants(root: int) -> list[int]:

@@ -15,8 +15,8 @@ from typing import Callable
 
 from polyshard.cli.calibrate import add_parser as add_calibrate
 from polyshard.cli.k8s import add_parser as add_k8s
-from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, SAVE_STOP_GRACE_S, STOP_GRACE_S, check_nodes, launch,
-                                  reach_rendezvous, under_torchrun, without_flag)
+from polyshard.cli.launch import (ERRORS_ENV, LAUNCH_FLAGS, SAVE_STOP_GRACE_S, STOP_GRACE_S, STOPS_ENV, check_nodes,
+                                  launch, reach_rendezvous, say_stopped, under_torchrun, without_flag)
 from polyshard.cli.ps import add_parser as add_ps
 from polyshard.cli.train_args import add_config_flags, train_config
 from polyshard.errors import PolyshardError, check_output_file, file_in_the_way
@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except Stopped as exc:
-        if os.environ.get("RANK", "0") == "0":  # of a job's ranks, the first says it
+        if os.environ.get(STOPS_ENV):  # a rank `launch` started: the launcher says it, and restarts nothing
+            say_stopped(os.environ[STOPS_ENV], exc)
+        elif os.environ.get("RANK", "0") == "0":  # of a job's ranks, the first says it
             print(f"\npolyshard: {exc}{exc.then}", file=sys.stderr)
         return 128 + exc.signum  # as a shell reports a command a signal ended
     except PolyshardError as exc:
@@ -151,7 +153,7 @@ def _train(args) -> int:
                           nodes=(args.nnodes, args.node_rank), rendezvous=rendezvous, max_restarts=args.max_restarts,
                           stop_grace_s=SAVE_STOP_GRACE_S if cfg.save_dir else STOP_GRACE_S)
         except Stopped as exc:
-            exc.then = _saved_so_far(cfg.save_dir)
+            exc.then = exc.then or _saved_so_far(cfg.save_dir)  # the ranks' word where they stopped themselves
             raise
     from polyshard.train.trainer import train
 

@@ -14,8 +14,7 @@ class Stopped(Exception):
 
     def __init__(self, signum: int, processes: str = "every process of the job", then: str = ""):
         super().__init__(f"stopped by {signal.Signals(signum).name}, and {processes} with it")
-        self.signum = signum
-        self.then = then
+        self.signum, self.processes, self.then = signum, processes, then
 
 
 class Interrupt(BaseException):

@@ -118,6 +118,23 @@ def test_a_run_stopped_from_outside_saves_the_step_it_was_in_and_resumes_to_the_
     _matches_the_whole_run(tmp_path, whole)
 
 
+def test_ranks_stopped_without_their_launcher_end_the_job_there_restarting_nothing(tmp_path):
+    """A stop that reaches the ranks but not their launcher, as on each machine but the one a scheduler stopped,
+    ends the job there too: the ranks save the step they were in, and the launcher, told so, says where to continue
+    from instead of restarting them."""
+    proc = start(tmp_path, "stopped", "--steps", "1000", "--save-dir", str(tmp_path / "ck"), "--save-every", "1000",
+                 "--max-restarts", "1")
+    at = signal_rank_at(proc, tmp_path / "stopped.jsonl", 3, rank=1, sig=signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    err = (tmp_path / "stopped.err").read_text()
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    ran = len((tmp_path / "stopped.jsonl").read_text().splitlines())
+    newest = committed(tmp_path / "ck")[-1]
+    assert at <= ran < 1000 and newest == step_dir(tmp_path / "ck", ran)
+    said = f"polyshard: stopped by SIGTERM, and every rank with it after step {ran}; its newest checkpoint is {newest}"
+    assert err.count(said) == 1 and "resumed from" not in (tmp_path / "stopped.out").read_text(), err[-3000:]
+
+
 def test_a_stopped_rank_fails_the_run_within_the_timeout_naming_it(tmp_path):
     # 5 s: with 2, a rank slowed by the rest of a loaded 2-core machine was once declared stopped before step 5
     proc = start(tmp_path, "stopped", "--steps", "100000", "--collective-timeout", "5")
