@@ -510,7 +510,7 @@ def calibrate(out_path: str | Path | None, sizes: Sequence[int], repeats: int) -
         base,
         device_name=torch.cuda.get_device_name() if cuda else "cpu",
         memory_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda
-        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // base.devices_per_node,
+        else base.memory_bytes,  # the machine's, shared by its ranks
         intra_node=intra,
         inter_node=inter,
         flops_per_s=flops,

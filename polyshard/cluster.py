@@ -334,7 +334,7 @@ class Cluster:
             )
         if nodes < 1 or per_node < 1:
             raise PolyshardError(f"cluster spec {spec!r} has zero nodes or devices; counts start at 1")
-        return _cluster(nodes, per_node, name, _device(name))
+        return _cluster(nodes, per_node, name, _device(name, per_node))
 
     @classmethod
     def from_env(cls) -> Cluster:
@@ -351,7 +351,7 @@ class Cluster:
     @classmethod
     def of_machines(cls, nodes: int, per_node: int) -> Cluster:
         """``nodes`` machines like this one, ``per_node`` ranks on each (what a launch from here makes)."""
-        name, device = _detect_device()
+        name, device = _detect_device(per_node)
         return _cluster(nodes, per_node, name, device)
 
     @classmethod
@@ -429,18 +429,18 @@ def _device_name(text: str, spec: str) -> str:
     return by_lower[text.lower()]
 
 
-def _device(name: str) -> _Device:
-    """The table row for `name`, with the cpu row's memory read from this machine."""
+def _device(name: str, per_node: int) -> _Device:
+    """The table row for `name`; the cpu row's memory is this machine's, shared by the ``per_node`` ranks on it."""
     device = _DEVICES[name]
     if device.device_type == "cpu":
-        return replace(device, memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        return replace(device, memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node)
     return device
 
 
-def _detect_device() -> tuple[str, _Device]:
-    """The preset closest to this machine's device, with its real memory size."""
+def _detect_device(per_node: int) -> tuple[str, _Device]:
+    """The preset closest to this machine's device, with its real memory size (on CPU, a share of ``per_node``)."""
     if not torch.cuda.is_available():
-        return "cpu", _device("cpu")
+        return "cpu", _device("cpu", per_node)
     props = torch.cuda.get_device_properties(0)
     gpus = [name for name, d in _DEVICES.items() if d.device_type == "cuda"]
     same_family = [name for name in gpus if name.split("-")[0] in props.name]

@@ -192,7 +192,8 @@ def _planning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--image-size", type=int, default=None, help="for an image model (unet-small, resnet-small): square "
                    "images of N pixels a side (default 64); the search weighs splitting them by height and width")
-    p.add_argument("--memory-limit", default="", help="bytes per device, e.g. 70GiB (default: the device's memory)")
+    p.add_argument("--memory-limit", default="", help="bytes per device, e.g. 70GiB (default: the device's memory; "
+                   "on CPU, the machine's divided among the ranks on it)")
     p.add_argument("--memory-reserve", default="", help="of the limit, bytes plans leave free for the CUDA context, "
                    "communication buffers and allocator fragmentation (default: on GPUs the larger of 5%% and 2GiB)")
     p.add_argument("--pin", default="", help="YAML of strategies to keep: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")

@@ -1,4 +1,5 @@
 import dataclasses
+import os
 
 import pytest
 import yaml
@@ -35,6 +36,16 @@ def test_cpu_gloo(monkeypatch):
     assert (c.num_nodes, c.devices_per_node, c.backend) == (1, 3, "gloo")
     assert Cluster.preset("cpu-gloo:4").num_devices == 4
     assert c.memory_bytes > 0
+
+
+def test_ranks_on_one_machine_share_its_memory(monkeypatch):
+    """A CPU rank's memory is its share of the machine's: four ranks planned at the whole memory each would
+    together ask for four times what there is."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert Cluster.preset("cpu-gloo:1").memory_bytes == machine
+    for cluster in (Cluster.preset("cpu-gloo:4"), Cluster.of_machines(2, 4)):
+        assert machine - 4 < 4 * cluster.memory_bytes <= machine
 
 
 @pytest.mark.parametrize("spec", ["8xTPU-v4", "axbxA100-80G", "A100-80G", "0x8xA100-80G", "cpu-gloo:x", ""])
