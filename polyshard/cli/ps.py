@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--snapshot-dir", default="", help="where servers snapshot their parameters and optimizer state "
                    "(default: a temporary folder); a restarted server resumes from it")
     p.add_argument("--snapshot-every", type=int, default=10, help="updates between snapshots (default 10)")
+    p.add_argument("--resume", action="store_true", help="continue the run whose snapshots --snapshot-dir holds "
+                   "(stopped, or ended short of --steps) from the newest update every server kept")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts per role before the run gives up on it "
                    "(default 3)")
     p.add_argument("--log-every", type=int, default=10, help="updates per progress line (default 10)")
@@ -94,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     if args.index or args.addresses:
         raise PolyshardError(f"{'--index' if args.index else '--addresses'} places one role of a job started "
                              "elsewhere: give --role too, or leave it out to run every role here")
+    if args.resume and not args.snapshot_dir:
+        raise PolyshardError("--resume continues a run from its snapshots: give their --snapshot-dir")
     if args.out:
         check_output_file("--out", args.out)
     from polyshard.runtime.ps import train_ps
@@ -101,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = train_ps(servers=args.servers, snapshot_dir=args.snapshot_dir or None,
-                          max_restarts=args.max_restarts, **job)
+                          max_restarts=args.max_restarts, resume=args.resume, **job)
     except Stopped as exc:
         if args.snapshot_dir:  # else they were in a temporary folder, gone with the run
-            exc.then = f"; the servers' last snapshots are in {args.snapshot_dir}"
+            exc.then = (f"; the servers' last snapshots are in {args.snapshot_dir} (the same command with --resume "
+                        "continues from them)")
         raise
     restarted = {role: n for role, n in result.restarts.items() if n}
     print(f"polyshard ps: {len(result.losses)} updates, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
@@ -124,6 +129,9 @@ def _one_role(args: argparse.Namespace, job: dict) -> int:
     from polyshard.runtime.ps.spec import PSSpec
     from polyshard.runtime.ps.wire import parse_address
 
+    if args.resume:
+        raise PolyshardError("--resume continues a run started here; a --role server resumes from its "
+                             "--snapshot-dir by itself")
     key = os.environ.get(KEY_ENV, "")
     if not key:
         raise PolyshardError(f"--role needs the run's key in ${KEY_ENV} (the same hex string for every role)")

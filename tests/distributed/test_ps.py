@@ -195,3 +195,53 @@ def test_a_stopped_ps_job_ends_every_role_and_says_where_its_snapshots_are(tmp_p
             f"servers' last snapshots are in {snaps}") in err
     assert "Traceback" not in err, err[-2000:]
     assert not [pid for pid in roles if running(pid)]
+
+
+def test_a_stopped_ps_run_resumes_to_the_uninterrupted_runs_parameters(tmp_path, capsys):
+    """A sync run stopped mid-way continues, with --resume, from the newest update both servers kept, and ends
+    with the parameters of the run never stopped; snapshots that do not fit the command are refused first."""
+    from polyshard.cli.main import main
+
+    flags = ["ps", "--model", "recsys-tiny", "--servers", "2", "--workers", "2", "--optimizer", "adam", "--lr", "0.01",
+             "--snapshot-every", "3", "--log-every", "1"]
+    assert main([*flags, "--steps", "24", "--snapshot-dir", str(tmp_path / "whole"),
+                 "--out", str(tmp_path / "whole.pt")]) == 0
+    part = str(tmp_path / "part")
+    proc = subprocess.Popen([sys.executable, "-m", "polyshard.cli.main", *flags, "--steps", "100000",
+                             "--snapshot-dir", part], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("update 8/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and "the same command with --resume continues" in err, err[-2000:]
+    capsys.readouterr()
+    for change, said in ((["--steps", "24"], "use an empty directory, or resume that run"),
+                         (["--steps", "24", "--resume", "--servers", "1"], "holds the snapshots of 2 servers"),
+                         (["--steps", "24", "--resume", "--optimizer", "sgd"], "holds Adam state; this run's "
+                                                                               "optimizer is SGD"),
+                         (["--steps", "24", "--resume", "--model", "recsys-small"], "is of another model"),
+                         (["--steps", "3", "--resume"], "raise the steps to train on")):
+        args = [*flags, "--snapshot-dir", part, *change]
+        assert main(args) == 2 and said in capsys.readouterr().err, change
+    assert main([*flags, "--steps", "24", "--snapshot-dir", part, "--resume", "--out", str(tmp_path / "part.pt")]) == 0
+    resumed = capsys.readouterr().out
+    assert "polyshard ps: resuming from update" in resumed and "24 updates" in resumed
+    whole, part = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("whole", "part"))
+    assert whole.keys() == part.keys()
+    for name in whole:
+        torch.testing.assert_close(part[name], whole[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_restored_server_keeps_the_optimizer_settings_of_its_run(tmp_path):
+    """Its state comes from the snapshot; its settings (a resumed run's new learning rate) from the run."""
+    from dataclasses import replace
+
+    from polyshard.runtime.ps.server import Server
+    from polyshard.runtime.ps.spec import PSSpec
+
+    spec = PSSpec(model_fn=cases.click_model, batch_fn=cases.Clicks(), servers=(("", 0),), workers=1, steps=5,
+                  key=b"k", snapshot_dir=str(tmp_path), optimizer=functools.partial(torch.optim.Adam, lr=0.1))
+    Server(spec, 0).snapshot()
+    restored = Server(replace(spec, optimizer=functools.partial(torch.optim.Adam, lr=0.5)), 0)
+    assert restored.restored_at == 0 and restored.optimizer.param_groups[0]["lr"] == 0.5

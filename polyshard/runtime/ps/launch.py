@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from polyshard.errors import PolyshardError
-from polyshard.runtime.ps.server import read_snapshot, serve
+from polyshard.runtime.ps.server import serve
+from polyshard.runtime.ps.snapshots import make_newest, read_snapshot, resume_points, servers_in
 from polyshard.runtime.ps.spec import MODES, PSSpec, placement_of
 from polyshard.runtime.ps.worker import work
 from polyshard.runtime.signals import Interrupt, Stopped, interrupts_raised
@@ -47,13 +48,14 @@ def train_ps(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int, int, in
              workers: int = 2, steps: int = 10, optimizer: Callable | None = None, mode: str = "sync",
              staleness: int | None = None, seed: int = 0, snapshot_dir: str | None = None, snapshot_every: int = 10,
              tables: tuple[str, ...] | None = None, max_restarts: int = 3, log_every: int = 10,
-             straggler_seconds: float = 60.0) -> PSResult:
+             straggler_seconds: float = 60.0, resume: bool = False) -> PSResult:
     """Train ``model_fn()`` with ``servers`` parameter servers and ``workers`` workers, each a process here.
 
     ``batch_fn(step, worker, workers)`` gives a worker its rows of global batch ``step`` as ``model(...)``'s
     arguments, and the model returns the loss. ``optimizer(tensors)`` runs on the servers (default SGD, lr
     0.01). Both functions must be importable (module level), as every role is a fresh process. In sync
     mode, a worker silent ``straggler_seconds`` after another's gradient came in is left out of that update.
+    ``resume``: continue the run whose snapshots ``snapshot_dir`` holds, to ``steps`` updates in all.
     """
     optimizer = optimizer or functools.partial(torch.optim.SGD, lr=0.01)
     spec = PSSpec(model_fn=model_fn, batch_fn=batch_fn, optimizer=optimizer,
@@ -63,7 +65,10 @@ def train_ps(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int, int, in
     check(spec, servers, max_restarts)
     with tempfile.TemporaryDirectory(prefix="polyshard-ps-") as scratch:
         folder = snapshot_dir or scratch
-        _check_snapshot_dir(folder)
+        if resume:
+            _resume(folder, spec, servers)
+        else:
+            _check_snapshot_dir(folder)
         spec = replace(spec, servers=tuple(("127.0.0.1", port) for port in free_ports(servers)), snapshot_dir=folder)
         return _Supervisor(spec, max_restarts).run()
 
@@ -99,8 +104,45 @@ def _check_snapshot_dir(folder: str) -> None:
         raise PolyshardError(f"snapshot directory {folder!r} is a file")
     if any(path.glob("server-*.pt")):
         raise PolyshardError(f"snapshot directory {folder!r} holds another run's server snapshots; use an empty "
-                             "directory")
+                             "directory, or resume that run")
     path.mkdir(parents=True, exist_ok=True)
+
+
+def _resume(folder: str, spec: PSSpec, servers: int) -> None:
+    """Make each server's snapshot of the update the run resumes from its newest, once every one is found to fit
+    this run (its model, server count, optimizer and steps); nothing changes where one does not."""
+    found = servers_in(folder) if Path(folder).is_dir() else 0
+    if found != servers:
+        raise PolyshardError(f"snapshot directory {folder!r} holds the snapshots of {found} servers; resume with "
+                             f"--servers {found}" if found else f"snapshot directory {folder!r} holds no server "
+                             "snapshots to resume from")
+    points = resume_points(folder, servers, sync=spec.mode == "sync")
+    with torch.device("meta"):
+        model = spec.model_fn()
+    placement = placement_of(model, replace(spec, servers=(("", 0),) * servers))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    optimizer = spec.optimizer([torch.zeros(1, requires_grad=True)])
+    for index, (version, path) in enumerate(points):
+        snapshot = torch.load(path, weights_only=True)
+        want = {n: shapes[n] for n in placement.dense_on(index)}
+        for name, bounds in placement.tables:
+            want[name] = (bounds[index][1] - bounds[index][0], *shapes[name][1:])
+        have = {n: tuple(t.shape) for n, t in snapshot["tensors"].items()}
+        if have != want:
+            name = min(n for n in have.keys() | want.keys() if have.get(n) != want.get(n))
+            raise PolyshardError(f"server {index}'s snapshot in {folder!r} is of another model: {name} is "
+                                 f"{have.get(name, 'missing')} there and {want.get(name, 'not a parameter')} in "
+                                 "this run's; resume with the run's --model")
+        if set(snapshot["optimizer"]["param_groups"][0]) != set(optimizer.state_dict()["param_groups"][0]):
+            raise PolyshardError(f"server {index}'s snapshot holds {snapshot.get('optimizer_class', 'another')} "
+                                 f"state; this run's optimizer is {type(optimizer).__name__}")
+        if version >= spec.steps:
+            raise PolyshardError(f"server {index}'s snapshot is at update {version}, and {spec.steps} updates end "
+                                 "there; raise the steps to train on")
+    for index, (_, path) in enumerate(points):
+        make_newest(folder, index, path)
+    versions = sorted({v for v, _ in points})
+    print(f"polyshard ps: resuming from update {'/'.join(map(str, versions))} (snapshots in {folder})", flush=True)
 
 
 def free_ports(count: int) -> list[int]:

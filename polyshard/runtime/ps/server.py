@@ -17,17 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from polyshard.runtime.ps.snapshots import read_snapshot, write_snapshot
 from polyshard.runtime.ps.spec import PSSpec, placement_of
 from polyshard.runtime.ps.wire import PEER_LOST, from_wire, no_delay, receive, send, to_wire
-
-
-def snapshot_path(snapshot_dir: str, index: int) -> Path:
-    return Path(snapshot_dir) / f"server-{index}.pt"
-
-
-def read_snapshot(snapshot_dir: str, index: int) -> dict | None:
-    path = snapshot_path(snapshot_dir, index)
-    return torch.load(path, weights_only=True) if path.exists() else None
 
 
 class Server:
@@ -62,20 +54,20 @@ class Server:
     def _restore(self, snapshot: dict) -> None:
         for name, t in snapshot["tensors"].items():
             self.tensors[name].copy_(t)
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(snapshot["optimizer"])
+        for group, setting in zip(self.optimizer.param_groups, settings):
+            group.update(setting)  # this run's (a resumed run may change the learning rate)
         self.version, self.losses = snapshot["version"], snapshot["losses"]
         self.stale, self.lost = snapshot["stale"], snapshot["lost"]
         self.restored_at = self.version
         self._say(f"restored update {self.version} from its snapshot")
 
     def snapshot(self) -> None:
-        """Written whole then renamed, so a kill mid-write leaves the previous snapshot."""
-        path = snapshot_path(self.spec.snapshot_dir, self.index)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"version": self.version, "tensors": self.tensors, "optimizer": self.optimizer.state_dict(),
-                    "losses": self.losses, "stale": self.stale, "lost": self.lost,
-                    "busy": self.busy}, tmp)
-        os.replace(tmp, path)
+        write_snapshot(self.spec.snapshot_dir, self.index, {
+            "version": self.version, "tensors": self.tensors, "optimizer": self.optimizer.state_dict(),
+            "optimizer_class": type(self.optimizer).__name__, "losses": self.losses, "stale": self.stale,
+            "lost": self.lost, "busy": self.busy})
 
     # ---- messages
     def handle(self, conn: Connection, message: tuple) -> None:
