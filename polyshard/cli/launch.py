@@ -128,6 +128,8 @@ def launch(nproc: int, command: list[str], nodes: tuple[int, int] = (1, 0), rend
         os.mkdir(errors)
         os.mkdir(stops)
         argv = [f"--nproc-per-node={nproc}", f"--nnodes={nodes[0]}", *meet, f"--max-restarts={max_restarts}",
+                # stopped, the agent too gives its ranks the grace before it kills them (torchrun's default: 30 s)
+                f"--shutdown-timeout={math.ceil(stop_grace_s)}",
                 f"--log-dir={os.path.join(scratch, 'logs')}", *command]
         env = dict(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{ERRORS_ENV: errors, STOPS_ENV: stops},
                    # the ranks' own store, new for each restart: the agent's shared one keeps the last attempt's

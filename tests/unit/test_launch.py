@@ -102,3 +102,27 @@ def test_a_training_rank_notes_a_stop_and_goes_on_until_its_ranks_agree():
     thread.start()
     thread.join()
     assert seen == [(0, True)]
+
+
+def test_a_stopped_agent_gives_its_ranks_the_launchers_grace(monkeypatch):
+    """torchrun's agent, sent SIGTERM, kills its ranks after its own shutdown timeout (30 s unless told): it is
+    told the launcher's grace, so a checkpointing run's ranks get all of it to save the step they were in (a save
+    held 40 s was killed at 30 s before)."""
+    import os
+
+    started = []
+
+    class Agent:  # an agent that ends at once, having recorded its flags
+        def __init__(self, argv, env):
+            started.append(argv)
+            read, write = os.pipe()
+            os.close(write)
+            self.pid, self.stderr = 0, os.fdopen(read, "rb", buffering=0)
+
+        def wait(self):
+            self.stderr.close()
+            return 0
+
+    monkeypatch.setattr(launch, "_Agent", Agent)
+    assert launch.launch(1, ["-c", "pass"], stop_grace_s=launch.SAVE_STOP_GRACE_S) == 0
+    assert f"--shutdown-timeout={launch.SAVE_STOP_GRACE_S:.0f}" in started[0]
