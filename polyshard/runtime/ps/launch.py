@@ -112,10 +112,11 @@ def _resume(folder: str, spec: PSSpec, servers: int) -> None:
     """Make each server's snapshot of the update the run resumes from its newest, once every one is found to fit
     this run (its model, server count, optimizer and steps); nothing changes where one does not."""
     found = servers_in(folder) if Path(folder).is_dir() else 0
+    if not found:
+        raise PolyshardError(f"snapshot directory {folder!r} holds no server snapshots to resume from")
     if found != servers:
         raise PolyshardError(f"snapshot directory {folder!r} holds the snapshots of {found} servers; resume with "
-                             f"--servers {found}" if found else f"snapshot directory {folder!r} holds no server "
-                             "snapshots to resume from")
+                             f"--servers {found}")
     points = resume_points(folder, servers, sync=spec.mode == "sync")
     with torch.device("meta"):
         model = spec.model_fn()
