@@ -130,6 +130,8 @@ def _train_job(args: argparse.Namespace) -> list[dict]:
     command = ["polyshard", "train", "--nproc", str(args.procs_per_node)]
     if args.nodes > 1:
         command += ["--nnodes", str(args.nodes), "--node-rank", "$(RANK)", "--rdzv", "$(MASTER_ADDR):$(MASTER_PORT)"]
+    if train.save_dir and not train.resume:  # a pod restarted with the job's command continues the run
+        flags += ["--resume", "if-any"]
     command += ["--max-restarts", str(args.max_restarts), *flags]
 
     def replica(count: int, port: bool) -> dict:

@@ -47,9 +47,13 @@ def committed(root: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir())
 
 
+NEWEST = ("auto", "if-any")  # the --resume values that mean the newest checkpoint under --save-dir
+
+
 def resolve(resume: str, root: str) -> Path | None:
-    """The checkpoint ``--resume`` names: ``auto`` is the newest under ``root`` (None when there is none)."""
-    if resume == "auto":
+    """The checkpoint ``--resume`` names: ``auto`` and ``if-any`` the newest under ``root`` (None when there is
+    none)."""
+    if resume in NEWEST:
         found = committed(root)
         return found[-1] if found else None
     path = Path(resume)

@@ -295,8 +295,12 @@ def _check_checkpoint_flags(cfg: TrainConfig) -> None:
         raise PolyshardError(f"--save-every must be 0 (only at the end) or more steps, got {cfg.save_every}")
     if cfg.keep < 0:
         raise PolyshardError(f"--keep must be 0 (keep all) or more, got {cfg.keep}")
-    if cfg.resume == "auto" and not cfg.save_dir:
-        raise PolyshardError("--resume auto continues from the newest checkpoint in --save-dir: give --save-dir")
+    if cfg.resume and not cfg.save_dir:
+        from polyshard.runtime.checkpoint import NEWEST
+
+        if cfg.resume in NEWEST:
+            raise PolyshardError(f"--resume {cfg.resume} continues from the newest checkpoint in --save-dir: give "
+                                 "--save-dir")
     if not (cfg.collective_timeout >= 0 and math.isfinite(cfg.collective_timeout)):
         raise PolyshardError(f"--collective-timeout must be a number of seconds, 0 or more; "
                              f"got {cfg.collective_timeout}")
@@ -316,6 +320,8 @@ def check_resume(cfg: TrainConfig, name: str, params: dict[str, tuple[int, ...]]
                                  "--resume auto, or save into an empty folder")
         return
     path = checkpoint.resolve(cfg.resume, cfg.save_dir)
+    if path is None and cfg.resume == "if-any":
+        return  # a fresh start
     if path is None:
         raise PolyshardError(f"--resume auto: --save-dir {cfg.save_dir!r} holds no complete checkpoint yet")
     manifest = checkpoint.read_manifest(path)

@@ -58,8 +58,9 @@ class TrainConfig:
     keep: int = _flag(0, "leave only the newest K checkpoints (default 0: all)")
     async_save: bool = _flag(False, "write checkpoints in the background while training goes on (the state is "
                              "copied first)")
-    resume: str = _flag("", "continue from a checkpoint: 'auto' (the newest in --save-dir) or its directory; the "
-                        "plan and device count may differ from the run that saved it")
+    resume: str = _flag("", "continue from a checkpoint: 'auto' (the newest in --save-dir), 'if-any' (that, or a "
+                        "fresh start where there is none: what a restarted pod runs) or its directory; the plan and "
+                        "device count may differ from the run that saved it")
     collective_timeout: float = _flag(0.0, "seconds a training step's collective waits for a silent process before "
                                       "the run fails, naming it (default 0: torch's, 30 minutes, which "
                                       "start-up always keeps)")

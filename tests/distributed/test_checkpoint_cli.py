@@ -118,6 +118,19 @@ def test_a_run_stopped_from_outside_saves_the_step_it_was_in_and_resumes_to_the_
     _matches_the_whole_run(tmp_path, whole)
 
 
+def test_a_command_that_resumes_if_any_starts_fresh_then_continues_to_the_whole_runs_end(tmp_path, whole):
+    """`--resume if-any`, which a Kubernetes pod restarted with its job's command runs: the first time, with no
+    checkpoint, a fresh start; the second, from the newest checkpoint, ending as the uninterrupted run ends."""
+    flags = ("--save-dir", str(tmp_path / "killed"), "--save-every", "5", "--resume", "if-any")
+    first = start(tmp_path, "killed", "--steps", "10", *flags)
+    assert first.wait(timeout=300) == 0, (tmp_path / "killed.err").read_text()[-3000:]
+    assert "resumed from" not in (tmp_path / "killed.out").read_text()
+    again = start(tmp_path, "killed", "--steps", "20", *flags)
+    assert again.wait(timeout=300) == 0, (tmp_path / "killed.err").read_text()[-3000:]
+    assert f"resumed from {step_dir(tmp_path / 'killed', 10)} (step 10)" in (tmp_path / "killed.out").read_text()
+    _matches_the_whole_run(tmp_path, whole)
+
+
 def test_ranks_stopped_without_their_launcher_end_the_job_there_restarting_nothing(tmp_path):
     """A stop that reaches the ranks but not their launcher, as on each machine but the one a scheduler stopped,
     ends the job there too: the ranks save the step they were in, and the launcher, told so, says where to continue
@@ -210,6 +223,9 @@ REFUSED = {
     "a fresh run over saved checkpoints": (["--save-dir", "{saved}"], "holds another run's checkpoints"),
     "--save-every without --save-dir": (["--save-every", "5"], "need --save-dir"),
     "--resume auto without --save-dir": (["--resume", "auto"], "give --save-dir"),
+    "--resume if-any without --save-dir": (["--resume", "if-any"], "--resume if-any continues from the newest"),
+    "--resume if-any onto another model's": (["--model", "gpt-small", "--resume", "if-any", "--save-dir", "{saved}"],
+                                             "is of model 'gpt-tiny'; this run trains 'gpt-small'"),
     "--max-restarts below 0": (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
     "--collective-timeout below 0": (["--collective-timeout", "-1"], "--collective-timeout must be a number"),
 }

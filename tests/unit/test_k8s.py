@@ -62,6 +62,17 @@ def test_train_manifest_is_a_valid_pytorchjob_running_the_local_command(tmp_path
     assert (node.nnodes, node.nproc, node.node_rank, node.rdzv) == (2, 2, 1, "clicks-master-0:23456")
 
 
+def test_a_pod_restarted_with_its_jobs_command_continues_from_the_newest_checkpoint(tmp_path):
+    """A checkpointing job's command resumes if it finds a checkpoint (a restarted pod runs it again); a --resume
+    the user gave is kept as given."""
+    (job,) = manifests(tmp_path, "train", "--model", "gpt-tiny", "--save-dir", "/ck")
+    assert _command(job, "Master")[-2:] == ["--resume", "if-any"]
+    (job,) = manifests(tmp_path, "train", "--model", "gpt-tiny", "--save-dir", "/ck", "--resume", "auto")
+    assert _command(job, "Master")[-4:] == ["--save-dir", "/ck", "--resume", "auto"]
+    (job,) = manifests(tmp_path, "train", "--model", "gpt-tiny")
+    assert "--resume" not in _command(job, "Master")
+
+
 def test_plan_and_pins_travel_in_a_configmap_and_data_is_the_pods(tmp_path, capsys):
     plan, pins = tmp_path / "plan.json", tmp_path / "pins.yaml"
     assert main(["plan", "--model", "gpt-tiny", "--cluster", "1x2xA100-80G", "--out", str(plan)]) == 0
