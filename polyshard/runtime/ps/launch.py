@@ -124,7 +124,7 @@ def _resume(folder: str, spec: PSSpec, servers: int) -> None:
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     optimizer = spec.optimizer([torch.zeros(1, requires_grad=True)])
     for index, (version, path) in enumerate(points):
-        snapshot = torch.load(path, weights_only=True)
+        snapshot = torch.load(path, weights_only=True, mmap=True)  # shapes only: the tensors stay unread
         want = {n: shapes[n] for n in placement.dense_on(index)}
         for name, bounds in placement.tables:
             want[name] = (bounds[index][1] - bounds[index][0], *shapes[name][1:])

@@ -52,7 +52,7 @@ def resume_points(snapshot_dir: str, servers: int, sync: bool) -> list[tuple[int
         for previous in (True, False):  # the newest last: it wins a tie
             path = snapshot_path(snapshot_dir, index, previous)
             if path.exists():
-                versions[torch.load(path, weights_only=True)["version"]] = path
+                versions[torch.load(path, weights_only=True, mmap=True)["version"]] = path  # tensors left unread
         if not versions:
             raise PolyshardError(f"server {index} left no snapshot in {snapshot_dir!r} to resume from")
         held.append(versions)
