@@ -104,20 +104,26 @@ class Run:
             return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
         return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
+    @property
+    def cuts(self) -> str | None:
+        """Equal layers per pipeline stage (Megatron-LM; Megatron-DeepSpeed: partition_method type:transformer),
+        where there is a pipeline."""
+        return "even" if self.pp > 1 else None
+
     def published(self) -> Fixed:
         """The published configuration as the search must keep it."""
         if self.hf:
             return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, zero=self.zero or None,
                          recompute=self.recompute, precision="bf16")
         if self.core:
-            return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, precision="bf16", cuts="even")
+            return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, precision="bf16", cuts=self.cuts)
         return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, zero=self.zero,
                      # before sequence parallel (2022), Megatron-LM's layers kept every value between the split
                      # products whole on each rank and all-reduced the row-parallel products' sums
                      tp_comm="all_reduce" if self.tp > 1 else None,
                      recompute="full", recompute_comm="recompute",  # Megatron-LM reruns a layer's all-reduces
                      precision="bf16", schedule=self.schedule,
-                     cuts="even",  # equal layers per stage (Megatron-DeepSpeed: partition_method type:transformer)
+                     cuts=self.cuts,
                      overlap=0 if self.reduce_after_backward else None)
 
 

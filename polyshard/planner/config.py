@@ -110,6 +110,13 @@ class Fixed:
                                  f"device, and {other} changes that state; leave out one of them")
         if self.v is not None and self.v > 1 and self.schedule not in (None, "interleaved"):
             raise PolyshardError(f"--config v={self.v} needs schedule=interleaved, not {self.schedule!r}")
+        if self.v == 1 and self.schedule == "interleaved":
+            raise PolyshardError("--config schedule=interleaved runs v >= 2 chunks on each pipeline rank, and v=1 "
+                                 "gives each one; leave out v, or use schedule=1f1b")
+        if self.pp == 1 and self.pipeline_keys:
+            given = ",".join(f"{k}={getattr(self, k)}" for k in self.pipeline_keys)
+            raise PolyshardError(f"--config {given} sets how pipeline stages run, and pp=1 has none; leave out "
+                                 f"one of them")
 
     def check_devices(self, devices: int) -> None:
         """Raise unless the fixed dp / tp / pp / h / w can split ``devices``."""
@@ -153,6 +160,13 @@ class Fixed:
     def stage_tp_split(self) -> tuple[str, ...]:
         """What each pipeline chunk's tp ranks split (one entry: every chunk's); empty if not fixed."""
         return () if self.tp_split is None else tuple(self.tp_split.split("/"))
+
+    @property
+    def pipeline_keys(self) -> tuple[str, ...]:
+        """The fixed settings only a pipeline has: a schedule, chunks per rank beyond one, cuts, tp ranks' split,
+        a recompute mode per chunk."""
+        return tuple(k for k in ("schedule", "v", "cuts", "tp_split", "recompute") if getattr(self, k) is not None
+                     and (k != "v" or self.v > 1) and (k != "recompute" or self.stage_recompute))
 
     @property
     def stage_recompute(self) -> tuple[str, ...]:

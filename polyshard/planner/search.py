@@ -916,10 +916,11 @@ def _update_seconds(numel: float, offload: str, zero: int, dp: int, precision: s
 
 
 def _keeps(fixed: Fixed, mesh, data_axes) -> bool:
-    """Whether the mesh's sizes agree with the dp / tp / pp / h / w that ``fixed`` keeps (and, where a chunk's
-    tp ranks must split rows, has a pipeline and tp ranks)."""
+    """Whether the mesh's sizes agree with the dp / tp / pp / h / w that ``fixed`` keeps, has a pipeline where
+    ``fixed`` sets how one runs, and tp ranks where a chunk's must split rows."""
     spatial = spatial_sizes(mesh)
-    if "rows" in fixed.stage_tp_split and (stage_count(mesh) == 1 or operator_size(mesh, data_axes) == 1):
+    if fixed.pipeline_keys and stage_count(mesh) == 1 or \
+            "rows" in fixed.stage_tp_split and operator_size(mesh, data_axes) == 1:
         return False
     return fixed.allows(dp=data_size(mesh, data_axes), tp=operator_size(mesh, data_axes) // math.prod(spatial.values()),
                         pp=stage_count(mesh), h=spatial.get("h", 1), w=spatial.get("w", 1))

@@ -109,6 +109,33 @@ def test_config_spelling_round_trips_and_refuses_nonsense():
             Fixed.parse(bad)
 
 
+@pytest.mark.parametrize("text", ["schedule=interleaved,pp=1", "schedule=gpipe,pp=1", "v=2,pp=1", "cuts=even,pp=1",
+                                  "tp_split=rows,pp=1", "tp_split=ops,pp=1", "pp=1,recompute=full/none"])
+def test_settings_of_a_pipeline_are_refused_beside_pp_1(text):
+    with pytest.raises(PolyshardError, match="sets how pipeline stages run, and pp=1 has none"):
+        Fixed.parse(text)
+
+
+def test_interleaving_one_chunk_per_rank_is_refused():
+    with pytest.raises(PolyshardError, match="v >= 2 chunks"):
+        Fixed.parse("schedule=interleaved,v=1")
+    assert Fixed.parse("schedule=1f1b,v=1").pipeline_keys == ("schedule",)
+    assert Fixed.parse("v=1,recompute=full,m=4").pipeline_keys == ()  # one chunk a rank and accumulation: no pipeline
+
+
+@pytest.mark.parametrize("text", ["schedule=gpipe", "v=2", "cuts=even", "tp_split=ops"])
+def test_settings_of_a_pipeline_with_pp_left_to_the_search_choose_a_pipeline(text):
+    def config(plan) -> dict:
+        return dict(kv.split("=") for kv in plan.report["config"].split(","))
+
+    unpinned, _ = _search("gpt-small", "cpu-gloo:4", 16)
+    plan, ranked = _search("gpt-small", "cpu-gloo:4", 16, Fixed.parse(text))
+    assert config(unpinned)["pp"] == "1"  # so the pin, not the model, makes the pipeline
+    assert config(plan)["pp"] != "1" and all(c.pp > 1 for c in ranked)
+    key, value = text.split("=")
+    assert config(plan).get(key, value) == value  # the spelling names no cuts: the plan's stages are where they are
+
+
 def test_a_gradient_reduction_after_backward_is_priced_whole():
     name, cluster = "gpt:layers=12,hidden=1024,heads=16,seq=512,vocab=8192", Cluster.preset("2x8xA100-80G")
     split = dict(dp=16, tp=1, pp=1, zero=0, mbs=2, precision="bf16", bucket=BUCKET_BYTES // 2**20)
