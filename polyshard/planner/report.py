@@ -88,6 +88,7 @@ def render(plan: Plan, layouts: int = 40, candidates: int = 20) -> str:
         if len(shown) < len(rep["candidates"]):
             lines.append(f"  ... {len(rep['candidates']) - len(shown)} more (--candidates {len(rep['candidates'])} "
                          "lists every one)")
+        lines.append(_legend(shown))
         fitting = [c for c in rep["candidates"] if c["fits"]]
         runner = next((c for c in fitting if c is not chosen), None)
         if runner:
@@ -119,6 +120,15 @@ def render(plan: Plan, layouts: int = 40, candidates: int = 20) -> str:
     if len(summary) > layouts:
         lines.append(f"... {len(summary) - layouts} more (the plan file has all)")
     return "\n".join(lines)
+
+
+def _legend(shown: list[dict]) -> str:
+    """What the table's marks mean, those it shows."""
+    marks = (("* the choice", True),
+             ("x over the memory limit", any(not c["fits"] and not c.get("pruned") for c in shown)),
+             ("> a lower bound, not costed further", any(c.get("pruned") or c.get("memory_floor") for c in shown)),
+             ("gap: at most this much slower than the operators' fastest strategies", True))
+    return "  " + "; ".join(words for words, used in marks if used)
 
 
 def _stage_table(chosen: dict, limit: float) -> list[str]:

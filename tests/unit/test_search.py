@@ -123,6 +123,11 @@ def test_search_report_survives_json_and_renders():
     again = Plan.from_json(plan.to_json())
     text = render(again)
     assert again.report == plan.report and "runner-up" in text and chosen_row(plan.report)["brief"] in text
+    rows = text.splitlines()
+    legend = next(line for line in rows if line.startswith("  * the choice"))
+    assert ("x over the memory limit" in legend) == any(line.startswith("x ") for line in rows)
+    assert ("> a lower bound" in legend) == any(" >" in line for line in rows if line[:2] in ("  ", "x ")
+                                                and line != legend)
 
 
 def test_large_models_plan_in_seconds():
