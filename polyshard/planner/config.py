@@ -133,12 +133,15 @@ class Fixed:
     def conflict(self, global_batch: int, blocks: int) -> str:
         """The first rule of a plan that these settings break for ``global_batch`` rows and a model of ``blocks``
         repeated blocks, in words; '' where each could hold."""
-        chunks, rows = (self.pp or 1) * (self.v or 1), global_batch // (self.dp or 1)
+        # the fewest pipeline chunks these settings allow: a pipeline has 2 stages or more, interleaving 2 chunks a rank
+        pp, v = self.pp or (2 if self.pipeline_keys else 1), self.v or (2 if self.schedule == "interleaved" else 1)
+        chunks, rows = pp * v, global_batch // (self.dp or 1)
+        given = ",".join(f"{k}={getattr(self, k)}" for k in ("pp", "schedule", "v") if getattr(self, k) is not None)
         cut = " x ".join(f"{k}={getattr(self, k)}" for k in ("mbs", "m") if getattr(self, k))
         per_step = (self.mbs or 1) * (self.m or 1)
         rules = (
-            (chunks > blocks, f"pp={self.pp}{f' x v={self.v}' if self.v else ''} makes {chunks} pipeline chunks, and "
-                              f"the model has {blocks} blocks to cut them at"),
+            (chunks > blocks, f"{given} makes {'' if self.pp and (self.v or v == 1) else 'at least '}{chunks} pipeline "
+                              f"chunks, and the model has {blocks} blocks to cut them at"),
             (self.dp and global_batch % self.dp, f"dp={self.dp} does not split the batch of {global_batch}"),
             (self.dp and rows % per_step, f"{cut} does not divide a replica's {rows} rows (the batch of "
                                           f"{global_batch} at dp={self.dp})"),
