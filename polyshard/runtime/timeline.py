@@ -36,7 +36,8 @@ def draw_timeline(path: str | Path, predicted: Sequence[ActionTime] | None = Non
     if not panels:
         raise PolyshardError("draw_timeline needs predicted or measured action times")
     stages = max(t.stage for times in panels.values() for t in times) + 1
-    fig = Figure(figsize=(11, 0.6 + (0.5 * stages + 0.9) * len(panels)))
+    legend_in = 0.3  # a strip below the panels, so that the legend covers no box
+    fig = Figure(figsize=(11, 0.6 + legend_in + (0.5 * stages + 0.9) * len(panels)))
     FigureCanvasAgg(fig)
     bubbles = {}
     axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True)[:, 0]  # one time scale for every panel
@@ -59,12 +60,14 @@ def draw_timeline(path: str | Path, predicted: Sequence[ActionTime] | None = Non
         ax.set_xlabel("ms")
         span_ms = (max(t.end_s for t in times) - origin) * 1e3
         ax.set_title(f"{name}: {span_ms:.1f} ms, bubble {bubbles[name]:.1%}", fontsize=10)
-    axes[0].legend(handles=[Patch(facecolor=COLORS["F"][0], label="forward (label: micro-batch)"),
-                            Patch(facecolor=COLORS["B"][0], label="backward"),
-                            Patch(facecolor=COLORS["F"][1], label="next virtual stage (lighter)")],
-                   loc="upper right", fontsize=7, ncol=3)
+    labelled = any(len(times) <= LABELLED_ACTIONS for times in panels.values())
+    handles = [Patch(facecolor=COLORS["F"][0], label="forward" + " (F3: micro-batch 3's)" * labelled),
+               Patch(facecolor=COLORS["B"][0], label="backward" + " (B3)" * labelled)]
+    if any(t.chunk >= stages for times in panels.values() for t in times):  # interleaved: a rank's chunks alternate
+        handles.append(Patch(facecolor=COLORS["F"][1], label="a rank's next virtual stage (lighter)"))
+    fig.legend(handles=handles, loc="lower center", fontsize=7, ncol=len(handles), frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=110)
     return bubbles
