@@ -91,8 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("explain", help="show a plan file again, with why its choice won",
                         description="Print a plan file: candidates, the choice and its runner-up, memory, layouts.")
     ex.add_argument("plan", help="plan JSON file")
-    ex.add_argument("--layouts", type=int, default=40, help="parameter layouts to list (default 40)")
-    _candidates_flag(ex)
+    _listing_flags(ex)
     ex.add_argument("--timeline", default="", help="for a pipelined plan: draw its predicted schedule (which stage "
                     "runs which micro-batch's forward and backward, when) into this PNG")
     ex.add_argument("--cluster", default="", help="time the timeline with the cost model's compute on this cluster "
@@ -201,14 +200,22 @@ def _planning_flags(p: argparse.ArgumentParser) -> None:
                    "model's own pipeline plan names (embedding, each layer, final norm, head), not only at its layers")
     p.add_argument("--json", action="store_true", help="print one JSON object (step_s, memory_bytes_per_device, "
                    "config, breakdown, planning_s) instead of the table")
-    _candidates_flag(p)
+    _listing_flags(p)
     p.add_argument("--workers", type=int, default=None, help="processes that cost splits side by side (default: "
                    "one per core this process may use on a cluster of several nodes, else 1)")
 
 
-def _candidates_flag(p: argparse.ArgumentParser) -> None:
+def _listing_flags(p: argparse.ArgumentParser) -> None:
+    """How much of a plan's report to print."""
     p.add_argument("--candidates", type=int, default=20, help="candidates to list, fastest first (default 20; "
                    "the choice is listed wherever it ranks)")
+    p.add_argument("--layouts", type=int, default=40, help="parameter layouts to list (default 40; 0 lists none)")
+
+
+def _check_listing(args) -> None:
+    for flag in ("layouts", "candidates"):
+        if getattr(args, flag) < 0:
+            raise PolyshardError(f"--{flag} must be 0 or more, got {getattr(args, flag)}")
 
 
 def _status_line() -> Callable[[str], None] | None:
@@ -243,8 +250,7 @@ def _plan(args) -> int:
         raise PolyshardError(f"--global-batch must be at least 1, got {batch}")
     if args.workers is not None and args.workers < 1:
         raise PolyshardError(f"--workers must be at least 1, got {args.workers}")
-    if args.candidates < 0:
-        raise PolyshardError(f"--candidates must be 0 or more, got {args.candidates}")
+    _check_listing(args)
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     reserve = parse_bytes(args.memory_reserve) if args.memory_reserve else None
     _check_reserve(limit or cluster.memory_bytes, reserve, default_reserve_bytes(cluster))
@@ -288,7 +294,7 @@ def _plan(args) -> int:
             kept = {kv.split("=")[0] for kv in fixed.text().split(",")}
             chosen = [kv for kv in plan.report["config"].split(",") if kv.split("=")[0] not in kept]
             print(f"kept {fixed.text()}; the search chose {','.join(chosen) or 'nothing else'}")
-        print(render(plan, candidates=args.candidates))
+        print(render(plan, layouts=args.layouts, candidates=args.candidates))
         if pick is not None:
             print(compare(summary(plan, planned.cfg, cluster.num_devices),
                           summary(pick, planned.cfg, cluster.num_devices)))
@@ -371,9 +377,7 @@ def _explain(args) -> int:
     from polyshard.planner.report import compare, render, summary
     from polyshard.train.config import load_plan
 
-    for flag in ("layouts", "candidates"):
-        if getattr(args, flag) < 0:
-            raise PolyshardError(f"--{flag} must be 0 or more, got {getattr(args, flag)}")
+    _check_listing(args)
     plan = load_plan(args.plan, "plan file")
     other = load_plan(args.beside, "--beside plan file") if args.beside else None
     if other is not None:

@@ -403,6 +403,7 @@ CLI_CASES = [
     ("copies-with-pp", TRAIN + ["--mesh", "pp=2", "--copies", "2"], ["--copies 2", "pp"]),
     ("explain-layouts", ["explain", "{plan}", "--layouts", "-1"], ["--layouts", "-1"]),
     ("explain-candidates", ["explain", "{plan}", "--candidates", "-1"], ["--candidates", "-1"]),
+    ("plan-layouts", BIG_PLAN + ["--layouts", "-1"], ["--layouts", "-1"]),
     ("explain-cluster", ["explain", "{plan}", "--timeline", "t.png", "--cluster", "8xA999"], ["pp"]),
     ("explain-cluster-without-timeline", ["explain", "{plan}", "--cluster", "8xA100-80G"],
      ["--cluster", "add --timeline"]),

@@ -68,8 +68,10 @@ def test_cost_prices_the_given_configuration_and_says_what_it_chose(capsys):
 
 def test_cost_compare_shows_the_pick_beside_the_configuration_term_by_term(capsys):
     args = ("--model", SHAPE, "--cluster", "8xA100-80G", "--global-batch", "32", "--config", "tp=8,recompute=full")
-    code, out, _ = _run(capsys, "cost", *args, "--compare")
+    code, out, _ = _run(capsys, "cost", *args, "--compare", "--layouts", "3")
     assert code == 0
+    listed = out.split("parameter layouts:\n")[1].splitlines()
+    assert len(listed) > 4 and listed[3].startswith("... ") and "more (the plan file has all)" in listed[3]
     table = out.split("given dp=")[1]
     for term in ("step", "compute", "op comm", "dp comm", "p2p", "bubble", "memory"):
         assert f"\n  {term} " in table
