@@ -193,7 +193,7 @@ def _memory_line(title: str, m: dict, limit: float) -> str:
     parts = ", ".join(f"{k} {format_bytes(m[k])}" for k in ("params", "grads", "optimizer", "activations", "buffers"))
     apart = m.get("apart", 0)
     apart = (f", less {format_bytes(apart)} of grads and activations never alive together" if apart > 0 else
-             f", plus {format_bytes(-apart)} of gradients in flight in backward" if apart < 0 else "")
+             f", plus {format_bytes(-apart)} of activations' gradients alive in backward" if apart < 0 else "")
     return f"{title}: {parts}{apart} = {format_bytes(m['total'])} of {format_bytes(limit)}"
 
 

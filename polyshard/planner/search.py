@@ -168,12 +168,13 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     fitting = [c for c in candidates if c.memory.total_bytes <= limit and not c.pruned]
     if not fitting:
         least = min((c for c in candidates if not c.pruned), key=lambda c: c.memory.total_bytes)
+        kept = fixed.text()
         raise PolyshardError(
-            f"the model does not fit: the leanest split ({least.describe()}) needs "
-            f"{'at least ' * least.memory_floor}{format_bytes(least.memory.total_bytes)} per device, "
-            f"{format_bytes(least.memory.total_bytes - limit)} over the {_limit_text(limit, reserve)}; add devices, "
-            "shrink the batch, or raise --memory-limit"
-        )
+            f"{f'no plan that keeps {kept} fits' if kept else 'the model does not fit'}: the leanest split "
+            f"({least.describe()}) needs {'at least ' * least.memory_floor}{format_bytes(least.memory.total_bytes)} "
+            f"per device, {format_bytes(least.memory.total_bytes - limit)} over the {_limit_text(limit, reserve)}; "
+            + ("leave more settings to the search (recompute, zero, offload, mbs), or raise --memory-limit to price "
+               "it all the same" if kept else "add devices, shrink the batch, or raise --memory-limit"))
     best = min(fitting, key=lambda c: c.step_s)
     ranked = sorted(candidates, key=lambda c: c.step_s)
     report = search_report(ranked, best, limit, reserve, data_axes, cluster)
