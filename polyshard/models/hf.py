@@ -81,8 +81,12 @@ def build(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.dev
     except (ValueError, KeyError) as exc:
         raise PolyshardError(f"transformers has no model type {model_type!r}: {exc}") from exc
     cfg.use_cache = False
-    with building_on(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    try:
+        with building_on(device):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    except Exception as exc:  # the config's values, which transformers checks as it builds (e.g. pad_token_id)
+        raise PolyshardError(f"transformers could not build a {model_type} model from {spec}: "
+                             f"{type(exc).__name__}: {exc}") from exc
     model.loss_type = "ForCausalLM"  # what from_config leaves unset, and transformers warns about on first use
     if weights is not None and str(device) != "meta":
         from safetensors.torch import load_file

@@ -91,6 +91,9 @@ def files(tmp_path_factory) -> dict[str, str]:
         out[name] = str(d / name)
 
     text("broken.yaml", "blocks.*.mlp.fc: {in_strategy: [[1, 1], [2, 1]]\n")
+    text("pad_past_vocab.json", json.dumps({"model_type": "phi3", "hidden_size": 32, "intermediate_size": 64,
+                                            "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64,
+                                            "pad_token_id": 999}))
     text("list.yaml", "- blocks.0.mlp.fc\n")
     text("no_in.yaml", "blocks.0.mlp.fc: {out_strategy: [[1, 1]]}\n")
     text("extra_key.yaml", "blocks.0.mlp.fc: {in_strategy: [[1, 1], [2, 1]], in_stategy: [[1, 1]]}\n")
@@ -220,6 +223,10 @@ CLI_CASES = [
     ("model-unknown", TRAIN + ["--model", "gpt-huge"], ["gpt-huge", "polyshard models"]),
     ("model-hf-family", TRAIN + ["--model", "hf:nope"], ["nope", "llama"]),
     ("model-hf-missing-file", TRAIN + ["--model", "hf:/no/such/config.json"], ["/no/such/config.json"]),
+    ("model-hf-config-transformers-refuses", TRAIN + ["--model", "hf:{pad_past_vocab.json}"],
+     ["transformers could not build a phi3 model", "pad_past_vocab.json", "Padding_idx"]),
+    ("plan-hf-config-transformers-refuses", ["plan", "--model", "hf:{pad_past_vocab.json}", "--cluster", "cpu-gloo:2"],
+     ["transformers could not build a phi3 model"]),
     ("hf-strategies-no-match", TRAIN[:3] + ["--model", "hf:llama", "--strategies", "{nomatch.yaml}"],
      ["decoder.*.fc", "model."]),
     ("hf-manual-split-short", TRAIN[:3] + ["--model", "hf:llama", "--mesh", "tp=2", "--strategies", "{uneven.yaml}"],
