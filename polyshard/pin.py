@@ -55,7 +55,9 @@ def make_pin(in_strategy: Strategy, out_strategy: Sequence | None, fn: Callable 
 
 
 # transformers' tensor-parallel styles (a model's ``_tp_plan``) as pins: (weight spec, output replicated)
+# (a row-wise product whose input arrives whole slices it where it is: the pin's split input costs no collective)
 _TP_STYLES = {"colwise": ("out", False), "rowwise": ("in", False), "colwise_gather_output": ("out", True),
+              "colwise_rep": ("out", True), "rowwise_split_input": ("in", True), "rowwise_rep": ("in", True),
               "embedding_rowwise": ("rows", False)}
 
 
