@@ -222,9 +222,12 @@ def _inline_state(graph: fx.Graph, sig, model: nn.Module, constants: dict, attrs
         raise PolyshardError(f"{type(model).__name__} updates buffers in forward ({mutated}, "
                              "e.g. BatchNorm running statistics); polyshard cannot split such a model yet")
     first = next(n for n in graph.nodes if n.op != "placeholder") if len(graph.nodes) else None
+    canonical: dict[int, str] = {}  # a tied parameter by the model's first name for it, not the one export chose
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
     for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in lifted]:
         fqn = lifted[node.name]
-        target = fqn if fqn in state else f"_constant_{len(attrs)}"
+        target = canonical.get(id(state[fqn]), fqn) if fqn in state else f"_constant_{len(attrs)}"
         attrs[target] = state[fqn] if fqn in state else constants[fqn]
         with graph.inserting_before(first):
             new = graph.get_attr(target)

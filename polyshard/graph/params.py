@@ -31,3 +31,11 @@ def parameters_of(gm: fx.GraphModule) -> Parameters:
                  for n in gm.graph.nodes if n.op == "call_module"}
         found = _LISTED[gm] = Parameters(named, {id(p): name for name, p in reversed(named)}, owned)
     return found
+
+
+def read_whole(gm: fx.GraphModule) -> dict[int, str]:
+    """The parameters the graph reads as plain values (``get_attr``: a module traced through reads its own weight,
+    as Gemma's scaled embedding does), by id, with the name read: each rank holds these whole, and so must every
+    module that shares one (Gemma's head, tied to that table)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    return {id(params[n.target]): n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in params}

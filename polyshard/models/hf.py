@@ -28,6 +28,10 @@ TINY: dict[str, dict] = {
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, head_dim=8),
     "gpt_neox": dict(model_type="gpt_neox", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0),
+    # Gemma: its embedding scales the rows it looks up in its own forward, and the head is tied to that table
+    "gemma": dict(model_type="gemma", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # Phi-3: q, k and v in one fused product, and gate and up in another
     "phi3": dict(model_type="phi3", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,

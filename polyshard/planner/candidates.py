@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import fx, nn
 
-from polyshard.graph.params import parameters_of
+from polyshard.graph.params import parameters_of, read_whole
 from polyshard.graph.twins import blocks, stripped, twins
 from polyshard.layout import Axes, Layout
 from polyshard.plan import NodePlan
@@ -35,7 +35,11 @@ def candidates(gm: fx.GraphModule, op_axes: Axes,
     the run's second block, renamed) when its inputs may arrive in the same layouts: a 96-layer
     model is enumerated as two layers."""
     modules = dict(gm.named_modules())
-    ctx = RuleContext(op_axes, modules, {}, {}, lambda msg: None, sequence, gm.meta.get(INPUT_LAYOUTS, {}))
+    owned = parameters_of(gm).owned
+    read = read_whole(gm)
+    whole = {id(p): Layout.replicated(op_axes, p.ndim) for _, p in gm.named_parameters() if id(p) in read}
+    ctx = RuleContext(op_axes, modules, {}, dict(whole), lambda msg: None, sequence,
+                      gm.meta.get(INPUT_LAYOUTS, {}))
     nodes = list(gm.graph.nodes)
     table = twins(gm)
     values: dict[str, list] = {}
@@ -52,7 +56,8 @@ def candidates(gm: fx.GraphModule, op_axes: Axes,
         found: list[NodePlan] = []
         for combo in itertools.islice(itertools.product(*(values[i.name] for i in inputs)), MAX_COMBOS):
             ctx.layouts.update({i.name: v for i, v in zip(inputs, combo)})
-            found += [d for d in decide_all(node, ctx) if d not in found]
+            found += [d for d in decide_all(node, ctx)
+                      if d not in found and _keeps_whole(d, owned.get(node.target, ()), whole)]
         out[node.name] = found
         values[node.name] = list({_key(d.output): d.output for d in found}.values())
     return out, copied
@@ -270,6 +275,11 @@ def _gathers(src, dst, grad: bool, all_to_all: bool) -> bool:
         return False
     allowed = ("all_reduce", "slice") if not grad else ("all_reduce",)
     return any(step.collective not in allowed for step in plan_transition(*common_axes(src, dst), all_to_all))
+
+
+def _keeps_whole(d: NodePlan, own, whole: dict[int, Layout]) -> bool:
+    """Whether ``d`` lays out each parameter of its module (``own``) that the graph reads whole as ``whole`` has it."""
+    return all(d.params.get(k, whole[id(p)]) == whole[id(p)] for k, _, p in own if id(p) in whole)
 
 
 def _shared_param_conflicts(nodes, options, rep, owned):

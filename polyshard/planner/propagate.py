@@ -1,7 +1,8 @@
 """Sharding propagation: walk the graph in order, each op choosing its layouts from its inputs'.
 
 Pinned ops keep their strategies; the rest follow the op rules. Parameters shared by two ops
-(tied embeddings) keep the layout the first op chose, and the second adapts to it.
+(tied embeddings) keep the layout the first op chose, and the second adapts to it; those the graph reads as
+values stay whole.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Callable
 from torch import fx
 
 from polyshard.errors import PolyshardError
+from polyshard.graph.params import read_whole
 from polyshard.layout import Axes, Layout
 from polyshard.plan import Plan
 from polyshard.planner.rules import RuleContext, decide, row_splits
@@ -27,10 +29,13 @@ def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None], se
     modules = dict(gm.named_modules())
     named = dict(gm.named_parameters())
     fixed = {id(named[name]): layout for name, layout in (params or {}).items()}
+    whole = read_whole(gm)
+    by_id = {id(p): p for p in named.values()}
+    fixed |= {i: Layout.replicated(op_axes, by_id[i].ndim) for i in whole if i not in fixed}
     ctx = RuleContext(op_axes, modules, {}, fixed, warn, sequence, inputs or {}, rows)
     plan = Plan(op_axes=op_axes)
     param_names = {id(p): name for name, p in reversed(list(gm.named_parameters()))}
-    owner: dict[int, str] = {}
+    owner: dict[int, str] = {i: f"{name} (read whole by the graph)" for i, name in whole.items()}
     for node in gm.graph.nodes:
         decision = decide(node, ctx)
         ctx.layouts[node.name] = decision.output

@@ -12,6 +12,7 @@ from polyshard.graph.capture import capture  # noqa: E402
 from polyshard.graph.export import SIGNATURE_KEY  # noqa: E402
 from polyshard import models  # noqa: E402
 from polyshard.models import hf  # noqa: E402
+from polyshard.planner.candidates import candidates  # noqa: E402
 from polyshard.planner.config import Fixed  # noqa: E402
 from polyshard.planner.cost.comm import node_comm_bytes  # noqa: E402
 from polyshard.planner.propagate import propagate  # noqa: E402
@@ -247,3 +248,23 @@ def test_a_returned_value_is_moved_to_the_outputs_layout_once():
     modules = dict(gm.named_modules())
     charged = [node_comm_bytes(u, plan, modules, 4, "gloo") for u in head.users]
     assert sum(1 for c in charged if c) == 1
+
+
+def test_a_table_the_graph_reads_whole_keeps_its_tied_head_whole():
+    """Gemma's embedding looks its rows up in its own forward (the graph reads the table as a value), and the head
+    is tied to that table: neither propagation nor any of the search's candidates may split the head's weight,
+    which the graph would then read as if whole. The table keeps the model's own name."""
+    def heads(name):
+        model = models.build(f"hf:{name}", device="meta")
+        gm = capture(model, model.example_inputs(1))
+        head = next(n.name for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("lm_head"))
+        return model, gm, [d.params["weight"] for d in candidates(gm, axes)[0][head]]
+
+    axes = (("tp", 2),)
+    model, gm, options = heads("gemma")
+    assert model.model.lm_head.weight is model.model.model.embed_tokens.weight
+    plan = propagate(gm, axes, lambda msg: None)
+    assert "model.model.embed_tokens.weight" in plan.params and "model.lm_head.weight" not in plan.params
+    assert plan.params["model.model.embed_tokens.weight"].is_replicated
+    assert options and all(w.is_replicated for w in options)
+    assert any(not w.is_replicated for w in heads("llama")[2])  # where nothing reads it whole, it may split
