@@ -1,5 +1,6 @@
 """Capture and sharding propagation on meta models, in one process."""
 
+import json
 import warnings
 
 import pytest
@@ -104,3 +105,18 @@ def test_conflicting_pins_on_a_shared_weight_name_both_modules():
     ps.shard(model.lm_head, in_strategy=((1, 1, 2), (1, 2)))  # hidden split: the same weight, another way
     with pytest.raises(PolyshardError, match="conflicting pins: `wte` .* but `lm_head` needs"):
         _plan(model, (("tp", 2),))
+
+
+def test_a_flatten_after_a_split_dim_keeps_its_dim_arguments(tmp_path):
+    """Rotary embeddings that rotate interleaved pairs (Cohere's, GLM's, Helium's) stack the halves and flatten the
+    last two dims, on values whose heads are split: flatten's arguments are dims, not sizes to divide."""
+    pytest.importorskip("transformers", reason="the [hf] extra (part of [dev]) is not installed")
+    config = tmp_path / "cohere.json"
+    config.write_text(json.dumps(dict(model_type="cohere", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)))
+    model = models.build(f"hf:{config}", device="meta")
+    plan, _ = _plan(model, (("tp", 2),))
+    flattens = [name for name in plan.nodes if name.startswith("flatten")]
+    assert flattens and any(plan.nodes[name].output.dims[1] for name in flattens)  # heads split through them
+    assert all(plan.nodes[name].shape_divisors == {} for name in flattens)

@@ -201,7 +201,7 @@ def _view(node: fx.Node, ctx: RuleContext) -> NodePlan:
     need = _without(src, gather)
     out = need.with_dims(out_dims)
     divisors = {o: out.num_shards(o) for o in range(len(out_shape)) if out_dims[o]}
-    if node.target in ("flatten", torch.flatten):
+    if op_key(node) in ("flatten", torch.flatten):  # its arguments name dims, not sizes: nothing to localize
         divisors = {}
     return NodePlan("local", {x.name: need}, out, shape_divisors=divisors)
 
