@@ -36,6 +36,10 @@ TINY: dict[str, dict] = {
     "phi3": dict(model_type="phi3", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,
                  bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+    # GLM-4: rotary on half of each head, its pairs interleaved; gate and up in one fused product
+    "glm4": dict(model_type="glm4", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "opt": dict(model_type="opt", vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
                 attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),

@@ -107,7 +107,7 @@ def test_the_models_own_pp_plan_as_stage_units(pools, family, search):
     assert len(boundaries) == 3 and any(".layers." not in b for b in boundaries), boundaries
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt_neox", "gemma"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt_neox", "gemma", "glm4"])
 @pytest.mark.parametrize("mode", ["dp_tp", "pp_1f1b"])
 def test_more_families(pools, family, mode):
     mesh, options = MODES[mode]
