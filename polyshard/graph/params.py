@@ -20,6 +20,7 @@ class Parameters:
 
 
 _LISTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: read_whole
 
 
 def parameters_of(gm: fx.GraphModule) -> Parameters:
@@ -37,5 +38,9 @@ def read_whole(gm: fx.GraphModule) -> dict[int, str]:
     """The parameters the graph reads as plain values (``get_attr``: a module traced through reads its own weight,
     as Gemma's scaled embedding does), by id, with the name read: each rank holds these whole, and so must every
     module that shares one (Gemma's head, tied to that table)."""
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    return {id(params[n.target]): n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in params}
+    found = _READ.get(gm)
+    if found is None:
+        params = dict(gm.named_parameters(remove_duplicate=False))
+        found = _READ[gm] = {id(params[n.target]): n.target for n in gm.graph.nodes
+                             if n.op == "get_attr" and n.target in params}
+    return found

@@ -37,7 +37,7 @@ def candidates(gm: fx.GraphModule, op_axes: Axes,
     modules = dict(gm.named_modules())
     owned = parameters_of(gm).owned
     read = read_whole(gm)
-    whole = {id(p): Layout.replicated(op_axes, p.ndim) for _, p in gm.named_parameters() if id(p) in read}
+    whole = {id(p): Layout.replicated(op_axes, p.ndim) for _, p in parameters_of(gm).named if id(p) in read}
     ctx = RuleContext(op_axes, modules, {}, dict(whole), lambda msg: None, sequence,
                       gm.meta.get(INPUT_LAYOUTS, {}))
     nodes = list(gm.graph.nodes)
