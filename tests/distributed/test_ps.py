@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +196,21 @@ def test_a_stopped_ps_job_ends_every_role_and_says_where_its_snapshots_are(tmp_p
             f"servers' last snapshots are in {snaps}") in err
     assert "Traceback" not in err, err[-2000:]
     assert not [pid for pid in roles if running(pid)]
+
+
+def exit_0_if_ctrl_c_is_ignored() -> None:
+    sys.exit(0 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else 3)
+
+
+def test_a_role_ignores_ctrl_c_from_its_first_instruction():
+    """A Ctrl-C to the terminal's group while a role is still starting raises nothing in it (a traceback, before):
+    the role's process ignores SIGINT before any of its code runs. A fresh process, so the forkserver is its own."""
+    code = ("from polyshard.runtime.ps.launch import role_context\n"
+            "from tests.distributed.test_ps import exit_0_if_ctrl_c_is_ignored as check\n"
+            "role = role_context().Process(target=check)\n"
+            "role.start(); role.join(); raise SystemExit(role.exitcode)\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_a_stopped_ps_run_resumes_to_the_uninterrupted_runs_parameters(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import pickle
 import secrets
@@ -194,13 +195,26 @@ class _Relay:
                 stream.flush()
 
 
+def role_context() -> mp.context.BaseContext:
+    """The roles' start method: forks of one process that imports torch once. That process starts with Ctrl-C
+    ignored, and so does each role from its first instruction; before, a Ctrl-C to the terminal's group could raise
+    in a role still starting, ahead of ``run_role``'s own ignore (the launcher ends the roles itself)."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["polyshard.runtime.ps.launch"])
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited across exec: the server keeps it, and so
+    try:  # do the roles, as a fork restores the handlers the server started with
+        mp.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    return context
+
+
 class _Supervisor:
     """Starts the roles, restarts each dead one up to ``max_restarts`` times, and collects the servers' result."""
 
     def __init__(self, spec: PSSpec, max_restarts: int) -> None:
         self.spec, self.max_restarts = spec, max_restarts
-        self.context = mp.get_context("forkserver")  # one process imports torch once; each role is a fork of it
-        self.context.set_forkserver_preload(["polyshard.runtime.ps.launch"])
+        self.context = role_context()
         self.roles = [("server", i) for i in range(len(spec.servers))] + [("worker", i) for i in range(spec.workers)]
         self.procs: dict[tuple[str, int], mp.Process] = {}
         self.restarts = {f"{r} {i}": 0 for r, i in self.roles}
