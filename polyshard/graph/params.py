@@ -1,5 +1,5 @@
-"""A captured graph's parameters by full name and by the module call that owns them, listed once per graph:
-the planner asks for every split it costs, and walking a large model's modules each time costs seconds."""
+"""A captured graph's modules and parameters by full name and by the module call that owns them, listed once per
+graph: the planner asks for every split it costs, and walking a large model's modules each time costs seconds."""
 
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ class Parameters:
 
 _LISTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: read_whole
+_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per graph: modules_of
+
+
+def modules_of(gm: fx.GraphModule) -> dict[str, nn.Module]:
+    """``gm``'s submodules by full name, shared: read it, never change it. ``gm`` itself is left out, as the entry
+    would keep it alive."""
+    found = _MODULES.get(gm)
+    if found is None:
+        found = _MODULES[gm] = {name: m for name, m in gm.named_modules() if name}
+    return found
 
 
 def parameters_of(gm: fx.GraphModule) -> Parameters:

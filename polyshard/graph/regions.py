@@ -16,6 +16,7 @@ from torch import fx, nn
 
 from polyshard.graph.capture import is_product, is_weight_product
 from polyshard.graph.ops import op_key
+from polyshard.graph.params import modules_of
 from polyshard.plan import RECOMPUTE_COMMS, RECOMPUTE_MODES, check_choice
 
 RECOMPUTE_ATTR = "_polyshard_recompute"
@@ -168,7 +169,7 @@ def recomputed(gm: fx.GraphModule, mode: str, comm: str = "keep") -> Recomputed:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         regions = recompute_regions(gm, mode, comm, marked_modules(gm))
-    modules = dict(gm.named_modules())
+    modules = modules_of(gm)
     kept = [r.kept(modules) for r in regions]
     inner = tuple(frozenset(n.name for n in r.nodes if n not in keep and all(u in members for u in n.users))
                   for r, keep in zip(regions, kept) for members in [set(r.nodes)])

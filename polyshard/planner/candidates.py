@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import fx, nn
 
-from polyshard.graph.params import parameters_of, read_whole
+from polyshard.graph.params import modules_of, parameters_of, read_whole
 from polyshard.graph.twins import blocks, stripped, twins
 from polyshard.layout import Axes, Layout
 from polyshard.plan import NodePlan
@@ -34,7 +34,7 @@ def candidates(gm: fx.GraphModule, op_axes: Axes,
     A node in the third or later of a run of identical blocks takes its twin's candidates (in
     the run's second block, renamed) when its inputs may arrive in the same layouts: a 96-layer
     model is enumerated as two layers."""
-    modules = dict(gm.named_modules())
+    modules = modules_of(gm)
     owned = parameters_of(gm).owned
     read = read_whole(gm)
     whole = {id(p): Layout.replicated(op_axes, p.ndim) for _, p in parameters_of(gm).named if id(p) in read}
@@ -191,7 +191,7 @@ def enumerated(gm: fx.GraphModule, op_axes: Axes, sequence: bool | None) -> Enum
     key = (op_axes, sequence)
     if key not in per_graph:
         options, copied = candidates(gm, op_axes, sequence)
-        nodes, modules = list(gm.graph.nodes), dict(gm.named_modules())
+        nodes, modules = list(gm.graph.nodes), modules_of(gm)
         rep = _representatives(nodes, blocks(gm), options, copied)
         per_graph[key] = Enumeration(options, copied, rep, modules,
                                       list(_shared_param_conflicts(nodes, options, rep, parameters_of(gm).owned)),

@@ -12,7 +12,7 @@ from typing import Callable
 from torch import fx
 
 from polyshard.errors import PolyshardError
-from polyshard.graph.params import read_whole
+from polyshard.graph.params import modules_of, parameters_of, read_whole
 from polyshard.layout import Axes, Layout
 from polyshard.plan import Plan
 from polyshard.planner.rules import RuleContext, decide, row_splits
@@ -26,15 +26,16 @@ def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None], se
     inputs, by placeholder name, that a dataset strategy splits; ``rows``: the axes split the batch rows
     instead of operators, held at dim 0 by these values, every weight whole but those ``params`` lays out, by
     name)."""
-    modules = dict(gm.named_modules())
-    named = dict(gm.named_parameters())
+    modules = modules_of(gm)
+    listed = parameters_of(gm)
+    named = dict(listed.named)
     fixed = {id(named[name]): layout for name, layout in (params or {}).items()}
     whole = read_whole(gm)
     by_id = {id(p): p for p in named.values()}
     fixed |= {i: Layout.replicated(op_axes, by_id[i].ndim) for i in whole if i not in fixed}
     ctx = RuleContext(op_axes, modules, {}, fixed, warn, sequence, inputs or {}, rows)
     plan = Plan(op_axes=op_axes)
-    param_names = {id(p): name for name, p in reversed(list(gm.named_parameters()))}
+    param_names = listed.name_of
     owner: dict[int, str] = {i: f"{name} (read whole by the graph)" for i, name in whole.items()}
     for node in gm.graph.nodes:
         decision = decide(node, ctx)
@@ -51,7 +52,7 @@ def propagate(gm: fx.GraphModule, op_axes: Axes, warn: Callable[[str], None], se
                 )
             plan.params.setdefault(param_names[id(param)], ctx.param_layouts[id(param)])
         plan.nodes[node.name] = decision
-    for name, p in gm.named_parameters():
+    for name, p in listed.named:
         plan.params.setdefault(name, Layout.replicated(op_axes, p.ndim))
     plan.row_splits.update(row_splits(gm, plan.nodes))
     return plan

@@ -22,6 +22,7 @@ from polyshard.buckets import FIRST_BUCKET_BYTES
 from polyshard.cluster import Cluster
 from polyshard.planner.cost.comm import (collectives_seconds, lost_beside, node_backward_bytes, node_comm_bytes,
                                          weight_sum_seconds)
+from polyshard.graph.params import modules_of
 from polyshard.graph.regions import Recomputed, recomputed
 from polyshard.planner.cost.compute import RETURNED_PASSES, forward_seconds, op_overhead, passes, recompute_overhead
 from polyshard.planner.cost.repeat import costed_as
@@ -46,7 +47,7 @@ def op_costs(gm: fx.GraphModule, plan: Plan, cluster: Cluster, dtype: str = "flo
     layer's node that runs as its twin in an earlier layer does costs what the twin did; the last op also pays
     for moving what the model returns to the layout it is returned in. ``rc``: the plan's recompute, where the
     caller has it."""
-    modules = dict(gm.named_modules())
+    modules = modules_of(gm)
     rc = rc or recomputed(gm, plan.recompute, plan.recompute_comm)
     same = costed_as(gm, plan)
     by_name: dict[str, OpCost] = {}
