@@ -213,6 +213,7 @@ def _listing_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _check_listing(args) -> None:
+    """Refuse a negative row count for the report's listings before any planning starts."""
     for flag in ("layouts", "candidates"):
         if getattr(args, flag) < 0:
             raise PolyshardError(f"--{flag} must be 0 or more, got {getattr(args, flag)}")

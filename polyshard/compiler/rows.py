@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from polyshard.compiler.redistribute import redistribute_local
@@ -21,7 +22,8 @@ def row_slice(rows: tuple[int, ...], index: int) -> slice:
 class RowSplitEmbedding(nn.Module):
     """An embedding holding only this rank's rows of its table (``module.weight``, from ``offset``): it looks
     up the ids those rows hold, zeros for the others, and the lookups of every piece are summed into
-    ``out`` (one all-reduce; its gradient reaches each piece's rows whole, no collective)."""
+    ``out`` (one all-reduce; its gradient reaches each piece's rows whole, no collective). A subclass's own
+    forward (Gemma's, which scales what it finds) runs on this rank's rows, so the pieces sum to its result."""
 
     def __init__(self, module: nn.Embedding, offset: int, out: Layout, mesh: Mesh, axes: tuple[str, ...]):
         super().__init__()
@@ -32,10 +34,15 @@ class RowSplitEmbedding(nn.Module):
         table = self.module.weight
         local = ids - self.offset
         mine = (local >= 0) & (local < table.shape[0])
-        pad = self.module.padding_idx
-        pad = pad - self.offset if pad is not None and 0 <= pad - self.offset < table.shape[0] else None
-        found = F.embedding(torch.where(mine, local, 0), table, pad) * mine.unsqueeze(-1).to(table.dtype)
+        found = self._here()(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(table.dtype)
         return redistribute_local(found, self.pending, self.out, self.pending.global_shape(found.shape), self.mesh)
+
+    def _here(self) -> nn.Embedding:
+        """The module as this rank's piece: its rows, its padding row among them at its place there (or none)."""
+        rows, pad = self.module.weight.shape[0], self.module.padding_idx
+        here = copy.copy(self.module)  # the same parameters and buffers; only the padding row is its own
+        here.padding_idx = pad - self.offset if pad is not None and 0 <= pad - self.offset < rows else None
+        return here
 
 
 def gather_rows(piece: torch.Tensor, rows: tuple[int, ...], group) -> torch.Tensor:

@@ -357,7 +357,7 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside and i not in own
                                     and isinstance(i.meta.get("val"), torch.Tensor)))  # sizes: the module reads its own
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        if len(inputs) != 1 or len(outputs) != 1 or not _called_on_one_tensor(module):
+        if len(inputs) != 1 or len(outputs) != 1 or not _called_on_one_tensor(module, nodes, inputs[0]):
             continue  # runs traced through, op by op
         attrs[path] = module
         with graph.inserting_before(nodes[0]):
@@ -376,12 +376,37 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
             graph.erase_node(n)
 
 
-def _called_on_one_tensor(module: nn.Module) -> bool:
-    """Whether calling a leaf on the run's one tensor input reproduces the run: a subclass of torch's
-    Linear, Embedding or LayerNorm with a forward of its own may take other arguments (OPT's positional
-    embedding reads the attention mask)."""
+def _called_on_one_tensor(module: nn.Module, nodes: list[fx.Node], input: fx.Node) -> bool:
+    """Whether calling a leaf on the run's one tensor input reproduces the run, and its sharding rule holds for
+    what it returns: a subclass of torch's Linear, Embedding or LayerNorm with a forward of its own may take other
+    arguments (OPT's positional embedding reads the attention mask), or do more than its base; an embedding that
+    only scales the rows it looks up (Gemma's) does not."""
     base = next((b for b in (nn.Linear, nn.Embedding, nn.LayerNorm) if isinstance(module, b)), None)
-    return base is None or type(module).forward is base.forward
+    return base is None or type(module).forward is base.forward or \
+        (base is nn.Embedding and _scaled_lookup(nodes, input))
+
+
+def _scaled_lookup(nodes: list[fx.Node], input: fx.Node) -> bool:
+    """Whether a run looks up ``input``'s ids, then multiplies or divides the rows found by scalars alone (which
+    the run may cast on the way): a lookup split by rows or by features scales as it is."""
+    if nodes[0].target is not torch.ops.aten.embedding.default or nodes[0].args[1] is not input:
+        return False
+    found = nodes[0]
+    for node in nodes[1:]:
+        if found not in node.all_input_nodes:  # the scale itself: a value of no dims
+            if not _is_scalar(node):
+                return False
+        elif getattr(node.target, "overloadpacket", None) in (torch.ops.aten.mul, torch.ops.aten.div) and \
+                node.args[0] is found and all(_is_scalar(a) for a in node.args[1:] if isinstance(a, fx.Node)):
+            found = node
+        else:
+            return False
+    return found is nodes[-1]
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dim() == 0
 
 
 def _leaf_of(node: fx.Node, model: nn.Module, is_leaf) -> tuple | None:

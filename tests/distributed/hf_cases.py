@@ -38,7 +38,7 @@ def products_slow_against_links() -> Cluster:
 def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int = 8, zero: int | None = None,
               layers: int | None = None, precision: str = "fp32", optimizer: str | None = None,
               table_rows: tuple[int, ...] | None = None, table_columns: int | None = None, tp_split: str | None = None,
-              tp_comm: str | None = None, collectives: bool = False, **options) -> dict:
+              tp_comm: str | None = None, collectives: bool = False, config: dict | None = None, **options) -> dict:
     """Worst loss and parameter errors after ``steps`` optimizer steps; ``zero``: optimizer parallel level (by
     :func:`setup_zero`); ``layers``: decoder layers instead of the tiny config's; ``precision``: "bf16" or
     "fp16" computes in half precision over fp32 masters, against an fp32 reference (the others: float64);
@@ -48,10 +48,12 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     A100s, on a meta twin of the model; given ``tp_comm``, for :func:`products_slow_against_links`) with what each
     pipeline chunk's tp ranks split, or the collectives that move values between split ops, fixed so;
     ``collectives``: also return the collectives the mesh's steps ran, as (kind, bytes in), the data-parallel
-    gradient sync's eager all-reduces aside; ``options`` go to parallelize."""
+    gradient sync's eager all-reduces aside; ``config``: settings of the tiny config changed; ``options`` go to
+    parallelize."""
     ps.init(mesh)
     torch.manual_seed(0)
     depth = {} if layers is None else {"n_layer" if family == "gpt2" else "num_hidden_layers": layers}
+    depth |= config or {}
     dtype = torch.float64 if precision == "fp32" else torch.float32
     zero = 0 if zero is None and precision != "fp32" else zero
     ref = hf.build(family, dtype, **depth)

@@ -52,3 +52,17 @@ def test_llamas_token_table_split_unevenly(pools, search):
     for r in results:
         assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5 and not r["missing"], r
     assert results[0]["layouts"]["model.embed_tokens.weight"] == "S(0)"
+
+
+def test_gemmas_scaled_table_split_unevenly(pools):
+    """Gemma's embedding scales what it looks up, in a forward of its own: each piece of its table, split
+    (100, 60, 60, 36) over tp=4, runs that forward on the ids it holds (its head untied, as a split table
+    must be)."""
+    pytest.importorskip("transformers", reason="the [hf] extra (part of [dev]) is not installed")
+    from tests.distributed import hf_cases
+
+    results = pools(4).run(functools.partial(hf_cases.hf_parity, table_rows=(100, 60, 60, 36), optimizer="sgd",
+                                             config={"tie_word_embeddings": False}), "tp=4", "gemma")
+    for r in results:
+        assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5 and not r["missing"], r
+    assert results[0]["layouts"]["model.embed_tokens.weight"] == "S(0)"

@@ -33,14 +33,14 @@ def test_every_family_is_captured_and_counted(family):
     gm = capture(model, hf.batch(model, 2, 8))
     unruled = _unruled(gm)
     print(f"{family}: {len(unruled)} op kinds replicated for want of a rule {unruled}")
-    if family in ("gpt2", "llama", "qwen2", "mistral", "gpt_neox", "phi3"):
+    if family in ("gpt2", "llama", "qwen2", "mistral", "gpt_neox", "phi3", "gemma"):
         assert unruled == []
     linears = sum(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
     calls = [n for n in gm.graph.nodes if n.op == "call_module"]
     assert len(calls) >= linears  # each projection is one call the rules see whole
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma"])  # Gemma's embedding: one call that scales
 def test_captured_graph_computes_the_models_own_output(family):
     torch.manual_seed(0)
     model = hf.build(family, torch.float64)
@@ -250,21 +250,54 @@ def test_a_returned_value_is_moved_to_the_outputs_layout_once():
     assert sum(1 for c in charged if c) == 1
 
 
-def test_a_table_the_graph_reads_whole_keeps_its_tied_head_whole():
-    """Gemma's embedding looks its rows up in its own forward (the graph reads the table as a value), and the head
-    is tied to that table: neither propagation nor any of the search's candidates may split the head's weight,
-    which the graph would then read as if whole. The table keeps the model's own name."""
-    def heads(name):
-        model = models.build(f"hf:{name}", device="meta")
-        gm = capture(model, model.example_inputs(1))
-        head = next(n.name for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("lm_head"))
-        return model, gm, [d.params["weight"] for d in candidates(gm, axes)[0][head]]
+class _Shifted(nn.Embedding):
+    """A lookup that adds the table's first row to every row it finds: more than a scaling, so traced through."""
 
+    def forward(self, ids):
+        return super().forward(ids) + self.weight[0]
+
+
+class _TiedShifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = _Shifted(64, 16), nn.Linear(16, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_a_table_the_graph_reads_whole_keeps_its_tied_head_whole():
+    """An embedding whose own forward does more than look up and scale is traced through, so the graph reads its
+    table as a value, and the head is tied to that table: neither propagation nor any of the search's candidates
+    may split the head's weight, which the graph would then read as if whole. The table keeps its own name."""
     axes = (("tp", 2),)
-    model, gm, options = heads("gemma")
-    assert model.model.lm_head.weight is model.model.model.embed_tokens.weight
+    gm = capture(_TiedShifted(), {"ids": torch.zeros(1, 8, dtype=torch.long)})  # keywords: the export path
+    assert "embed" not in {n.target for n in gm.graph.nodes if n.op == "call_module"}
     plan = propagate(gm, axes, lambda msg: None)
-    assert "model.model.embed_tokens.weight" in plan.params and "model.lm_head.weight" not in plan.params
-    assert plan.params["model.model.embed_tokens.weight"].is_replicated
+    assert "embed.weight" in plan.params and "head.weight" not in plan.params
+    assert plan.params["embed.weight"].is_replicated
+    head = next(n.name for n in gm.graph.nodes if n.op == "call_module" and n.target == "head")
+    options = [d.params["weight"] for d in candidates(gm, axes)[0][head]]
     assert options and all(w.is_replicated for w in options)
-    assert any(not w.is_replicated for w in heads("llama")[2])  # where nothing reads it whole, it may split
+    llama = models.build("hf:llama", device="meta")
+    llama_gm = capture(llama, llama.example_inputs(1))
+    llama_head = next(n.name for n in llama_gm.graph.nodes if n.op == "call_module" and n.target.endswith("lm_head"))
+    assert any(not d.params["weight"].is_replicated for d in candidates(llama_gm, axes)[0][llama_head])
+
+
+def test_gemmas_scaled_embedding_is_one_lookup_and_its_tied_head_splits_by_the_vocabulary():
+    """Gemma's embedding scales the rows it looks up, in a forward of its own: captured as one call, it splits as a
+    lookup does, so the head tied to it splits by the vocabulary too, as the model's own tensor-parallel plan
+    has it. OPT's positional embedding, which reads the attention mask, stays traced through."""
+    model = models.build("hf:gemma", device="meta")
+    gm = capture(model, model.example_inputs(1))
+    assert "model.model.embed_tokens" in {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    plan = propagate(gm, (("tp", 2),), lambda msg: None)
+    table = plan.params["model.model.embed_tokens.weight"]
+    assert table.dims == (("tp",), ())
+    head = next(n.name for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("lm_head"))
+    assert plan.nodes[head].params["weight"] == table
+    opt = models.build("hf:opt", device="meta")
+    traced = capture(opt, opt.example_inputs(1))
+    assert "model.model.decoder.embed_positions" not in {n.target for n in traced.graph.nodes if n.op == "call_module"}
