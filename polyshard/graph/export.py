@@ -32,6 +32,8 @@ from polyshard.graph.upcast import PROBED, may_upcast, probe
 from polyshard.layout import contiguous_strides
 
 SIGNATURE_KEY = "polyshard_call_signature"
+# on the call of an Embedding subclass whose own forward capture saw only scale its lookup (Gemma's)
+SCALED_LOOKUP = "polyshard_scaled_lookup"
 # Ops that only assert what export saw; they would pin the capture's device into the program.
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
@@ -363,6 +365,8 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         with graph.inserting_before(nodes[0]):
             call = graph.call_module(path, (inputs[0],))
         call.meta = dict(outputs[0].meta) | {KEPT_INSIDE: kept_inside(nodes, outputs[0])}
+        if isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward:
+            call.meta[SCALED_LOOKUP] = True
         if may_upcast(module):
             features = tuple(inputs[0].meta["val"].shape[-1:])
             if (eps := fused_eps(module, features[0])) is not None:  # runs as FusedRMSNorm: see _over

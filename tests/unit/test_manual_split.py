@@ -80,6 +80,27 @@ def test_a_tied_table_cannot_be_split_unevenly():
         propagate(capture(model, (torch.zeros(2, 3, dtype=torch.long),)), (("tp", 2),), lambda _: None)
 
 
+def test_a_table_whose_own_forward_capture_did_not_check_cannot_be_split_unevenly():
+    """Each piece runs the module's own forward on its rows: right for a lookup that only scales (checked as a
+    transformers model is captured), wrong for one that reads a row by its place, as this one does."""
+    class Shifted(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) + self.weight[0]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = Shifted(64, 8)
+
+        def forward(self, ids):
+            return self.wte(ids).sum()
+
+    model = Model()
+    ps.shard(model.wte, in_strategy=((1, 1), (2, 1)), manual_split=(40, 24))
+    with pytest.raises(PolyshardError, match="`wte`: manual_split runs each piece through Shifted's own forward"):
+        propagate(capture(model, (torch.zeros(2, 3, dtype=torch.long),)), (("tp", 2),), lambda _: None)
+
+
 def test_memory_counts_the_tallest_piece_and_traffic_the_one_all_reduce():
     _, uneven = _click((10, 20, 30, 4))
     _, even = _click(None)

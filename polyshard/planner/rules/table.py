@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from polyshard.graph.capture import is_conv1d, is_rms_norm, linear_dims, shape_of, shapes_of
+from polyshard.graph.export import SCALED_LOOKUP
 from polyshard.graph.ops import op_key
 from polyshard.graph.params import parameters_of
 from polyshard.errors import PolyshardError
@@ -495,15 +496,15 @@ def _pinned_module(node: fx.Node, module: nn.Module, pin, ctx: RuleContext) -> N
     natural = output_layout(spec, layouts, node.target) if params.get("weight") is not None and spec.output else None
     out = pin_output_layout(pin.out_strategy, shape_of(node), natural, ctx.op_axes, node.target)
     if pin.manual_split is not None:
-        _check_manual_split(node.target, module, pin.manual_split, layouts)
+        _check_manual_split(node, module, pin.manual_split, layouts)
     impl = "rows" if pin.manual_split is not None else "dtensor"
     return NodePlan(impl, {n.name: l for n, l in zip(inputs, layouts)}, out, params=params)
 
 
-def _check_manual_split(target: str, table: nn.Embedding, rows: tuple[int, ...], layouts: list[Layout]) -> None:
+def _check_manual_split(node: fx.Node, table: nn.Embedding, rows: tuple[int, ...], layouts: list[Layout]) -> None:
     """An uneven split of a table's rows: one count per piece its strategy makes, adding up to the table,
-    and nothing else split the lookup would need to gather."""
-    ids, weight = layouts
+    nothing else split the lookup would need to gather, and a forward each piece may run on its own rows."""
+    target, (ids, weight) = node.target, layouts
     pieces = weight.num_shards(0)
     if pieces != len(rows):
         raise PolyshardError(f"`{target}`: manual_split {rows} gives {len(rows)} pieces, but the strategy splits the "
@@ -517,6 +518,10 @@ def _check_manual_split(target: str, table: nn.Embedding, rows: tuple[int, ...],
     if table.max_norm is not None or table.scale_grad_by_freq or table.sparse:
         raise PolyshardError(f"`{target}`: manual_split takes a plain lookup; max_norm, scale_grad_by_freq and "
                              "sparse gradients need the whole table")
+    if type(table).forward is not nn.Embedding.forward and not node.meta.get(SCALED_LOOKUP):
+        raise PolyshardError(f"`{target}`: manual_split runs each piece through {type(table).__name__}'s own "
+                             "forward, which capture did not see only scale its lookup (a transformers model's "
+                             "is checked; a model fx traces is not); split the table evenly instead")
 
 
 def row_splits(gm: fx.GraphModule, nodes: dict) -> dict[str, tuple[int, ...]]:
