@@ -19,6 +19,7 @@ from polyshard.planner.propagate import propagate  # noqa: E402
 from polyshard.planner.report import render  # noqa: E402
 from polyshard.planner.search import search  # noqa: E402
 from polyshard.planner.stages import pp_plan_units  # noqa: E402
+from tests.unit.embedding_cases import ShiftedEmbedding  # noqa: E402
 
 
 def _unruled(gm) -> list[str]:
@@ -250,17 +251,10 @@ def test_a_returned_value_is_moved_to_the_outputs_layout_once():
     assert sum(1 for c in charged if c) == 1
 
 
-class _Shifted(nn.Embedding):
-    """A lookup that adds the table's first row to every row it finds: more than a scaling, so traced through."""
-
-    def forward(self, ids):
-        return super().forward(ids) + self.weight[0]
-
-
 class _TiedShifted(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed, self.head = _Shifted(64, 16), nn.Linear(16, 64, bias=False)
+        self.embed, self.head = ShiftedEmbedding(64, 16), nn.Linear(16, 64, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, ids):

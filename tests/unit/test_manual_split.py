@@ -14,6 +14,7 @@ from polyshard.planner.cost.comm import node_comm_bytes
 from polyshard.planner.cost.memory import estimate_memory
 from polyshard.plan import Plan
 from polyshard.planner.propagate import propagate
+from tests.unit.embedding_cases import ShiftedEmbedding
 
 TP4 = (("tp", 4),)
 
@@ -83,21 +84,17 @@ def test_a_tied_table_cannot_be_split_unevenly():
 def test_a_table_whose_own_forward_capture_did_not_check_cannot_be_split_unevenly():
     """Each piece runs the module's own forward on its rows: right for a lookup that only scales (checked as a
     transformers model is captured), wrong for one that reads a row by its place, as this one does."""
-    class Shifted(nn.Embedding):
-        def forward(self, ids):
-            return super().forward(ids) + self.weight[0]
-
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.wte = Shifted(64, 8)
+            self.wte = ShiftedEmbedding(64, 8)
 
         def forward(self, ids):
             return self.wte(ids).sum()
 
     model = Model()
     ps.shard(model.wte, in_strategy=((1, 1), (2, 1)), manual_split=(40, 24))
-    with pytest.raises(PolyshardError, match="`wte`: manual_split runs each piece through Shifted's own forward"):
+    with pytest.raises(PolyshardError, match="`wte`: manual_split runs each piece through ShiftedEmbedding's own"):
         propagate(capture(model, (torch.zeros(2, 3, dtype=torch.long),)), (("tp", 2),), lambda _: None)
 
 
