@@ -14,6 +14,10 @@ import torch.multiprocessing as mp
 
 CASE_TIMEOUT_S = 240  # the slowest case takes about 25 s on 2 cores
 STRAGGLER_GRACE_S = 10  # after one rank fails, how long the others get to report before the pool is replaced
+# torch's fake tensors load torch._dynamo (seconds), and most cases build a transformers model
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "polyshard.api", "polyshard.train.trainer",
+           "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+           "transformers.models.gpt2.modeling_gpt2"]
 
 
 def _free_port() -> int:
@@ -48,10 +52,11 @@ class RankPool:
     A case that fails leaves the pool ``broken``: its ranks may sit in a collective the others left."""
 
     def __init__(self, world: int, one_device: bool = False):
-        # ranks forked from a server that imported torch once: a fresh interpreter per rank (spawn) spends
-        # seconds of a shared core importing it again; the server runs nothing, so no thread or CUDA state forks
+        # ranks forked from a server that imported once what the cases load: a fresh interpreter per rank (spawn)
+        # spends seconds of a shared core importing it again; the server runs nothing, so no thread or CUDA state
+        # forks (a module not installed is left out)
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "polyshard"])
+        ctx.set_forkserver_preload(PRELOAD)
         self.world = world
         self.broken = False
         self.tasks = [ctx.Queue() for _ in range(world)]
