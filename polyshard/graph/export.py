@@ -365,7 +365,7 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         with graph.inserting_before(nodes[0]):
             call = graph.call_module(path, (inputs[0],))
         call.meta = dict(outputs[0].meta) | {KEPT_INSIDE: kept_inside(nodes, outputs[0])}
-        if isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward:
+        if isinstance(module, nn.Embedding) and own_forward(module, nn.Embedding):
             call.meta[SCALED_LOOKUP] = True
         if may_upcast(module):
             features = tuple(inputs[0].meta["val"].shape[-1:])
@@ -386,8 +386,12 @@ def _called_on_one_tensor(module: nn.Module, nodes: list[fx.Node], input: fx.Nod
     arguments (OPT's positional embedding reads the attention mask), or do more than its base; an embedding that
     only scales the rows it looks up (Gemma's) does not."""
     base = next((b for b in (nn.Linear, nn.Embedding, nn.LayerNorm) if isinstance(module, b)), None)
-    return base is None or type(module).forward is base.forward or \
-        (base is nn.Embedding and _scaled_lookup(nodes, input))
+    return base is None or not own_forward(module, base) or (base is nn.Embedding and _scaled_lookup(nodes, input))
+
+
+def own_forward(module: nn.Module, base: type[nn.Module]) -> bool:
+    """Whether ``module``'s class replaces ``base``'s forward with one of its own."""
+    return type(module).forward is not base.forward
 
 
 def _scaled_lookup(nodes: list[fx.Node], input: fx.Node) -> bool:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from polyshard.graph.capture import is_conv1d, is_rms_norm, linear_dims, shape_of, shapes_of
-from polyshard.graph.export import SCALED_LOOKUP
+from polyshard.graph.export import SCALED_LOOKUP, own_forward
 from polyshard.graph.ops import op_key
 from polyshard.graph.params import parameters_of
 from polyshard.errors import PolyshardError
@@ -518,7 +518,7 @@ def _check_manual_split(node: fx.Node, table: nn.Embedding, rows: tuple[int, ...
     if table.max_norm is not None or table.scale_grad_by_freq or table.sparse:
         raise PolyshardError(f"`{target}`: manual_split takes a plain lookup; max_norm, scale_grad_by_freq and "
                              "sparse gradients need the whole table")
-    if type(table).forward is not nn.Embedding.forward and not node.meta.get(SCALED_LOOKUP):
+    if own_forward(table, nn.Embedding) and not node.meta.get(SCALED_LOOKUP):
         raise PolyshardError(f"`{target}`: manual_split runs each piece through {type(table).__name__}'s own "
                              "forward, which capture did not see only scale its lookup (a transformers model's "
                              "is checked; a model fx traces is not); split the table evenly instead")
