@@ -5,6 +5,7 @@ Lowering needs nothing else, so a plan written or edited by hand runs too.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,8 +78,28 @@ def most_recompute(modes) -> str:
 
 
 def recompute_text(recompute: str, stage_recompute: tuple[str, ...] = ()) -> str:
-    """A recompute setting as ``--config`` spells it: the mode, or each pipeline chunk's joined by "/"."""
-    return "/".join(stage_recompute) or str(recompute)
+    """A recompute setting as ``--config`` spells it: the mode, or each pipeline chunk's (:func:`chunks_text`)."""
+    return chunks_text(stage_recompute) or str(recompute)
+
+
+def chunks_text(values: Sequence[str]) -> str:
+    """A setting per pipeline chunk as ``--config`` spells it: joined by "/", a run of chunks that share a value as
+    VALUE*COUNT ("pointwise*24/none*8": 128 chunks stay one short line)."""
+    runs = ((str(value), len(list(run))) for value, run in itertools.groupby(values))
+    return "/".join(value + f"*{count}" * (count > 1) for value, count in runs)
+
+
+def chunk_values(text: str, what: str) -> tuple[str, ...]:
+    """Each chunk's value in a :func:`chunks_text` spelling (VALUE or VALUE*COUNT, joined by "/"); ``what``: the
+    setting, named in the error."""
+    values: list[str] = []
+    for entry in text.split("/"):
+        value, star, count = entry.partition("*")
+        if star and not (count.isdigit() and int(count) > 0):
+            raise PolyshardError(f"{what}={text}: {entry!r} is not VALUE or VALUE*COUNT with a positive COUNT of "
+                                 "pipeline chunks (e.g. 'none*8')")
+        values += [value] * (int(count) if star else 1)
+    return tuple(values)
 
 
 def check_choice(what: str, value: Any, allowed: tuple) -> None:

@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "breakdown as `polyshard plan`; --json for scripts.")
     _planning_flags(co)
     co.add_argument("--config", required=True, help="e.g. 'dp=8,tp=8,pp=16,mbs=1,schedule=interleaved,v=2,zero=1,"
-                    "recompute=full,precision=bf16'; recompute=full/none gives each pipeline chunk its own mode; "
+                    "recompute=full,precision=bf16'; recompute=full/none gives each pipeline chunk its own mode "
+                    "(full*3/none: a run of 3 chunks); "
                     "cuts=even places equal block counts on the stages, as Megatron-LM does; tp_split=rows/ops "
                     "says what each pipeline chunk's tp ranks split (rows: the chunk's weights whole, each rank a "
                     "share of every micro-batch); tp_comm=all_reduce keeps every value between the split products "

@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from polyshard.errors import PolyshardError
 from polyshard.plan import (OFFLOADS, OPTIMIZERS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES,
-                            ZERO_LEVELS, most_recompute)
+                            ZERO_LEVELS, chunk_values, most_recompute)
 from polyshard.train.options import TrainConfig
 
 
 def _recompute_modes(text: str) -> tuple[str, ...]:
     """--recompute's modes: one, or one per pipeline chunk."""
-    modes = tuple(text.split("/"))
+    try:
+        modes = chunk_values(text, "--recompute")
+    except PolyshardError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     bad = [m for m in modes if m not in RECOMPUTE_MODES]
     if bad:
         raise argparse.ArgumentTypeError(f"{bad[0]!r} is not a recompute mode; give one of "
@@ -33,12 +37,12 @@ def _count(text: str) -> int:
 
 # `train` flags that set a plan field of the same name (and win over a plan file's), as argparse takes them
 PLAN_FLAGS = {
-    "recompute": dict(type=_recompute_modes, metavar="{none,selective,pointwise,alternate,half,full}[/...]",
+    "recompute": dict(type=_recompute_modes, metavar="{none,selective,pointwise,alternate,half,full}[*N][/...]",
                       help="recompute activations in backward instead of storing them: the attention cores "
                       "(selective), every block's ops but its products and attention (pointwise), those and every "
                       "second product by a weight (alternate), every second block (half) or every block (full); in a "
-                      "pipeline also one mode per chunk joined by '/' (full/none: the first stage recomputes, the "
-                      "second does not)"),
+                      "pipeline also one mode per chunk joined by '/', a run of chunks as MODE*N (full/none: the "
+                      "first stage recomputes, the second does not; full*3/none)"),
     "recompute_comm": dict(choices=RECOMPUTE_COMMS, help="in recomputed regions, keep the results of collectives "
                            "(default) or issue them again (less memory, more communication)"),
     "offload": dict(choices=OFFLOADS, help="keep the optimizer state and its step on the host, or on disk (streamed "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from polyshard.buckets import BUCKET_BYTES
 from polyshard.errors import PolyshardError
 from polyshard.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MODES, SCHEDULES, TP_SPLITS,
-                            ZERO_LEVELS, check_choice, most_recompute)
+                            ZERO_LEVELS, check_choice, chunk_values, most_recompute)
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,8 @@ class Fixed:
     micro-batch; m: micro-batches per step (pipeline micro-batches, or gradient accumulation when
     pp=1); schedule: pipeline schedule; v: virtual stages per rank (interleaved); zero: optimizer
     parallel level; recompute: none / selective / pointwise / alternate / half / full, or in a pipeline one per
-    chunk joined by "/"
-    (``full/none``: the first stage recomputes, the second does not); recompute_comm: keep the results of
+    chunk joined by "/", a run of chunks as MODE*COUNT
+    (``full/none``: the first stage recomputes, the second does not; ``full*3/none``); recompute_comm: keep the results of
     collectives in recomputed regions or issue them again (recompute); precision: fp32 / bf16 /
     fp16; offload: where the optimizer state lives; cuts: where pipeline stages begin, "balanced"
     (the search's, by time and memory) or "even" (block counts as equal as they can be, the larger
@@ -157,12 +157,12 @@ class Fixed:
     @property
     def recompute_modes(self) -> tuple[str, ...] | None:
         """The fixed recompute mode, or each pipeline chunk's."""
-        return None if self.recompute is None else tuple(self.recompute.split("/"))
+        return None if self.recompute is None else chunk_values(self.recompute, "--config recompute")
 
     @property
     def stage_tp_split(self) -> tuple[str, ...]:
         """What each pipeline chunk's tp ranks split (one entry: every chunk's); empty if not fixed."""
-        return () if self.tp_split is None else tuple(self.tp_split.split("/"))
+        return () if self.tp_split is None else chunk_values(self.tp_split, "--config tp_split")
 
     @property
     def pipeline_keys(self) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from polyshard.buckets import BUCKET_BYTES
 from polyshard.cluster import Cluster
 from polyshard.mesh import PIPELINE_AXIS, SPATIAL_AXES
-from polyshard.plan import recompute_text
+from polyshard.plan import chunks_text, recompute_text
 from polyshard.planner.config import Fixed
 from polyshard.planner.cost.memory import MemoryEstimate
 from polyshard.planner.pipeline import PipelineCost, ideal_bubble
@@ -110,7 +110,7 @@ class Candidate:
         chunk counted, not listed, as a report's table shows them."""
         p = self.pipeline
         recompute = per_chunk(self.stage_recompute, "none") if brief and self.stage_recompute else self.recompute_text
-        tp_split = per_chunk(self.stage_tp_split, "ops") if brief else "/".join(self.stage_tp_split)
+        tp_split = per_chunk(self.stage_tp_split, "ops") if brief else chunks_text(self.stage_tp_split)
         extras = ([f"{p.schedule} m={p.micro_batches}" + f" v={p.virtual_stages}" * (p.virtual_stages > 1)] if p
                   else [f"accumulate m={self.accumulation}"] * (self.accumulation > 1)) + \
             [f"recompute {recompute}"] * (self.recompute != "none") + \
@@ -131,7 +131,7 @@ class Candidate:
                      v=p.virtual_stages if p else None, zero=self.zero, recompute=self.recompute_text,
                      precision=self.precision, offload=self.offload,
                      bucket=self.bucket_bytes // 2**20 if dp > 1 or self.bucket_bytes != BUCKET_BYTES else None,
-                     tp_split="/".join(self.stage_tp_split) or None)
+                     tp_split=chunks_text(self.stage_tp_split) or None)
 
 
 def per_chunk(values: Sequence[str], usual: str) -> str:

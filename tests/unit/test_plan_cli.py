@@ -8,7 +8,7 @@ from polyshard import models
 from polyshard.cli.main import main
 from polyshard.cluster import DEVICE_TYPES
 from polyshard.errors import PolyshardError
-from polyshard.plan import Plan
+from polyshard.plan import Plan, chunk_values, chunks_text
 from polyshard.planner.report import chosen_row
 
 SHAPE = "gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1024"
@@ -268,13 +268,14 @@ def test_a_stage_split_of_tp_ranks_is_priced_spelled_and_explained(capsys, tmp_p
     assert code == 0
     given = json.loads(out)
     split = dict(kv.split("=") for kv in given["config"].split(","))["tp_split"]
-    assert set(split.split("/")) == {"rows"} and len(split.split("/")) % 2 == 0
+    each = chunk_values(split, "tp_split")  # a run of chunks spelled once: rows*2
+    assert set(each) == {"rows"} and len(each) % 2 == 0 and split == chunks_text(each)
     again = json.loads(_run(capsys, "cost", *args, "--config", given["config"], "--json")[1])
     assert again["step_s"] == pytest.approx(given["step_s"])
     plan = Plan.from_json(out_file.read_text())
-    assert plan.stage_tp_split == tuple(split.split("/")) and plan.params["blocks.1.mlp.fc.weight"].is_replicated
+    assert plan.stage_tp_split == each and plan.params["blocks.1.mlp.fc.weight"].is_replicated
     code, out, _ = _run(capsys, "explain", str(out_file), "--layouts", "0")
-    chunks = len(split.split("/"))
+    chunks = len(each)
     assert code == 0 and f"tp splits rows on {chunks} of {chunks} chunks" in out and out.count("  rows\n") == chunks
     code, _, err = _run(capsys, "cost", *args, "--config", "tp=4,pp=2,tp_split=cols")
     assert code == 2 and "tp_split must be one of" in err
@@ -282,14 +283,14 @@ def test_a_stage_split_of_tp_ranks_is_priced_spelled_and_explained(capsys, tmp_p
 
 def test_the_table_counts_settings_per_chunk_and_the_plan_keeps_each(capsys, tmp_path):
     """A recompute mode per pipeline chunk is counted in the table's row (a 128-chunk list would fill the line) and
-    spelled out in the plan's configuration."""
+    spelled out in the plan's configuration, a run of chunks as MODE*COUNT."""
     out_file = tmp_path / "p.json"
     code, out, _ = _run(capsys, "cost", "--model", SHAPE, "--cluster", "8xA100-80G", "--global-batch", "64",
-                        "--config", "tp=2,pp=2,v=2,schedule=interleaved,recompute=none/full/none/pointwise",
+                        "--config", "tp=2,pp=2,v=2,schedule=interleaved,recompute=none/full/full/pointwise",
                         "--out", str(out_file))
-    assert code == 0 and "recompute full on 1 and pointwise on 1 of 4 chunks" in out and "recompute none/" not in out
+    assert code == 0 and "recompute full on 2 and pointwise on 1 of 4 chunks" in out and "recompute none/" not in out
     plan = Plan.from_json(out_file.read_text())
-    assert plan.stage_recompute == ("none", "full", "none", "pointwise") and "recompute=none/full/none/pointwise" in \
+    assert plan.stage_recompute == ("none", "full", "full", "pointwise") and "recompute=none/full*2/pointwise" in \
         plan.report["config"]
 
 

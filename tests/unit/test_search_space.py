@@ -12,7 +12,7 @@ from polyshard.cluster import Cluster, Link
 from polyshard.errors import PolyshardError
 from polyshard.planner.config import Fixed
 from polyshard.layout import Layout
-from polyshard.plan import RECOMPUTE_MODES
+from polyshard.plan import RECOMPUTE_MODES, chunk_values, chunks_text
 from polyshard.planner.report import chosen_row
 from polyshard.planner.cost.comm import DataSync, axis_link, comm_seconds
 from polyshard.graph.capture import capture, shape_of
@@ -98,13 +98,21 @@ def test_config_spelling_round_trips_and_refuses_nonsense():
         ("full", "full", "selective", "none")
     assert Fixed.parse("dp=8,bucket=100").bucket_bytes == 100 * 2**20 and Fixed().bucket_bytes == BUCKET_BYTES
     assert Fixed.parse("pp=2,tp_split=rows/ops").stage_tp_split == ("rows", "ops")
+    runs = "pp=4,v=2,recompute=pointwise*3/none*4/full,tp_split=rows*2/ops*6"  # a run of chunks as VALUE*COUNT
+    assert Fixed.parse(runs).stage_recompute == ("pointwise",) * 3 + ("none",) * 4 + ("full",)
+    assert Fixed.parse(runs).stage_tp_split == ("rows",) * 2 + ("ops",) * 6 and Fixed.parse(runs).text() == runs
+    assert chunks_text(("full", "full", "none", "full")) == "full*2/none/full" and chunks_text(()) == ""
+    assert chunk_values("full*2/none/full", "recompute") == ("full", "full", "none", "full")
     assert Fixed.parse("tp_split=rows").stage_tp_split == ("rows",) and Fixed().stage_tp_split == ()
     for bad, needle in (("tp=0", "positive"), ("tq=2", "unknown"), ("tp", "KEY=VALUE"), ("tp=2,tp=4", "twice"),
                         ("schedule=zigzag", "schedule"), ("zero=5", "zero"), ("v=2,schedule=1f1b", "interleaved"),
                         ("overlap=2", "0 or 1"), ("bucket=0", "positive"),
                         ("pp=2,recompute=full/sometimes", "recompute must be one of"),
                         ("recompute=full/none", "give pp"), ("pp=2,v=2,recompute=full/none", "pp x v is 2"),
-                        ("pp=2,tp_split=rows/cols", "tp_split must be one of"), ("tp_split=rows/ops", "give pp")):
+                        ("pp=2,tp_split=rows/cols", "tp_split must be one of"), ("tp_split=rows/ops", "give pp"),
+                        ("pp=2,recompute=full*0/none", "'full\\*0' is not VALUE or VALUE\\*COUNT"),
+                        ("pp=2,recompute=full*/none", "positive COUNT"), ("pp=2,tp_split=rows*x", "'rows\\*x'"),
+                        ("pp=2,recompute=full*3", "3 pipeline chunks")):
         with pytest.raises(PolyshardError, match=needle):
             Fixed.parse(bad)
 
