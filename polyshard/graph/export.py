@@ -152,6 +152,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[[nn.M
     _split_to_slices(graph)
     _drop_same_dtype_casts(graph)
     _drop_contiguous(graph)
+    _out_of_place(graph)
     _collapse_leaves(graph, traced, is_leaf, attrs)
     # shapes and the causal rewrite before stamping: each stamped layer copies its model layer's as they are
     batch = dict.fromkeys(_symbolic_batch(graph), rows)
@@ -341,6 +342,21 @@ def _named_in_order(graph: fx.Graph) -> fx.Graph:
     return named
 
 
+_OUT_OF_PLACE = {getattr(torch.ops.aten, f"{name}_").Tensor: getattr(torch.ops.aten, name).Tensor
+                 for name in ("add", "sub", "mul", "div")}
+
+
+def _out_of_place(graph: fx.Graph) -> None:
+    """A model's ``x += y`` where ``x`` is an op's own result that nothing else reads, as ``x + y``: the same value
+    (export keeps the write; a split op hands its result on as a view of its piece, which autograd will not let it
+    write into). A write into an input, a parameter or a view of another value stays as it is."""
+    for node in graph.nodes:
+        functional, x = _OUT_OF_PLACE.get(node.target), node.args[0] if node.args else None
+        if functional is not None and isinstance(x, fx.Node) and x.op == "call_function" and len(x.users) == 1 and \
+                isinstance(x.target, torch._ops.OpOverload) and x.target._schema.returns[0].alias_info is None:
+            node.target = functional
+
+
 def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Module], bool], attrs: dict) -> None:
     """Each run of ops inside one call of a leaf module becomes one ``call_module`` node."""
     runs: list[tuple[tuple, list[fx.Node]]] = []
@@ -359,7 +375,7 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
         inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside and i not in own
                                     and isinstance(i.meta.get("val"), torch.Tensor)))  # sizes: the module reads its own
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        if len(inputs) != 1 or len(outputs) != 1 or not _called_on_one_tensor(module, nodes, inputs[0]):
+        if len(inputs) != 1 or len(outputs) != 1 or not _called_on_one_tensor(module, nodes, inputs[0], attrs):
             continue  # runs traced through, op by op
         attrs[path] = module
         with graph.inserting_before(nodes[0]):
@@ -380,13 +396,27 @@ def _collapse_leaves(graph: fx.Graph, model: nn.Module, is_leaf: Callable[[nn.Mo
             graph.erase_node(n)
 
 
-def _called_on_one_tensor(module: nn.Module, nodes: list[fx.Node], input: fx.Node) -> bool:
+def _called_on_one_tensor(module: nn.Module, nodes: list[fx.Node], input: fx.Node, attrs: dict) -> bool:
     """Whether calling a leaf on the run's one tensor input reproduces the run, and its sharding rule holds for
     what it returns: a subclass of torch's Linear, Embedding or LayerNorm with a forward of its own may take other
     arguments (OPT's positional embedding reads the attention mask), or do more than its base; an embedding that
-    only scales the rows it looks up (Gemma's) does not."""
+    only scales the rows it looks up (Gemma's) does not, nor a Linear that only writes its product out (Falcon's)."""
     base = next((b for b in (nn.Linear, nn.Embedding, nn.LayerNorm) if isinstance(module, b)), None)
-    return base is None or not own_forward(module, base) or (base is nn.Embedding and _scaled_lookup(nodes, input))
+    return base is None or not own_forward(module, base) or (base is nn.Embedding and _scaled_lookup(nodes, input)) \
+        or (base is nn.Linear and _plain_product(nodes, input, module, attrs))
+
+
+def _plain_product(nodes: list[fx.Node], input: fx.Node, module: nn.Linear, attrs: dict) -> bool:
+    """Whether a run multiplies ``input`` by the module's weight transposed, then adds its bias where it has one
+    (``input @ self.weight.T + self.bias``): a Linear's product, written out."""
+    aten = torch.ops.aten
+    reads = lambda node, t: node.op == "get_attr" and attrs.get(node.target) is t  # noqa: E731
+    if len(nodes) != 2 + (module.bias is not None):
+        return False
+    transposed, product, *biased = nodes
+    return transposed.target in (aten.numpy_T.default, aten.t.default) and reads(transposed.args[0], module.weight) \
+        and product.target is aten.matmul.default and product.args == (input, transposed) \
+        and all(b.target is aten.add.Tensor and b.args[0] is product and reads(b.args[1], module.bias) for b in biased)
 
 
 def own_forward(module: nn.Module, base: type[nn.Module]) -> bool:

@@ -9,7 +9,7 @@ from torch import fx
 # aten ops (export's graphs) that the rules, cost model and recompute know by their torch function
 _ATEN_AS = {"scaled_dot_product_attention": F.scaled_dot_product_attention, "_softmax": "softmax",
             "_log_softmax": "log_softmax", "_unsafe_view": "view", "_to_copy": "to", "mm": "matmul",
-            "bmm": "matmul", "t": "transpose"}
+            "bmm": "matmul", "t": "transpose", "numpy_T": "t", "broadcast_to": "expand"}
 
 
 # ops (by op_name) that only reinterpret their input's storage: they move no data and keep nothing for backward

@@ -40,6 +40,11 @@ TINY: dict[str, dict] = {
     "glm4": dict(model_type="glm4", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
                  pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Falcon (its newer layout): attention and MLP side by side on one input, q, k and v fused by kv group, products
+    # written out as `input @ weight.T`
+    "falcon": dict(model_type="falcon", vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=32, bos_token_id=0,
+                   eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0),
     "opt": dict(model_type="opt", vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
                 attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),

@@ -126,6 +126,18 @@ def test_families_under_sgd(pools, family, mode):
     _check(pools(4).run(partial(hf_cases.hf_parity, optimizer="sgd", **options), mesh, family))
 
 
+def test_falcon_splits_its_written_out_products_as_megatron_does(pools):
+    """Falcon's products written as `input @ weight.T`, its q/k/v fused by kv group and read by index, attention and
+    MLP side by side on one input: each rank takes its kv group and half the MLP, and trains as one device does."""
+    result = pools(4).run(hf_cases.hf_parity, "dp=2,tp=2", "falcon")
+    _check(result)
+    layouts = result[0]["layouts"]
+    assert layouts["transformer.h.0.self_attention.query_key_value.weight"] == "S(0)"
+    assert layouts["transformer.h.0.self_attention.dense.weight"] == "S(1)"
+    assert layouts["transformer.h.0.mlp.dense_h_to_4h.weight"] == "S(0)"
+    assert layouts["transformer.h.0.mlp.dense_4h_to_h.weight"] == "S(1)"
+
+
 def test_sequence_parallel_reaches_llamas_rms_norms(pools):
     result = pools(4).run(partial(hf_cases.hf_parity, sequence_parallel=True), "dp=2,tp=2", "llama")[0]
     assert result["sequence_parallel"]  # row-parallel products reduce-scatter; RMSNorm runs on a slice

@@ -10,6 +10,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from polyshard import models
 from polyshard.graph.capture import capture
+from polyshard.graph.export import SIGNATURE_KEY
 
 
 def _shapes(gm):
@@ -56,3 +57,30 @@ def test_modules_of_different_widths_are_not_mistaken_for_each_other():
     gm = capture(model, (x,))
     assert _shapes(gm) == _reference(gm, (x,), fake=True)
     assert gm.graph.find_nodes(op="call_module", target="heads.2.0")[0].meta["tensor_meta"].shape == (2, 32)
+
+
+class _Sums(nn.Module):
+    """``+=`` into a product's own result, and into a view of another."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        y += self.b(x)  # nothing else reads y's old value: the same as y + b(x)
+        z = self.b(y)
+        flat = z.view(-1)
+        flat += 1  # writes into z through the view: stays a write
+        return z.sum()
+
+
+def test_a_sum_written_in_place_into_a_result_nothing_else_reads_is_captured_as_a_plain_sum():
+    """Export keeps a model's ``+=``; a split op hands its result on as a view of its piece, which autograd will not
+    let the next op write into, so capture writes it as ``+`` where that computes the same."""
+    model, x = _Sums(), torch.randn(3, 4)
+    gm = capture(model, {"x": x})  # keywords: exported
+    adds = [n.target for n in gm.graph.nodes if n.op == "call_function" and "add" in str(n.target)]
+    assert adds == [torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor]
+    signature = gm.meta[SIGNATURE_KEY]
+    torch.testing.assert_close(signature.unflatten(gm(*signature.flatten((), {"x": x}))), model(x), rtol=0, atol=0)

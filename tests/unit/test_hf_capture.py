@@ -34,7 +34,7 @@ def test_every_family_is_captured_and_counted(family):
     gm = capture(model, hf.batch(model, 2, 8))
     unruled = _unruled(gm)
     print(f"{family}: {len(unruled)} op kinds replicated for want of a rule {unruled}")
-    if family in ("gpt2", "llama", "qwen2", "mistral", "gpt_neox", "phi3", "gemma"):
+    if family in ("gpt2", "llama", "qwen2", "mistral", "gpt_neox", "phi3", "gemma", "falcon"):
         assert unruled == []
     linears = sum(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
     calls = [n for n in gm.graph.nodes if n.op == "call_module"]
@@ -295,3 +295,19 @@ def test_gemmas_scaled_embedding_is_one_lookup_and_its_tied_head_splits_by_the_v
     opt = models.build("hf:opt", device="meta")
     traced = capture(opt, opt.example_inputs(1))
     assert "model.model.decoder.embed_positions" not in {n.target for n in traced.graph.nodes if n.op == "call_module"}
+
+
+def test_falcons_written_out_products_and_grouped_qkv_split_as_megatron_does():
+    """Falcon writes each product as ``input @ weight.T`` and takes k and v out of q/k/v fused by kv group with an
+    index: capture keeps each product one Linear call, and on a node of A100s the search splits q/k/v and the MLP's
+    first product by their outputs (each rank its kv groups) and the products after them by their inputs."""
+    model = hf.build("falcon", device="meta", hidden_size=2048, num_attention_heads=16, num_kv_heads=8,
+                     vocab_size=32000)
+    plan, _ = search(model, hf.batch(model, 1, 512), Cluster.load("8xA100-80G"), 64, fixed=Fixed(tp=8))
+    layer = "transformer.h.0."
+    products = {name.removeprefix(layer): str(layout) for name, layout in plan.params.items()
+                if name.startswith(layer) and name.endswith("weight") and ".ln_" not in name}
+    assert products == {"self_attention.query_key_value.weight": "S(0)", "self_attention.dense.weight": "S(1)",
+                        "mlp.dense_h_to_4h.weight": "S(0)", "mlp.dense_4h_to_h.weight": "S(1)"}
+    for index in ("index", "index_1"):  # k and v read out of each rank's own kv groups: nothing gathered first
+        assert next(iter(plan.nodes[index].inputs.values())).dims[2] == ("tp",), plan.nodes[index]

@@ -48,7 +48,7 @@ VIEWS = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
 # Modules that act on each element alone (no weights): their input's layout carries through.
 ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
 # The value depends on where an element sits, or on elements anywhere (advanced indexing): whole tensors.
-POSITIONAL = {"triu", "tril", torch.triu, torch.tril, "index"}
+POSITIONAL = {"triu", "tril", torch.triu, torch.tril}
 # Ops along one dim (positional arg 1, or ``dim``): that dim whole, the others may stay split.
 ALONG_DIM = {F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax, "cumsum", "slice", "select",
              "split", "split_with_sizes", "chunk", "cat", "stack", torch.cat, torch.stack}
@@ -238,6 +238,22 @@ def _permute(node: fx.Node, ctx: RuleContext, order: list[int] | None = None) ->
         dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
         order = [_norm_dim(d, nd) for d in dims]
     return NodePlan("local", {x.name: src}, src.with_dims([src.dims[o] for o in order]))
+
+
+def _index(node: fx.Node, ctx: RuleContext) -> NodePlan:
+    """aten.index (``x[:, :, [i, j]]``): the dims its integer index tensors pick from whole, the dims around them keep
+    their split, where the index tensors are of one shape and side by side (their result takes their place, as in
+    numpy); anything else runs whole."""
+    x, indices = node.args[0], node.args[1]
+    picked = [i for i, t in enumerate(indices) if t is not None]
+    metas = [indices[i].meta.get("tensor_meta") if isinstance(indices[i], fx.Node) else None for i in picked]
+    if not picked or picked != list(range(picked[0], picked[-1] + 1)) or any(
+            m is None or m.dtype == torch.bool for m in metas) or len({tuple(m.shape) for m in metas}) > 1:
+        return _replicated(node, ctx)
+    need = _without(ctx.layout(x), picked)
+    dims = need.dims[:picked[0]] + ((),) * len(metas[0].shape) + need.dims[picked[-1] + 1:]
+    inputs = {x.name: need} | {indices[i].name: ctx.replicated(len(m.shape)) for i, m in zip(picked, metas)}
+    return NodePlan("local", inputs, need.with_dims(list(dims)))
 
 
 def _getitem(node: fx.Node, ctx: RuleContext) -> NodePlan:
@@ -582,8 +598,9 @@ def spec_for_function(fn, ndims: list[int]) -> EinsumSpec:
     return independent_spec(ndims)
 
 
-def _transpose_2d(node: fx.Node, ctx: RuleContext) -> NodePlan:
-    return _permute(node, ctx, order=[1, 0])
+def _transposed(node: fx.Node, ctx: RuleContext) -> NodePlan:
+    """t, numpy's T: the dims reversed."""
+    return _permute(node, ctx, order=list(reversed(range(ctx.layout(node.args[0]).ndim))))
 
 
 def _edge_op(node: fx.Node, ctx: RuleContext) -> NodePlan:
@@ -628,7 +645,8 @@ RULES = _registry(
     (VIEWS, _view),
     (POSITIONAL, _replicated),
     (("transpose", torch.transpose, "permute", torch.permute), _permute),
-    (("t",), _transpose_2d),
+    (("t",), _transposed),
+    (("index",), _index),
     (("unsqueeze", "squeeze", "expand"), _broadcast_view),
     (ALONG_DIM, _along_dim),
     (("diff", "pad"), _edge_op),
