@@ -45,6 +45,22 @@ TINY: dict[str, dict] = {
     "falcon": dict(model_type="falcon", vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                    num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=32, bos_token_id=0,
                    eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0),
+    # Qwen3: each head's q and k RMS-normed before rotary
+    "qwen3": dict(model_type="qwen3", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32),
+    # Gemma 2: attention scores and logits soft-capped (tanh), a norm after each sublayer as well as before
+    "gemma2": dict(model_type="gemma2", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+                   max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # GPT-BigCode (StarCoder): one k and v head for all query heads, fused with q in one product
+    "gpt_bigcode": dict(model_type="gpt_bigcode", vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    # GPT-J: rotary on the first dims of each head, pairs interleaved; attention and MLP side by side
+    "gptj": dict(model_type="gptj", vocab_size=256, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
+                 bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    # BLOOM: ALiBi (a bias per head on the scores) instead of positions, q/k/v fused head by head
+    "bloom": dict(model_type="bloom", vocab_size=256, hidden_size=32, n_layer=2, n_head=4, bos_token_id=0,
+                  eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0),
     "opt": dict(model_type="opt", vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
                 attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),
