@@ -79,6 +79,27 @@ def test_op_without_rule_warns_and_replicates():
     assert plan.nodes["cumsum"].inputs["fc"].is_replicated
 
 
+class _Repeats(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 8)
+
+    def forward(self, x):
+        h = self.fc(x)  # (rows, 3, 8), its features split
+        return (h.repeat_interleave(2, dim=1) + h.repeat(1, 2, 1)).sum()
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_repeats_keep_the_dims_they_copy_once_split(exported):
+    """repeat_interleave along the sequence and repeat tiling it: the features a column-parallel product split stay
+    split through both (traced as methods, or exported as aten ops), where both used to run whole."""
+    x = torch.zeros(2, 3, 4)
+    plan, warned = _plan(_Repeats(), (("tp", 2),), {"x": x} if exported else (x,))
+    assert warned == []
+    for name in ("repeat_interleave", "repeat"):
+        assert plan.nodes[name].output.dims == ((), (), ("tp",)), plan.nodes[name]
+
+
 def test_plan_round_trips_through_json():
     plan, _ = _plan(models.build("gpt-tiny", "meta"), (("tp", 2),))
     text = plan.to_json()

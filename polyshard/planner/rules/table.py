@@ -51,7 +51,7 @@ ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identi
 POSITIONAL = {"triu", "tril", torch.triu, torch.tril}
 # Ops along one dim (positional arg 1, or ``dim``): that dim whole, the others may stay split.
 ALONG_DIM = {F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax, "cumsum", "slice", "select",
-             "split", "split_with_sizes", "chunk", "cat", "stack", torch.cat, torch.stack}
+             "split", "split_with_sizes", "chunk", "cat", "stack", torch.cat, torch.stack, "repeat_interleave"}
 
 
 def decide_all(node: fx.Node, ctx: RuleContext) -> list[NodePlan]:
@@ -282,10 +282,15 @@ def _attention(node: fx.Node, ctx: RuleContext) -> NodePlan:
 
 
 def _along_dim(node: fx.Node, ctx: RuleContext) -> NodePlan:
-    """Softmax, cumsum, slice, select, split, cat, stack: the dim they work along whole, others as they come."""
+    """Softmax, cumsum, slice, select, split, cat, stack, repeat_interleave: the dim they work along whole, others as
+    they come."""
     target = getattr(op_key(node), "__name__", op_key(node))  # torch.cat as "cat"
+    if target == "repeat_interleave":  # repeats per element, or the input flattened first: whole
+        repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+        if not isinstance(repeats, int) or node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None) is None:
+            return _replicated(node, ctx)
     parts = node.args[0] if target in ("cat", "stack") else [node.args[0]]
-    pos = 2 if target in ("split", "split_with_sizes", "chunk") else 1
+    pos = 2 if target in ("split", "split_with_sizes", "chunk", "repeat_interleave") else 1
     default = -1 if target in ("softmax", "log_softmax") else 0
     dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else default)
     layouts = to_common([ctx.layout(n) for n in parts])
@@ -300,6 +305,15 @@ def _along_dim(node: fx.Node, ctx: RuleContext) -> NodePlan:
     out = need.with_dims(dims)
     several = shapes_of(node)
     return NodePlan("local", inputs, tuple(out for _ in several) if several is not None else out)
+
+
+def _repeat(node: fx.Node, ctx: RuleContext) -> NodePlan:
+    """repeat (tiles): a dim tiled more than once whole, one tiled once keeps its split, new leading dims whole."""
+    x, tiles = node.args[0], node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+    src = ctx.layout(x)
+    lead = len(tiles) - src.ndim
+    need = _without(src, [d for d in range(src.ndim) if tiles[lead + d] != 1])  # a symbolic count may be more
+    return NodePlan("local", {x.name: need}, need.with_dims([()] * lead + list(need.dims)))
 
 
 def _broadcast_view(node: fx.Node, ctx: RuleContext) -> NodePlan:
@@ -647,6 +661,7 @@ RULES = _registry(
     (("transpose", torch.transpose, "permute", torch.permute), _permute),
     (("t",), _transposed),
     (("index",), _index),
+    (("repeat",), _repeat),
     (("unsqueeze", "squeeze", "expand"), _broadcast_view),
     (ALONG_DIM, _along_dim),
     (("diff", "pad"), _edge_op),
