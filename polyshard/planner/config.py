@@ -15,27 +15,24 @@ from polyshard.plan import (OFFLOADS, PRECISIONS, RECOMPUTE_COMMS, RECOMPUTE_MOD
 class Fixed:
     """Settings the search must keep; None leaves one to the search.
 
-    dp / tp / pp: data-parallel replicas, operator-parallel ranks, pipeline stages; h / w: ranks that
-    split each image by height / width (an image model's spatial parallel); sp: sequence
-    parallel (1: row-parallel products reduce-scatter along the sequence wherever they can, 0: never;
-    left out, the search decides op by op); mbs: rows per
-    micro-batch; m: micro-batches per step (pipeline micro-batches, or gradient accumulation when
-    pp=1); schedule: pipeline schedule; v: virtual stages per rank (interleaved); zero: optimizer
-    parallel level; recompute: none / selective / pointwise / alternate / half / full, or in a pipeline one per
-    chunk joined by "/", a run of chunks as MODE*COUNT
-    (``full/none``: the first stage recomputes, the second does not; ``full*3/none``); recompute_comm: keep the results of
-    collectives in recomputed regions or issue them again (recompute); precision: fp32 / bf16 /
-    fp16; offload: where the optimizer state lives; cuts: where pipeline stages begin, "balanced"
-    (the search's, by time and memory) or "even" (block counts as equal as they can be, the larger
-    stages first: Megatron-LM's layers per stage, DeepSpeed's uniform partition); overlap: 1 (the
-    default, as polyshard's runtime runs it) prices the data-parallel gradient reduction beside
-    backward, 0 after it (as Megatron-LM did before its 2023 overlap option, and DeepSpeed's pipeline
-    engine does): a pricing choice only, for comparing with runs of other systems; bucket: MiB of
-    gradients per data-parallel collective; tp_split: what a pipeline chunk's tp ranks split, "ops" (its
-    operators) or "rows" (its micro-batch's rows, every weight of the chunk whole), for every chunk or one per
-    chunk joined by "/"; tp_comm: the collectives that move values between split ops, "any" (the default) or
-    "all_reduce" (every value between the split products whole on each rank, their partial sums all-reduced:
-    Megatron-LM's tensor parallel before sequence parallel, for comparing with its runs)."""
+    dp / tp / pp: data-parallel replicas, operator-parallel ranks, pipeline stages; h / w: ranks that split each image
+    by height / width (an image model's spatial parallel); sp: sequence parallel (1: row-parallel products
+    reduce-scatter along the sequence wherever they can, 0: never; left out, the search decides op by op); mbs: rows per
+    micro-batch; m: micro-batches per step (pipeline micro-batches, or gradient accumulation when pp=1); schedule:
+    pipeline schedule; v: virtual stages per rank (interleaved); zero: optimizer parallel level; recompute: none /
+    selective / pointwise / alternate / half / full, or in a pipeline one per chunk joined by "/", a run of chunks as
+    MODE*COUNT (``full/none``: the first stage recomputes, the second does not; ``full*3/none``); recompute_comm: keep
+    the results of collectives in recomputed regions or issue them again (recompute); precision: fp32 / bf16 / fp16;
+    offload: where the optimizer state lives; cuts: where pipeline stages begin, "balanced" (the search's, by time and
+    memory) or "even" (block counts as equal as they can be, the larger stages first: Megatron-LM's layers per stage,
+    DeepSpeed's uniform partition); overlap: 1 (the default, as polyshard's runtime runs it) prices the data-parallel
+    gradient reduction beside backward, 0 after it (as Megatron-LM did before its 2023 overlap option, and DeepSpeed's
+    pipeline engine does): a pricing choice only, for comparing with runs of other systems; bucket: MiB of gradients per
+    data-parallel collective; tp_split: what a pipeline chunk's tp ranks split, "ops" (its operators) or "rows" (its
+    micro-batch's rows, every weight of the chunk whole), for every chunk or one per chunk joined by "/"; tp_comm: the
+    collectives that move values between split ops, "any" (the default) or "all_reduce" (every value between the split
+    products whole on each rank, their partial sums all-reduced: Megatron-LM's tensor parallel before sequence parallel,
+    for comparing with its runs)."""
 
     dp: int | None = None
     tp: int | None = None

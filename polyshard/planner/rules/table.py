@@ -47,7 +47,7 @@ CREATION_FROM = {"new_ones", "new_zeros", "new_full", "new_empty"}
 VIEWS = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
 # Modules that act on each element alone (no weights): their input's layout carries through.
 ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
-# The value depends on where an element sits, or on elements anywhere (advanced indexing): whole tensors.
+# The value depends on where an element sits: whole tensors.
 POSITIONAL = {"triu", "tril", torch.triu, torch.tril}
 # Ops along one dim (positional arg 1, or ``dim``): that dim whole, the others may stay split.
 ALONG_DIM = {F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax, "cumsum", "slice", "select",
