@@ -210,15 +210,29 @@ class CumsumNet(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.out(torch.cumsum(self.fc(x), dim=1)), y)
 
 
-def unruled_op_runs_replicated() -> dict:
-    """An op with no rule: one warning naming it, and the result still equals one device."""
+class RepeatsNet(CumsumNet):
+    """CumsumNet's products, a column-parallel one's features through repeat_interleave and repeat along the
+    sequence."""
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        z = h.repeat_interleave(2, dim=1) + h.repeat(1, 2, 1)
+        return torch.nn.functional.cross_entropy(self.out(z).mean(1), y)
+
+
+NETS = {"cumsum": (CumsumNet, (6, 8)), "repeats": (RepeatsNet, (6, 3, 8))}
+
+
+def one_step_parity(net: str) -> dict:
+    """One of NETS on tp=2 against one device: polyshard's warnings, the loss and gradient errors, and the layout
+    of each op's output."""
     import warnings
     ps.init("tp=2")
     torch.manual_seed(0)
-    ref = CumsumNet().double()
-    par = CumsumNet().double()
+    make, shape = NETS[net]
+    ref, par = make().double(), make().double()
     par.load_state_dict(ref.state_dict())
-    x, y = torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 4, (6,))
+    x, y = torch.randn(*shape, dtype=torch.float64), torch.randint(0, 4, (6,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm = ps.parallelize(par, example_inputs=(x, y))
@@ -231,7 +245,8 @@ def unruled_op_runs_replicated() -> dict:
         layout = pm.plan.params[name]
         g = to_dtensor(p.grad, layout, layout.global_shape(p.shape), ps.current_mesh()).full_tensor()
         grad_err = max(grad_err, rel_err(g, full_grads[name]))
-    return {"warnings": messages, "loss_err": rel_err(loss.detach(), ref_loss.detach()), "grad_err": grad_err}
+    return {"warnings": messages, "loss_err": rel_err(loss.detach(), ref_loss.detach()), "grad_err": grad_err,
+            "outputs": {name: str(node.output) for name, node in pm.plan.nodes.items()}}
 
 
 class RowsThenFeatures(torch.nn.Module):

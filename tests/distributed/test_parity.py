@@ -66,9 +66,15 @@ def test_data_parallel_reduces_in_buckets(pools):
 
 
 def test_op_without_rule_warns_once_and_runs_replicated(pools):
-    r = pools(2).run(cases.unruled_op_runs_replicated)[0]
+    r = pools(2).run(cases.one_step_parity, "cumsum")[0]
     assert len(r["warnings"]) == 1 and "cumsum" in r["warnings"][0], r["warnings"]
     assert r["loss_err"] < TOL and r["grad_err"] < TOL
+
+
+def test_repeats_keep_the_features_split_and_run_as_one_device(pools):
+    r = pools(2).run(cases.one_step_parity, "repeats")[0]
+    assert r["warnings"] == [] and r["loss_err"] < TOL and r["grad_err"] < TOL
+    assert r["outputs"]["repeat_interleave"] == r["outputs"]["repeat"] == "S(2)", r["outputs"]
 
 
 def test_pins_on_embedding_linear_and_any_module(pools):
