@@ -217,11 +217,10 @@ def test_a_stopped_ps_run_resumes_to_the_uninterrupted_runs_parameters(tmp_path,
     """A sync run stopped mid-way continues, with --resume, from the newest update both servers kept, and ends
     with the parameters of the run never stopped; snapshots that do not fit the command are refused first."""
     from polyshard.cli.main import main
+    from polyshard.runtime.ps.snapshots import resume_points
 
     flags = ["ps", "--model", "recsys-tiny", "--servers", "2", "--workers", "2", "--optimizer", "adam", "--lr", "0.01",
              "--snapshot-every", "3", "--log-every", "1"]
-    assert main([*flags, "--steps", "24", "--snapshot-dir", str(tmp_path / "whole"),
-                 "--out", str(tmp_path / "whole.pt")]) == 0
     part = str(tmp_path / "part")
     proc = subprocess.Popen([sys.executable, "-m", "polyshard.cli.main", *flags, "--steps", "100000",
                              "--snapshot-dir", part], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -231,18 +230,22 @@ def test_a_stopped_ps_run_resumes_to_the_uninterrupted_runs_parameters(tmp_path,
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM and "the same command with --resume continues" in err, err[-2000:]
+    # the run may get past update 8 before the signal lands: both runs end 9 updates after where it resumes
+    steps = str(resume_points(part, 2, sync=True)[0][0] + 9)
+    assert main([*flags, "--steps", steps, "--snapshot-dir", str(tmp_path / "whole"),
+                 "--out", str(tmp_path / "whole.pt")]) == 0
     capsys.readouterr()
-    for change, said in ((["--steps", "24"], "use an empty directory, or resume that run"),
-                         (["--steps", "24", "--resume", "--servers", "1"], "holds the snapshots of 2 servers"),
-                         (["--steps", "24", "--resume", "--optimizer", "sgd"], "holds Adam state; this run's "
-                                                                               "optimizer is SGD"),
-                         (["--steps", "24", "--resume", "--model", "recsys-small"], "is of another model"),
+    for change, said in ((["--steps", steps], "use an empty directory, or resume that run"),
+                         (["--steps", steps, "--resume", "--servers", "1"], "holds the snapshots of 2 servers"),
+                         (["--steps", steps, "--resume", "--optimizer", "sgd"], "holds Adam state; this run's "
+                                                                                "optimizer is SGD"),
+                         (["--steps", steps, "--resume", "--model", "recsys-small"], "is of another model"),
                          (["--steps", "3", "--resume"], "raise the steps to train on")):
         args = [*flags, "--snapshot-dir", part, *change]
         assert main(args) == 2 and said in capsys.readouterr().err, change
-    assert main([*flags, "--steps", "24", "--snapshot-dir", part, "--resume", "--out", str(tmp_path / "part.pt")]) == 0
+    assert main([*flags, "--steps", steps, "--snapshot-dir", part, "--resume", "--out", str(tmp_path / "part.pt")]) == 0
     resumed = capsys.readouterr().out
-    assert "polyshard ps: resuming from update" in resumed and "24 updates" in resumed
+    assert "polyshard ps: resuming from update" in resumed and f"{steps} updates" in resumed
     whole, part = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("whole", "part"))
     assert whole.keys() == part.keys()
     for name in whole:
