@@ -59,20 +59,23 @@ def make_pin(in_strategy: Strategy, out_strategy: Sequence | None, fn: Callable 
 _TP_STYLES = {"colwise": ("out", False), "rowwise": ("in", False), "colwise_gather_output": ("out", True),
               "colwise_rep": ("out", True), "rowwise_split_input": ("in", True), "rowwise_rep": ("in", True),
               "embedding_rowwise": ("rows", False)}
+# styles that ask for what the rules do unpinned: a parameter kept whole on every rank, and (with its gradient summed
+# over them) on a split input, as Qwen3's per-head q and k norms between a column- and a row-parallel product
+_TP_AS_RULES = {"replicate", "replicated_with_grad_allreduce"}
 
 
 def tp_plan_pins(plan: dict[str, str], calls: dict[str, int], axes: tuple[str, ...]) -> dict[str, Pin]:
     """The pins a transformers ``_tp_plan`` asks for (``{"model.layers.*.mlp.up_proj": "colwise", ...}``),
     per module path among ``calls`` (path -> rank of the module's input), splitting over ``axes``."""
-    unknown = sorted({s for s in plan.values() if s not in _TP_STYLES})
+    unknown = sorted({s for s in plan.values() if s not in _TP_STYLES and s not in _TP_AS_RULES})
     if unknown:
         raise PolyshardError(f"tensor-parallel styles {unknown} in the model's tp plan have no polyshard "
-                             f"equivalent; known: {', '.join(_TP_STYLES)}")
+                             f"equivalent; known: {', '.join([*_TP_STYLES, *sorted(_TP_AS_RULES)])}")
     split = axes if len(axes) > 1 else axes[0]
     pins = {}
     for path, ndim in calls.items():
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(path, pattern)), None)
-        if style is None:
+        if style is None or style in _TP_AS_RULES:
             continue
         weight, gather = _TP_STYLES[style]
         x = [None] * ndim

@@ -136,6 +136,17 @@ def test_more_architectures_under_sgd(pools, family):
     assert len(split) >= 2, results[0]["layouts"]  # the first layer's products at least split, not all run whole
 
 
+def test_qwen3s_own_tp_plan_leaves_its_head_norms_whole_on_split_heads(pools):
+    """Qwen3's plan keeps its per-head q and k norms whole on every rank, between the column- and row-parallel
+    products (their gradients summed over the ranks): the rules' own layout there. SGD, as above."""
+    result = pools(4).run(partial(hf_cases.hf_parity, tp_plan=True, optimizer="sgd"), "dp=2,tp=2", "qwen3")
+    _check(result)
+    layouts = result[0]["layouts"]
+    assert layouts["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
+    assert layouts["model.layers.0.self_attn.q_norm.weight"] == "R"
+    assert layouts["model.layers.0.self_attn.o_proj.weight"] == "S(1)"
+
+
 def test_falcon_splits_its_written_out_products_as_megatron_does(pools):
     """Falcon's products written as `input @ weight.T`, its q/k/v fused by kv group and read by index, attention and
     MLP side by side on one input: each rank takes its kv group and half the MLP, and trains as one device does."""

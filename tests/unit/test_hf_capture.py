@@ -124,15 +124,17 @@ def test_tp_plan_styles_become_pins_over_the_operator_axes():
     from polyshard.pin import tp_plan_pins
 
     plan = {"lm_head": "colwise_gather_output", "model.layers.*.mlp.up_proj": "colwise",
-            "model.layers.*.mlp.down_proj": "rowwise", "model.embed_tokens": "embedding_rowwise"}
+            "model.layers.*.mlp.down_proj": "rowwise", "model.embed_tokens": "embedding_rowwise",
+            "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"}
     calls = {"lm_head": 3, "model.layers.0.mlp.up_proj": 3, "model.layers.1.mlp.down_proj": 3,
-             "model.embed_tokens": 2, "model.layers.0.self_attn.q_proj": 3}
+             "model.embed_tokens": 2, "model.layers.0.self_attn.q_proj": 3, "model.layers.0.self_attn.q_norm": 4}
     pins = tp_plan_pins(plan, calls, ("tp",))
     assert pins["model.layers.0.mlp.up_proj"].in_strategy == ((None, None, None), ("tp", None))
     assert pins["model.layers.1.mlp.down_proj"].in_strategy == ((None, None, "tp"), (None, "tp"))
     assert pins["lm_head"].out_strategy == (None, None, None)  # its output gathered
     assert pins["model.embed_tokens"].in_strategy == ((None, None), ("tp", None))
     assert "model.layers.0.self_attn.q_proj" not in pins
+    assert "model.layers.0.self_attn.q_norm" not in pins  # kept whole on split heads, as the rules keep it
     with pytest.raises(PolyshardError, match="sequence_parallel_x"):
         tp_plan_pins({"lm_head": "sequence_parallel_x"}, calls, ("tp",))
 
