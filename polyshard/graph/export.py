@@ -23,6 +23,7 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from polyshard.errors import PolyshardError
+from polyshard.graph.batched_heads import unmerge_batched_heads
 from polyshard.graph.causal import run_causal_attention_unmasked
 from polyshard.graph.fused_norm import FUSED_NORM, FusedRMSNorm, fused_eps, install_fused_norms
 from polyshard.graph.saved import KEPT_INSIDE, kept_inside
@@ -153,6 +154,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, is_leaf: Callable[[nn.M
     _drop_same_dtype_casts(graph)
     _drop_contiguous(graph)
     _out_of_place(graph)
+    unmerge_batched_heads(graph)
     _collapse_leaves(graph, traced, is_leaf, attrs)
     # shapes and the causal rewrite before stamping: each stamped layer copies its model layer's as they are
     batch = dict.fromkeys(_symbolic_batch(graph), rows)

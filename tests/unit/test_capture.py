@@ -75,6 +75,43 @@ class _Sums(nn.Module):
         return z.sum()
 
 
+class _MergedHeads(nn.Module):
+    """ALiBi attention as BLOOM writes it: batch and heads merged into one dim for ``baddbmm`` and ``bmm``, the
+    per-head table repeated for each row and cast to the compute dtype; ``scores_too`` also returns the merged
+    scores, a use the 4-D form cannot stand in for."""
+
+    def __init__(self, scores_too: bool = False):
+        super().__init__()
+        self.scores_too = scores_too
+
+    def forward(self, q, k, v, table):  # q, k, v: (B, H, S, D); table: (H, 1, S) in float32
+        b, h, s, d = q.shape
+        bias = table.repeat(b, 1, 1).to(q.dtype)
+        scores = bias.baddbmm(q.reshape(b * h, s, d), k.reshape(b * h, s, d).transpose(-1, -2), beta=1.0, alpha=0.5)
+        probs = scores.view(b, h, s, s).softmax(-1)
+        out = torch.bmm(probs.view(b * h, s, s), v.reshape(b * h, s, d)).view(b, h, s, d)
+        return (out, scores.sum()) if self.scores_too else out
+
+
+_PRODUCTS = (torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default)
+
+
+def test_attention_over_merged_batch_and_heads_is_captured_on_its_4d_values():
+    """No layout can name heads split inside a merged batch x heads dim, so capture runs such attention on the 4-D
+    values (as ``matmul``, which splits by heads like any attention), computing what the model computes; where a
+    merged value has another use, its products stay as written."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    inputs = {"q": q, "k": k, "v": v, "table": torch.randn(4, 1, 6, generator=g)}
+    for scores_too, left in ((False, []), (True, [torch.ops.aten.baddbmm.default])):
+        model = _MergedHeads(scores_too)
+        gm = capture(model, inputs)
+        products = [n.target for n in gm.graph.nodes if n.target in _PRODUCTS]
+        assert products == left + [torch.ops.aten.matmul.default] * (2 - len(left)), products
+        signature = gm.meta[SIGNATURE_KEY]
+        torch.testing.assert_close(signature.unflatten(gm(*signature.flatten((), inputs))), model(**inputs))
+
+
 def test_a_sum_written_in_place_into_a_result_nothing_else_reads_is_captured_as_a_plain_sum():
     """Export keeps a model's ``+=``; a split op hands its result on as a view of its piece, which autograd will not
     let the next op write into, so capture writes it as ``+`` where that computes the same."""

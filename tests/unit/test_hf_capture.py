@@ -299,6 +299,18 @@ def test_gemmas_scaled_embedding_is_one_lookup_and_its_tied_head_splits_by_the_v
     assert "model.model.decoder.embed_positions" not in {n.target for n in traced.graph.nodes if n.op == "call_module"}
 
 
+def test_blooms_attention_over_merged_batch_and_heads_splits_by_heads_as_megatron_does():
+    """BLOOM merges batch and heads for its ALiBi ``baddbmm`` and ``bmm``: captured on the 4-D values, the search on a
+    node of A100s splits q/k/v by heads and the attention's output product by its input, as the MLP's."""
+    model = hf.build("bloom", device="meta", hidden_size=2048, n_head=16, vocab_size=32000)
+    plan, _ = search(model, hf.batch(model, 1, 512), Cluster.load("8xA100-80G"), 64, fixed=Fixed(tp=8))
+    layer = "transformer.h.0."
+    products = {name.removeprefix(layer): str(layout) for name, layout in plan.params.items()
+                if name.startswith(layer) and name.endswith("weight") and "layernorm" not in name}
+    assert products == {"self_attention.query_key_value.weight": "S(0)", "self_attention.dense.weight": "S(1)",
+                        "mlp.dense_h_to_4h.weight": "S(0)", "mlp.dense_4h_to_h.weight": "S(1)"}
+
+
 def test_falcons_written_out_products_and_grouped_qkv_split_as_megatron_does():
     """Falcon writes each product as ``input @ weight.T`` and takes k and v out of q/k/v fused by kv group with an
     index: capture keeps each product one Linear call, and on a node of A100s the search splits q/k/v and the MLP's
