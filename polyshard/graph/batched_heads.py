@@ -9,6 +9,7 @@ on the 4-D values (``matmul`` broadcasts over batch and heads), and heads split 
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 
 import torch
@@ -81,11 +82,12 @@ def _merged(graph: fx.Graph) -> dict[fx.Node, tuple[str, int]]:
 
 
 def _merges(node: fx.Node) -> bool:
-    """A view of (B, H, *rest) as (B * H, *rest)."""
-    x = node.args[0]
-    src, out = _val(x), _val(node)
-    return src is not None and out is not None and src.dim() == out.dim() + 1 == 4 and \
-        isinstance(src.shape[1], int) and tuple(src.shape[2:]) == tuple(out.shape[1:])
+    """A view of (B, H, *rest) as 3-D (B * H, *rest'), rest' holding what rest holds (BLOOM's ALiBi table from a
+    padding mask: (B, H, S) as (B * H, 1, S))."""
+    src, out = _val(node.args[0]), _val(node)
+    return src is not None and out is not None and src.dim() >= 2 and out.dim() == 3 and \
+        isinstance(src.shape[1], int) and all(isinstance(d, int) for d in (*src.shape[2:], *out.shape[1:])) and \
+        math.prod(src.shape[2:]) == math.prod(out.shape[1:])
 
 
 def _repeats_over_batch(node: fx.Node) -> bool:
@@ -104,7 +106,7 @@ def _unmerges(node: fx.Node, merged: dict[fx.Node, tuple[str, int]]) -> bool:
 
 
 def _four_d(graph: fx.Graph, node: fx.Node, kind: str, made: dict[fx.Node, fx.Node]) -> fx.Node:
-    """The 4-D value of merged ``node``, built before it."""
+    """The (B, H, ...) value of merged ``node``, built before it."""
     def call(target, *args, **kwargs) -> fx.Node:
         out = graph.call_function(target, args, kwargs)
         out.meta = {k: v for k, v in node.meta.items() if k != "val"}
@@ -117,7 +119,10 @@ def _four_d(graph: fx.Graph, node: fx.Node, kind: str, made: dict[fx.Node, fx.No
         return a.meta["val"] if isinstance(a, fx.Node) else a
 
     if kind == "view":
-        return node.args[0]
+        src, out = _val(node.args[0]), _val(node)
+        if tuple(src.shape[2:]) == tuple(out.shape[1:]):
+            return node.args[0]
+        return call(aten.reshape.default, node.args[0], [-1, src.shape[1], *out.shape[1:]])
     if kind == "repeat":  # broadcast over the batch instead of copied
         return call(aten.unsqueeze.default, node.args[0], 0)
     if kind == "cast":

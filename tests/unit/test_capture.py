@@ -77,17 +77,18 @@ class _Sums(nn.Module):
 
 class _MergedHeads(nn.Module):
     """ALiBi attention as BLOOM writes it: batch and heads merged into one dim for ``baddbmm`` and ``bmm``, the
-    per-head table repeated for each row and cast to the compute dtype; ``scores_too`` also returns the merged
-    scores, a use the 4-D form cannot stand in for."""
+    per-head table (H, 1, S) repeated for each row, or one per row (B, H, S) from a padding mask, and cast to the
+    compute dtype; ``scores_too`` also returns the merged scores, a use the 4-D form cannot stand in for."""
 
     def __init__(self, scores_too: bool = False):
         super().__init__()
         self.scores_too = scores_too
 
-    def forward(self, q, k, v, table):  # q, k, v: (B, H, S, D); table: (H, 1, S) in float32
+    def forward(self, q, k, v, table):  # q, k, v: (B, H, S, D); table: float32
         b, h, s, d = q.shape
-        bias = table.repeat(b, 1, 1).to(q.dtype)
-        scores = bias.baddbmm(q.reshape(b * h, s, d), k.reshape(b * h, s, d).transpose(-1, -2), beta=1.0, alpha=0.5)
+        bias = table.repeat(b, 1, 1) if table.shape[0] == h else table.reshape(b * h, 1, s)
+        scores = bias.to(q.dtype).baddbmm(q.reshape(b * h, s, d), k.reshape(b * h, s, d).transpose(-1, -2),
+                                          beta=1.0, alpha=0.5)
         probs = scores.view(b, h, s, s).softmax(-1)
         out = torch.bmm(probs.view(b * h, s, s), v.reshape(b * h, s, d)).view(b, h, s, d)
         return (out, scores.sum()) if self.scores_too else out
@@ -101,9 +102,10 @@ def test_attention_over_merged_batch_and_heads_is_captured_on_its_4d_values():
     values (as ``matmul``, which splits by heads like any attention), computing what the model computes; where a
     merged value has another use, its products stay as written."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 6, 3, generator=g, dtype=torch.float64) for _ in range(3))
-    inputs = {"q": q, "k": k, "v": v, "table": torch.randn(4, 1, 6, generator=g)}
-    for scores_too, left in ((False, []), (True, [torch.ops.aten.baddbmm.default])):
+    q, k, v = (torch.randn(3, 4, 6, 2, generator=g, dtype=torch.float64) for _ in range(3))
+    for table, scores_too, left in (((4, 1, 6), False, []), ((3, 4, 6), False, []),
+                                    ((4, 1, 6), True, [torch.ops.aten.baddbmm.default])):
+        inputs = {"q": q, "k": k, "v": v, "table": torch.randn(*table, generator=g)}
         model = _MergedHeads(scores_too)
         gm = capture(model, inputs)
         products = [n.target for n in gm.graph.nodes if n.target in _PRODUCTS]
