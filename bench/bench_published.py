@@ -80,6 +80,9 @@ class Run:
     # counts them; fixed: its dp x tp x pp in bf16, equal layers per stage (sequence parallel and recompute, which
     # the source does not give, left to the search)
     core: bool = False
+    # a transformers model trained as the Megatron-LM rows were (Megatron-DeepSpeed's BLOOM): its FLOPs counted by
+    # eq. 3 and its configuration fixed as theirs, the model as transformers writes it
+    megatron: bool = False
 
     @property
     def dp(self) -> int:
@@ -97,7 +100,7 @@ class Run:
         """Narayanan et al. 2021, eq. 3 (full recompute): 96 B s l h^2 (1 + s/6h + V/16lh); Megatron-Core's
         (`num_floating_point_operations`, no recompute, an LM head of its own): 72 B s l h^2 (1 + s/6h + V/12lh); a
         transformers model's: PaLM's 6N + 12 l h s per token (polyshard.models.flops_per_token)."""
-        if self.hf:
+        if self.hf and not self.megatron:
             return models.flops_per_token(models.config(self.model(), self.seq)) * self.batch * self.seq
         b, s, l, h, v = self.batch, self.seq, self.layers, self.hidden, self.vocab
         if self.core:
@@ -112,7 +115,7 @@ class Run:
 
     def published(self) -> Fixed:
         """The published configuration as the search must keep it."""
-        if self.hf:
+        if self.hf and not self.megatron:
             return Fixed(dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, zero=self.zero or None,
                          recompute=self.recompute, precision="bf16")
         if self.core:
@@ -167,6 +170,10 @@ RUNS = (
     # Jean Zay's A100 nodes: 4 Omni-Path links of 100 Gb/s per node of 8 GPUs (BLOOM paper, hardware section)
     Run("BLOOM-176B", "BLOOM, BigScience 2022 (about 150 TFLOP/s)", 70, 14336, 112, 384, 2048, 4, 12, 150,
         vocab=250880, mbs=2, zero=1, dropout=0.0, node_link_gbps=400, reduce_after_backward=True),
+    # the same run on transformers' BLOOM (ALiBi, a norm after the embedding), from BigScience's published config
+    Run("BLOOM-176B-hf", "BLOOM, BigScience 2022 (about 150 TFLOP/s)", 70, 14336, 112, 384, 2048, 4, 12, 150,
+        vocab=250880, mbs=2, zero=1, dropout=0.0, node_link_gbps=400, reduce_after_backward=True, hf="bloom-176b",
+        megatron=True),
     *(Run(f"MCore-{size}@{gpus}", _MCORE, layers, hidden, heads, gpus, batch, tp, pp, tflops, vocab=131072, seq=4096,
           gpu="H100-80G", core=True)
       for size, heads, hidden, layers, tp, pp, gpus, batch, tflops in (
@@ -227,7 +234,7 @@ def price(run: Run, fixed: Fixed, limit_bytes: float | None = None,
     # a transformers model's stages may begin where its own pipeline plan allows (its embedding, final norm,
     # head): Llama 3's first chunk holds only the embedding, its last only the head and loss (Dubey et al., 3.3.2)
     plan, _ = search(model, model.example_inputs(1), cluster, run.batch, limit_bytes, fixed=fixed,
-                     reserve_bytes=reserve_bytes, pp_plan=bool(run.hf))
+                     reserve_bytes=reserve_bytes, pp_plan=bool(run.hf) and not run.megatron)
     return chosen_row(plan.report), time.perf_counter() - start
 
 
