@@ -299,29 +299,33 @@ def test_gemmas_scaled_embedding_is_one_lookup_and_its_tied_head_splits_by_the_v
     assert "model.model.decoder.embed_positions" not in {n.target for n in traced.graph.nodes if n.op == "call_module"}
 
 
-def test_blooms_attention_over_merged_batch_and_heads_splits_by_heads_as_megatron_does():
-    """BLOOM merges batch and heads for its ALiBi ``baddbmm`` and ``bmm``: captured on the 4-D values, the search on a
-    node of A100s splits q/k/v by heads and the attention's output product by its input, as the MLP's."""
-    model = hf.build("bloom", device="meta", hidden_size=2048, n_head=16, vocab_size=32000)
+# Megatron's tensor parallel in a block whose q/k/v are one fused product: column-parallel products, then row-parallel
+_MEGATRON_SPLIT = {"self_attention.query_key_value.weight": "S(0)", "self_attention.dense.weight": "S(1)",
+                   "mlp.dense_h_to_4h.weight": "S(0)", "mlp.dense_4h_to_h.weight": "S(1)"}
+
+
+def _searched_on_a100s(family: str, **config):
+    """A 2048-wide member of ``family`` searched at tp=8 on a node of A100s: the plan, and how its first layer's
+    products split their weights."""
+    model = hf.build(family, device="meta", hidden_size=2048, vocab_size=32000, **config)
     plan, _ = search(model, hf.batch(model, 1, 512), Cluster.load("8xA100-80G"), 64, fixed=Fixed(tp=8))
     layer = "transformer.h.0."
     products = {name.removeprefix(layer): str(layout) for name, layout in plan.params.items()
-                if name.startswith(layer) and name.endswith("weight") and "layernorm" not in name}
-    assert products == {"self_attention.query_key_value.weight": "S(0)", "self_attention.dense.weight": "S(1)",
-                        "mlp.dense_h_to_4h.weight": "S(0)", "mlp.dense_4h_to_h.weight": "S(1)"}
+                if name.startswith(layer) and name.endswith("weight") and layout.ndim == 2}
+    return plan, products
+
+
+def test_blooms_attention_over_merged_batch_and_heads_splits_by_heads_as_megatron_does():
+    """BLOOM merges batch and heads for its ALiBi ``baddbmm`` and ``bmm``: captured on the 4-D values, the search on a
+    node of A100s splits q/k/v by heads and the attention's output product by its input, as the MLP's."""
+    assert _searched_on_a100s("bloom", n_head=16)[1] == _MEGATRON_SPLIT
 
 
 def test_falcons_written_out_products_and_grouped_qkv_split_as_megatron_does():
     """Falcon writes each product as ``input @ weight.T`` and takes k and v out of q/k/v fused by kv group with an
     index: capture keeps each product one Linear call, and on a node of A100s the search splits q/k/v and the MLP's
     first product by their outputs (each rank its kv groups) and the products after them by their inputs."""
-    model = hf.build("falcon", device="meta", hidden_size=2048, num_attention_heads=16, num_kv_heads=8,
-                     vocab_size=32000)
-    plan, _ = search(model, hf.batch(model, 1, 512), Cluster.load("8xA100-80G"), 64, fixed=Fixed(tp=8))
-    layer = "transformer.h.0."
-    products = {name.removeprefix(layer): str(layout) for name, layout in plan.params.items()
-                if name.startswith(layer) and name.endswith("weight") and ".ln_" not in name}
-    assert products == {"self_attention.query_key_value.weight": "S(0)", "self_attention.dense.weight": "S(1)",
-                        "mlp.dense_h_to_4h.weight": "S(0)", "mlp.dense_4h_to_h.weight": "S(1)"}
+    plan, products = _searched_on_a100s("falcon", num_attention_heads=16, num_kv_heads=8)
+    assert products == _MEGATRON_SPLIT
     for index in ("index", "index_1"):  # k and v read out of each rank's own kv groups: nothing gathered first
         assert next(iter(plan.nodes[index].inputs.values())).dims[2] == ("tp",), plan.nodes[index]
