@@ -185,6 +185,12 @@ def _check_mesh(cfg: TrainConfig, plan: Plan | None, world_size: int) -> dict[st
         raise PolyshardError("--plan fixes every layout: leave out --sequence-parallel (or plan with --config sp=1)")
     if cfg.sequence_parallel and not cfg.auto and shape.get("tp", 1) < 2:
         raise PolyshardError("--sequence-parallel splits the sequence over tp: the mesh needs a tp axis of 2 or more")
+    if cfg.tp_plan and (cfg.plan or cfg.auto or cfg.memory_limit):
+        raise PolyshardError("--tp-plan pins products for the --mesh given; a --plan file, --auto and --memory-limit "
+                             "lay them out themselves: leave out --tp-plan or those")
+    if cfg.tp_plan and not any(n not in ("dp", PIPELINE_AXIS) and s > 1 for n, s in shape.items()):
+        raise PolyshardError(f"--tp-plan splits products over an operator axis, and the mesh {shape} has none; "
+                             "add one, e.g. --mesh dp=2,tp=2")
     return shape
 
 
@@ -356,6 +362,8 @@ def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | No
     from polyshard.cluster import Cluster
     from polyshard.planner.check import check_plan
     from polyshard.graph.capture import capture
+    from polyshard.pin import model_tp_plan
+    from polyshard.planner.plan_model import pin_tp_plan
     from polyshard.planner.propagate import propagate
     from polyshard.planner.search import refuse_where_nothing_fits
     from polyshard.graph.stage_cuts import block_paths
@@ -378,6 +386,11 @@ def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | No
             raise PolyshardError(f"--plan {cfg.plan!r}: {exc}") from exc
     elif not cfg.auto:
         op_axes = tuple((n, s) for n, s in shape.items() if n not in data_axes and n != PIPELINE_AXIS and s > 1)
+        if cfg.tp_plan and model_tp_plan(model) is None:
+            raise PolyshardError(f"--tp-plan: {cfg.model} carries no tensor-parallel plan of its own (transformers "
+                                 "models name one in `_tp_plan`); leave out --tp-plan and the rules split it")
+        if cfg.tp_plan:  # a plan that splits a module no pin can is refused here
+            pin_tp_plan(model, gm, tuple(n for n, _ in op_axes))
         propagate(gm, op_axes, lambda msg: None, cfg.sequence_parallel)
     optimizer = dict(cfg.settings).get("optimizer", plan.optimizer if plan is not None else "adamw")
     check_resume(cfg, cfg.model, {n: tuple(p.shape) for n, p in gm.named_parameters()}, optimizer)

@@ -39,6 +39,8 @@ class TrainConfig:
     lr: float = _flag(3e-3, "AdamW learning rate (default %(default)s)")
     seed: int = _flag(0, "seed for weights and data (default %(default)s)")
     strategies: str = _flag("", "YAML of per-module pins: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")
+    tp_plan: bool = _flag(False, "pin the products a transformers model's own tensor-parallel plan names (its "
+                          "_tp_plan: colwise, rowwise, ...) over the mesh's operator axes; the rest follows the rules")
     metrics: str = _flag("runs/metrics.jsonl", "JSON-lines metrics path (default %(default)s)")
     log_every: int = _flag(10, "print a line every N steps (default %(default)s)")
     copies: int | Literal["auto"] = _flag(1, "run each micro-batch as N interleaved copies so collectives overlap "

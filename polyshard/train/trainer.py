@@ -78,7 +78,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                              f"accumulated micro-batches per data-parallel rank")
     settings = dict(cfg.settings)
     pm = parallelize(model, example_inputs=model.example_inputs(micro), copies=cfg.copies, plan=plan,
-                        sequence_parallel=cfg.sequence_parallel,
+                        sequence_parallel=cfg.sequence_parallel, tp_plan=cfg.tp_plan,
                         dataset_strategy=image_strategy(cfg, mesh) if plan is None else None,  # a plan has its own
                         settings=settings)
     pipelined = isinstance(pm, PipelineModule)

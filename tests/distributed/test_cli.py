@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +85,17 @@ def test_train_runs_on_two_ranks_with_pins_and_writes_metrics(tmp_path):
     assert "pinned from" in out.stdout and "2 interleaved copies" in out.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["tokens_per_s"] > 0 for r in records)
+
+
+def test_train_pins_a_transformers_models_own_tp_plan(tmp_path):
+    """`--tp-plan`: Qwen3's projections split as its plan names them, its per-head norms whole on every rank."""
+    out = polyshard("train", "--nproc", "2", "--mesh", "tp=2", "--model", "hf:qwen3", "--steps", "2", "--tp-plan",
+                    "--metrics", str(tmp_path / "m.jsonl"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name, layout in (("q_proj", "S(0)"), ("o_proj", "S(1)"), ("q_norm", "R")):
+        assert re.search(rf"model\.model\.layers\.0\.self_attn\.{name}\.weight +tp=2:{re.escape(layout)}\n",
+                         out.stdout), (name, out.stdout[-3000:])
+    assert len(_losses(tmp_path / "m.jsonl")) == 2
 
 
 def _losses(metrics):

@@ -231,6 +231,12 @@ CLI_CASES = [
      ["decoder.*.fc", "model."]),
     ("hf-manual-split-short", TRAIN[:3] + ["--model", "hf:llama", "--mesh", "tp=2", "--strategies", "{uneven.yaml}"],
      ["model.model.embed_tokens", "manual_split (100, 100) adds up to 200 rows", "256"]),
+    ("tp-plan-model-without-one", TRAIN[:3] + ["--model", "hf:bloom", "--mesh", "tp=2", "--tp-plan"],
+     ["--tp-plan", "hf:bloom carries no tensor-parallel plan", "leave out --tp-plan"]),
+    ("tp-plan-no-operator-axis", TRAIN[:3] + ["--model", "hf:llama", "--tp-plan"],
+     ["--tp-plan", "{'dp': 2} has none", "--mesh dp=2,tp=2"]),
+    ("tp-plan-searched", TRAIN[:3] + ["--model", "hf:llama", "--auto", "--tp-plan"],
+     ["--tp-plan", "--auto", "leave out --tp-plan"]),
     # image models
     ("image-size-odd", TRAIN[:3] + ["--model", "unet-small", "--image-size", "30"], ["--image-size 30", "multiple of 4"]),
     ("image-size-zero", TRAIN[:3] + ["--model", "unet-small", "--image-size", "0"], ["--image-size", "got 0"]),
