@@ -49,6 +49,7 @@ from polyshard.errors import PolyshardError
 from polyshard.graph.capture import at_rows, capture
 from polyshard.graph.regions import recomputed
 from polyshard.mesh import PIPELINE_AXIS
+from polyshard.pin import PIN_ATTR
 from polyshard.planner.cost.comm import DataSync, axis_link
 from polyshard.planner.cost.data_parallel import dp_seconds, dp_sync
 from polyshard.planner.cost.memory import MemoryEstimate, estimate_memory, frees_activations
@@ -287,6 +288,7 @@ class _Costs:
         self._level3: dict[tuple, tuple] = {}  # per parameter groups (kept, so their id stays theirs): _level3
         self.dataset_strategy = dataset_strategy
         self.capture_rows, self.rows_splits = capture_rows, rows_splits
+        self.pinned = any(hasattr(m, PIN_ATTR) for m in gm.modules())  # pinned products split the operators
         # rows -> the model captured at those rows, its batch values (None: another graph), its shared parameters
         self._wider: dict[int, tuple[fx.GraphModule, frozenset[str] | None, tuple[str, ...]]] = {}
         self._rows: dict[tuple, Plan] = {}  # (operator axes, shared layouts) -> the rows layout
@@ -469,12 +471,14 @@ class _Costs:
                                offload=offload, pruned=True), None)]
 
         least = 0.0  # the most any bound below says the split's program costs
-        if offload != "none" and best_s < float("inf"):
+        # (the unsplit program bounds are not built for a model with pins, which only a split can hold)
+        unsplit = best_s < float("inf") and not self.pinned
+        if offload != "none" and unsplit:
             # offloaded state is stepped in fp32 (variants), so the model computes in fp32: its compute alone
             least = rows / stage_count(mesh) * self.fp32_floor(program) / split_ways
             if least + floor >= best_s:
                 return pruned(least)
-        if split_ways > 1 and best_s < float("inf"):  # before a program of its own: the unsplit one's bound / ways
+        if split_ways > 1 and unsplit:  # before a program of its own: the unsplit one's bound / ways
             bound = self.unsplit_bound(program, rows / stage_count(mesh), (best_s - floor) * split_ways) / split_ways
             if stage_count(mesh) > 1 and bound + floor < best_s:  # and at the schedule where a pipeline waits least
                 bound = max(bound, self.pipelined_bound(program, mesh, rows, split_ways, best_s - floor))
@@ -712,11 +716,11 @@ class _Costs:
     def rows_units(self, base: Plan, mesh, rows: int, precision: str, modes: tuple[str, ...]) -> tuple[Units, ...]:
         """The units of chunks whose operator ranks split the rows instead of ``base``'s operators, under each of
         ``modes``: none where no micro-batch of the ``rows`` per replica divides over the ranks, the user fixed
-        every chunk to split operators, or the ranks split images."""
+        every chunk to split operators or pinned products to split, or the ranks split images."""
         ways = math.prod(n for _, n in base.op_axes)
         fixed = self.fixed.stage_tp_split
         if ways == 1 or self.capture_rows is None or rows % ways or (fixed and "rows" not in fixed) or \
-                spatial_sizes(mesh):
+                self.pinned or spatial_sizes(mesh):
             return ()
         plan = self.rows_plan(base)
         if plan is None:

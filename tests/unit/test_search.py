@@ -149,6 +149,24 @@ def test_pins_survive_the_search_and_rule_out_splits_that_cannot_hold_them():
     assert plan.params["blocks.3.mlp.fc.weight"].dims == ((), ("tp",))
 
 
+def test_a_model_pinned_by_axis_name_is_costed_on_every_split_that_holds_its_pins():
+    """Pins naming the tp axis (Llama's own tensor-parallel plan) hold on every split with one: each is costed (no
+    bound from the unsplit program, which no such pin can hold, and no chunk's ranks splitting rows), and the pick
+    is the fastest of them."""
+    from polyshard.planner.plan_model import pin_tp_plan
+
+    model = models.build("hf:llama", device="meta")
+    row = model.example_inputs(1)
+    graph = capture(model, row)
+    pin_tp_plan(model, graph, ("tp",))
+    cluster = Cluster.preset("8xA100-80G")
+    plan, candidates = search(model, row, cluster, 64, graph=graph, workers=1)
+    assert {dict(c.mesh).get("tp", 1) for c in candidates} == {2, 4, 8}
+    for mesh in {c.mesh for c in candidates if not c.pruned}:
+        alone, _ = search(model, row, cluster, 64, graph=graph, meshes=[mesh], workers=1)
+        assert chosen_row(plan.report)["step_s"] <= chosen_row(alone.report)["step_s"] * (1 + 1e-9), mesh
+
+
 def test_fixed_cost_of_split_ops_decides_between_splitting_and_replicating():
     """Where a DTensor op's fixed cost dwarfs its compute (tiny models on CPU), the cheapest plan
     keeps ops whole; with no such cost, splitting the large matmuls wins."""
