@@ -199,6 +199,8 @@ def _planning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", default="", help="YAML of strategies to keep: NAME_OR_GLOB: {in_strategy: [[1,1],[2,1]]}")
     p.add_argument("--pp-plan", action="store_true", help="pipeline stages may begin at every module a transformers "
                    "model's own pipeline plan names (embedding, each layer, final norm, head), not only at its layers")
+    p.add_argument("--tp-plan", action="store_true", help="pin the products a transformers model's own "
+                   "tensor-parallel plan names (colwise, rowwise, ...) over tp: only splits with tp > 1 are searched")
     p.add_argument("--json", action="store_true", help="print one JSON object (step_s, memory_bytes_per_device, "
                    "config, breakdown, planning_s) instead of the table")
     _listing_flags(p)
@@ -273,6 +275,8 @@ def _plan(args) -> int:
             apply_strategies(model, args.pin)
         refuse_where_nothing_fits(model, cluster, limit, reserve, fixed)
         graph = capture(model, model.example_inputs(1))
+        if args.tp_plan:
+            _pin_tp_plan(model, graph, args.model)
         counted = None if say is None else lambda done, total: say(f"{done} of {total} splits costed")
         options = dict(meshes=planned.meshes, dataset_strategy=planned.dataset_strategy, reserve_bytes=reserve,
                        pp_plan=args.pp_plan, graph=graph, workers=args.workers, progress=counted)
@@ -345,7 +349,8 @@ def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
         return _Planned(args.model if named_whole else models.shape_spec(cfg), cfg, f"{cfg.seq_len} tokens",
                         functools.partial(models.build, args.model, device="meta", seq_len=args.seq_len),
                         shape={"seq_len": cfg.seq_len})
-    for flag, given in (("--seq-len", args.seq_len is not None), ("--pp-plan", args.pp_plan)):
+    for flag, given in (("--seq-len", args.seq_len is not None), ("--pp-plan", args.pp_plan),
+                        ("--tp-plan", args.tp_plan)):
         if given:
             raise PolyshardError(f"{flag} is for token models; {args.model} reads images: leave it out")
     size = DEFAULT_IMAGE_SIZE if args.image_size is None else args.image_size
@@ -360,6 +365,17 @@ def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
     return _Planned(args.model, None, f"{size} x {size} images",
                     functools.partial(build_vision, args.model, size, device="meta"), meshes,
                     dataset_strategy(args.model), {"image_size": size})
+
+
+def _pin_tp_plan(model, graph, name: str) -> None:
+    """The model's own tensor-parallel plan as pins over tp, or a refusal naming the model that has none."""
+    from polyshard.pin import model_tp_plan
+    from polyshard.planner.plan_model import pin_tp_plan
+
+    if model_tp_plan(model) is None:
+        raise PolyshardError(f"--tp-plan: {name} carries no tensor-parallel plan of its own (transformers models name "
+                             "one in `_tp_plan`); leave out --tp-plan and the search splits it")
+    pin_tp_plan(model, graph, ("tp",))
 
 
 def _check_reserve(limit: int, reserve: int | None, default: int) -> None:

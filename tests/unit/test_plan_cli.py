@@ -1,6 +1,7 @@
 """`polyshard plan`, `cost` and `explain` in one process: JSON for scripts, fixed settings, round trips."""
 
 import json
+import re
 
 import pytest
 
@@ -118,12 +119,14 @@ def test_explain_shows_a_plan_beside_another_term_by_term(capsys, tmp_path):
     (("--config", "h=2"), "h and w split images"),
     (("--config", "tp=8,tp_comm=gather"), "tp_comm must be one of"),
     (("--config", "tp=8,sp=1,tp_comm=all_reduce"), "allows all-reduces alone"),
+    (("--tp-plan", ""), "carries no tensor-parallel plan of its own"),
+    (("--model", "unet-small", "--tp-plan", ""), "--tp-plan is for token models"),
 ])
 def test_bad_planning_input_is_one_clear_error(capsys, args, needle):
     base = {"--model": SHAPE, "--cluster": "8xA100-80G", "--global-batch": "16"}
     base.update(dict(zip(args[::2], args[1::2])))
-    code, _, err = _run(capsys, "cost" if "--config" in base else "plan", *[x for kv in base.items() for x in kv],
-                        *([] if "--config" in base else []))
+    code, _, err = _run(capsys, "cost" if "--config" in base else "plan",
+                        *[x for kv in base.items() for x in kv if x])
     assert code == 2 and needle in err and "Traceback" not in err
 
 
@@ -186,6 +189,17 @@ def test_plan_takes_a_transformers_config(capsys, tmp_path):
     assert (written.model, written.global_batch, written.seq_len) == (f"hf:{config}", 4, 64)
     _trains_at_what_it_was_made_for(str(tmp_path / "p.json"), 1, {"batch_size": 4, "seq_len": 64},
                                     {"seq_len": 32, "batch_size": 8})
+
+
+def test_plan_pins_a_transformers_models_own_tp_plan(capsys):
+    """`plan --tp-plan`: Llama's projections split as its own plan names them, on the fastest split that holds the
+    pins (every one with tp > 1 is costed), which the report says the plan follows."""
+    pytest.importorskip("transformers")
+    code, out, _ = _run(capsys, "plan", "--model", "hf:llama", "--cluster", "8xA100-80G", "--global-batch", "64",
+                        "--tp-plan", "--layouts", "0", "--candidates", "100")
+    assert code == 0 and "followed by 16 of 16 modules" in out, out
+    listed = {int(m) for m in re.findall(r"x tp=(\d+)", out)}
+    assert listed == {2, 4, 8}, out
 
 
 def test_plan_of_an_image_model_weighs_height_and_width_splits(capsys, tmp_path):
