@@ -276,7 +276,9 @@ def _plan(args) -> int:
         refuse_where_nothing_fits(model, cluster, limit, reserve, fixed)
         graph = capture(model, model.example_inputs(1))
         if args.tp_plan:
-            _pin_tp_plan(model, graph, args.model)
+            from polyshard.planner.plan_model import pin_tp_plan
+
+            pin_tp_plan(model, graph, ("tp",), "--tp-plan", args.model)
         counted = None if say is None else lambda done, total: say(f"{done} of {total} splits costed")
         options = dict(meshes=planned.meshes, dataset_strategy=planned.dataset_strategy, reserve_bytes=reserve,
                        pp_plan=args.pp_plan, graph=graph, workers=args.workers, progress=counted)
@@ -365,17 +367,6 @@ def _planned_model(args, devices: int, batch: int, fixed) -> _Planned:
     return _Planned(args.model, None, f"{size} x {size} images",
                     functools.partial(build_vision, args.model, size, device="meta"), meshes,
                     dataset_strategy(args.model), {"image_size": size})
-
-
-def _pin_tp_plan(model, graph, name: str) -> None:
-    """The model's own tensor-parallel plan as pins over tp, or a refusal naming the model that has none."""
-    from polyshard.pin import model_tp_plan
-    from polyshard.planner.plan_model import pin_tp_plan
-
-    if model_tp_plan(model) is None:
-        raise PolyshardError(f"--tp-plan: {name} carries no tensor-parallel plan of its own (transformers models name "
-                             "one in `_tp_plan`); leave out --tp-plan and the search splits it")
-    pin_tp_plan(model, graph, ("tp",))
 
 
 def _check_reserve(limit: int, reserve: int | None, default: int) -> None:

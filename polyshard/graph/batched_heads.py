@@ -29,13 +29,14 @@ def unmerge_batched_heads(graph: fx.Graph) -> None:
     if not twins:
         return
     made: dict[fx.Node, fx.Node] = {}
-    for node in [n for n in graph.nodes if n in twins or _unmerges(n, twins)]:
+    rewritten = [n for n in graph.nodes if n in twins or _unmerges(n, twins)]
+    for node in rewritten:
         with graph.inserting_before(node):
             if node in twins:
                 made[node] = _four_d(graph, node, twins[node][0], made)
             else:
                 node.replace_all_uses_with(made[node.args[0]])
-    for node in reversed([n for n in graph.nodes if n in twins or _unmerges(n, twins)]):
+    for node in reversed(rewritten):
         if not node.users:
             graph.erase_node(node)
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is operator.mul and not n.users]:

@@ -123,13 +123,16 @@ def _warn_once():
     return warn
 
 
-def pin_tp_plan(model: nn.Module, gm: fx.GraphModule, axes: tuple[str, ...]) -> None:
+def pin_tp_plan(model: nn.Module, gm: fx.GraphModule, axes: tuple[str, ...], asked_by: str = "tp_plan=True",
+                name: str = "") -> None:
     """Pins from the model's own tensor-parallel plan (:func:`model_tp_plan`), splitting over the operator
-    ``axes``, for the modules ``gm`` (the model's capture) calls whole."""
+    ``axes``, for the modules ``gm`` (the model's capture) calls whole; a refusal names the option that asked
+    (``asked_by``) and the model (``name``, else its class)."""
     plan = model_tp_plan(model)
     if not plan:
-        raise PolyshardError(f"tp_plan=True, but {type(model).__name__} carries no tensor-parallel plan "
-                             "(transformers models have one in `_tp_plan`)")
+        raise PolyshardError(f"{asked_by}: {name or type(model).__name__} carries no tensor-parallel plan of its own "
+                             f"(transformers models name one in `_tp_plan`); leave out {asked_by} and the rules "
+                             "split it")
     calls = {n.target: len(shape_of(n.args[0])) for n in gm.graph.nodes if n.op == "call_module"}
     for path, pin in tp_plan_pins(plan, calls, axes).items():
         module = model.get_submodule(path)

@@ -362,7 +362,6 @@ def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | No
     from polyshard.cluster import Cluster
     from polyshard.planner.check import check_plan
     from polyshard.graph.capture import capture
-    from polyshard.pin import model_tp_plan
     from polyshard.planner.plan_model import pin_tp_plan
     from polyshard.planner.propagate import propagate
     from polyshard.planner.search import refuse_where_nothing_fits
@@ -386,11 +385,8 @@ def check_against_model(cfg: TrainConfig, shape: dict[str, int], plan: Plan | No
             raise PolyshardError(f"--plan {cfg.plan!r}: {exc}") from exc
     elif not cfg.auto:
         op_axes = tuple((n, s) for n, s in shape.items() if n not in data_axes and n != PIPELINE_AXIS and s > 1)
-        if cfg.tp_plan and model_tp_plan(model) is None:
-            raise PolyshardError(f"--tp-plan: {cfg.model} carries no tensor-parallel plan of its own (transformers "
-                                 "models name one in `_tp_plan`); leave out --tp-plan and the rules split it")
-        if cfg.tp_plan:  # a plan that splits a module no pin can is refused here
-            pin_tp_plan(model, gm, tuple(n for n, _ in op_axes))
+        if cfg.tp_plan:  # a model without a plan, or a plan that splits a module no pin can, is refused here
+            pin_tp_plan(model, gm, tuple(n for n, _ in op_axes), "--tp-plan", cfg.model)
         propagate(gm, op_axes, lambda msg: None, cfg.sequence_parallel)
     optimizer = dict(cfg.settings).get("optimizer", plan.optimizer if plan is not None else "adamw")
     check_resume(cfg, cfg.model, {n: tuple(p.shape) for n, p in gm.named_parameters()}, optimizer)
