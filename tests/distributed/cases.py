@@ -220,7 +220,20 @@ class RepeatsNet(CumsumNet):
         return torch.nn.functional.cross_entropy(self.out(z).mean(1), y)
 
 
-NETS = {"cumsum": (CumsumNet, (6, 8)), "repeats": (RepeatsNet, (6, 3, 8))}
+class GathersNet(CumsumNet):
+    """CumsumNet's products, a column-parallel one's features each reordered along the sequence by gather."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("order", torch.randint(0, 3, (1, 3, 16), generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        z = torch.gather(h, 1, self.order.expand(h.shape[0], -1, -1))
+        return torch.nn.functional.cross_entropy(self.out(z).mean(1), y)
+
+
+NETS = {"cumsum": (CumsumNet, (6, 8)), "repeats": (RepeatsNet, (6, 3, 8)), "gathers": (GathersNet, (6, 3, 8))}
 
 
 def one_step_parity(net: str) -> dict:

@@ -77,6 +77,12 @@ def test_repeats_keep_the_features_split_and_run_as_one_device(pools):
     assert r["outputs"]["repeat_interleave"] == r["outputs"]["repeat"] == "S(2)", r["outputs"]
 
 
+def test_a_gather_keeps_the_features_split_and_runs_as_one_device(pools):
+    r = pools(2).run(cases.one_step_parity, "gathers")[0]
+    assert r["warnings"] == [] and r["loss_err"] < TOL and r["grad_err"] < TOL
+    assert r["outputs"]["gather"] == "S(2)", r["outputs"]
+
+
 def test_pins_on_embedding_linear_and_any_module(pools):
     results = pools(2).run(cases.pinned_gpt_parity)
     _check(results)

@@ -34,8 +34,7 @@ def test_every_family_is_captured_and_counted(family):
     gm = capture(model, hf.batch(model, 2, 8))
     unruled = _unruled(gm)
     print(f"{family}: {len(unruled)} op kinds replicated for want of a rule {unruled}")
-    if family not in ("gptj", "opt"):  # GPT-J reads its rotary tables by gather, OPT its positions by embedding
-        assert unruled == []
+    assert unruled == []
     linears = sum(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
     calls = [n for n in gm.graph.nodes if n.op == "call_module"]
     assert len(calls) >= linears  # each projection is one call the rules see whole

@@ -10,6 +10,7 @@ import polyshard as ps
 from polyshard import models
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import capture
+from polyshard.layout import Layout
 from polyshard.plan import Plan
 from polyshard.planner.propagate import propagate
 
@@ -98,6 +99,51 @@ def test_repeats_keep_the_dims_they_copy_once_split(exported):
     assert warned == []
     for name in ("repeat_interleave", "repeat"):
         assert plan.nodes[name].output.dims == ((), (), ("tp",)), plan.nodes[name]
+
+
+class _Gathers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 8)
+
+    def forward(self, x, index):
+        return torch.gather(self.fc(x), 1, index).sum()  # per feature, positions picked from the sequence
+
+
+@pytest.mark.parametrize("exported", [False, True])
+@pytest.mark.parametrize("width,split", [(8, True), (4, False)])
+def test_a_gather_keeps_the_dims_its_index_spans_whole_split(exported, width, split):
+    """gather along the sequence: the features a column-parallel product split stay split where the index spans them
+    all (each rank picks its own features), and are gathered where it spans only some."""
+    x, index = torch.zeros(2, 3, 4), torch.zeros(2, 5, width, dtype=torch.long)
+    plan, warned = _plan(_Gathers(), (("tp", 2),), {"x": x, "index": index} if exported else (x, index))
+    assert warned == []
+    node = plan.nodes["gather"]
+    assert node.output.dims == ((), (), ("tp",) if split else ()), node
+    assert all(layout == node.output for layout in node.inputs.values()), node
+
+
+class _Lookups(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.zeros(10, 4))
+        self.register_buffer("fixed", torch.zeros(10, 4))
+
+    def forward(self, ids):
+        return torch.nn.functional.embedding(ids, self.fixed) + torch.nn.functional.embedding(ids, self.table)
+
+
+def test_a_lookup_called_as_a_function_keeps_its_ids_split_unless_the_table_trains():
+    """Ids split over the rows: a fixed table looks its rows' ids up on each rank; a trained one runs whole, as each
+    rank's gradient of the whole table from its own ids would be only its part of the sum."""
+    gm = capture(_Lookups(), (torch.zeros(4, 3, dtype=torch.long),))
+    rows = Layout.replicated((("tp", 2),), 2).with_dims([("tp",), ()])
+    warned = []
+    plan = propagate(gm, (("tp", 2),), warned.append, inputs={"ids": rows})
+    fixed, trained = (plan.nodes[n.name] for n in gm.graph.nodes if n.target is torch.nn.functional.embedding)
+    assert warned == []
+    assert fixed.inputs["ids"] == rows and fixed.output.dims == (("tp",), (), ())
+    assert trained.inputs["ids"].is_replicated and trained.output.is_replicated
 
 
 def test_plan_round_trips_through_json():

@@ -256,6 +256,34 @@ def _index(node: fx.Node, ctx: RuleContext) -> NodePlan:
     return NodePlan("local", inputs, need.with_dims(list(dims)))
 
 
+def _gather(node: fx.Node, ctx: RuleContext) -> NodePlan:
+    """gather (``out[i][j] = x[i][index[i][j]]`` along ``dim``): that dim whole in both, each other dim split alike in
+    both where they are of one size (each rank picks from its own rows); where the index is shorter, whole."""
+    x = node.kwargs.get("input", node.args[0] if node.args else None)
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    index = node.kwargs.get("index", node.args[2] if len(node.args) > 2 else None)
+    x_shape, index_shape = shape_of(x), shape_of(index)
+    layouts = to_common([ctx.layout(x), ctx.layout(index)])
+    lead = max(layouts, key=lambda l: sum(map(len, l.dims)))
+    whole = [d for d in range(lead.ndim) if d == _norm_dim(dim, lead.ndim) or x_shape[d] != index_shape[d]]
+    need = _without(lead, whole)
+    return NodePlan("local", {x.name: need, index.name: need}, need)
+
+
+def _lookup(node: fx.Node, ctx: RuleContext) -> NodePlan:
+    """A table's lookup called as a function (a module's forward traced through, as OPT's positions are): the table
+    whole; the ids keep their split where the table takes no gradient, else whole, as each rank's gradient of a
+    whole table from its own ids would be only its part."""
+    if op_key(node) == "embedding":  # aten's: (weight, ids)
+        table, ids = node.args[:2]
+    else:
+        ids, table = node.kwargs.get("input", node.args[0]), node.kwargs.get("weight", (*node.args, None)[1])
+    trainable = getattr(table.meta.get("tensor_meta"), "requires_grad", False)
+    need = ctx.replicated(ctx.layout(ids).ndim) if trainable else _without(ctx.layout(ids), [])
+    return NodePlan("local", {table.name: ctx.replicated(ctx.layout(table).ndim), ids.name: need},
+                    need.with_dims([*need.dims, ()]))
+
+
 def _getitem(node: fx.Node, ctx: RuleContext) -> NodePlan:
     src = ctx.layout(node.args[0])
     if isinstance(src, tuple):
@@ -661,6 +689,8 @@ RULES = _registry(
     (("transpose", torch.transpose, "permute", torch.permute), _permute),
     (("t",), _transposed),
     (("index",), _index),
+    (("gather", torch.gather), _gather),
+    (("embedding", F.embedding), _lookup),
     (("repeat",), _repeat),
     (("unsqueeze", "squeeze", "expand"), _broadcast_view),
     (ALONG_DIM, _along_dim),
