@@ -502,6 +502,9 @@ def _needs_grad(graph: fx.Graph, attrs: dict) -> set[fx.Node]:
     return out
 
 
+_ANY_ROWS = 7  # a row count no other dim is likely to equal
+
+
 def _concrete(val: torch.Tensor, batch: dict, grad: bool) -> torch.Tensor:
     """A meta tensor of ``val``'s shape with the batch symbol at the example's rows."""
     return torch.empty(_shape_at(val, batch), dtype=val.dtype, device="meta",
@@ -512,6 +515,16 @@ def _shape_at(val: torch.Tensor, batch: dict) -> torch.Size:
     """``val``'s shape with the batch symbol at the given rows."""
     return torch.Size(int(d) if not isinstance(d, torch.SymInt) else int(d.node.expr.xreplace(batch))
                       for d in val.shape)
+
+
+def shape_at_any_rows(node: fx.Node) -> tuple[int, ...] | None:
+    """An exported value's shape with the batch at several rows (None where export kept no symbol in it): recorded
+    at one row, a view that merges the batch with another dim reads as one that leaves the batch alone."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not any(isinstance(d, torch.SymInt) for d in val.shape):
+        return None
+    return tuple(_shape_at(val, {s: _ANY_ROWS for d in val.shape if isinstance(d, torch.SymInt)
+                                 for s in d.node.expr.free_symbols}))
 
 
 def _meta_at(meta: TensorMetadata, val: torch.Tensor, batch: dict) -> TensorMetadata:

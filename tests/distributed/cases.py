@@ -233,12 +233,25 @@ class GathersNet(CumsumNet):
         return torch.nn.functional.cross_entropy(self.out(z).mean(1), y)
 
 
-NETS = {"cumsum": (CumsumNet, (6, 8)), "repeats": (RepeatsNet, (6, 3, 8)), "gathers": (GathersNet, (6, 3, 8))}
+class MergedHeadsNet(CumsumNet):
+    """CumsumNet's products, a column-parallel one's features as two heads merged with the batch into one dim and
+    summed along it in order."""
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        b, s = h.shape[:2]
+        merged = h.view(b, s, 2, 8).transpose(1, 2).reshape(b * 2, s, 8)
+        z = torch.cumsum(merged, 0).view(b, 2, s, 8).transpose(1, 2).reshape(b, s, 16)
+        return torch.nn.functional.cross_entropy(self.out(z).mean(1), y)
 
 
-def one_step_parity(net: str) -> dict:
+NETS = {"cumsum": (CumsumNet, (6, 8)), "repeats": (RepeatsNet, (6, 3, 8)), "gathers": (GathersNet, (6, 3, 8)),
+        "merged_heads": (MergedHeadsNet, (6, 3, 8))}
+
+
+def one_step_parity(net: str, captured_rows: int | None = None) -> dict:
     """One of NETS on tp=2 against one device: polyshard's warnings, the loss and gradient errors, and the layout
-    of each op's output."""
+    of each op's output; ``captured_rows``: captured by export (keyword inputs) at that many rows of the batch."""
     import warnings
     ps.init("tp=2")
     torch.manual_seed(0)
@@ -248,9 +261,10 @@ def one_step_parity(net: str) -> dict:
     x, y = torch.randn(*shape, dtype=torch.float64), torch.randint(0, 4, (6,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pm = ps.parallelize(par, example_inputs=(x, y))
+        example = (x, y) if captured_rows is None else {"x": x[:captured_rows], "y": y[:captured_rows]}
+        pm = ps.parallelize(par, example_inputs=example)
     messages = [str(w.message) for w in caught if "polyshard" in str(w.message)]
-    ref_loss, loss = ref(x, y), pm(x, y)
+    ref_loss, loss = ref(x, y), pm(x, y) if captured_rows is None else pm(x=x, y=y)
     ref_loss.backward(), loss.backward()
     full_grads = {k: p.grad for k, p in ref.named_parameters()}
     grad_err = 0.0

@@ -83,6 +83,16 @@ def test_a_gather_keeps_the_features_split_and_runs_as_one_device(pools):
     assert r["outputs"]["gather"] == "S(2)", r["outputs"]
 
 
+@pytest.mark.parametrize("captured_rows", [1, 2])
+def test_heads_merged_with_the_batch_are_gathered_at_any_captured_rows(pools, captured_rows):
+    """Split heads merged with the batch into one dim: no even split of it at more than one row, so gathered there
+    before an op along it, whether the batch was captured at one row (where the merge would read as leaving the
+    batch alone) or at two; the captured graph then runs six rows as one device does."""
+    r = pools(2).run(cases.one_step_parity, "merged_heads", captured_rows)[0]
+    assert r["warnings"] == [] and r["loss_err"] < TOL and r["grad_err"] < TOL
+    assert r["outputs"]["fc"] == "S(2)", r["outputs"]  # the heads split, until they meet the batch
+
+
 def test_pins_on_embedding_linear_and_any_module(pools):
     results = pools(2).run(cases.pinned_gpt_parity)
     _check(results)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from polyshard.graph.capture import is_conv1d, is_rms_norm, linear_dims, shape_of, shapes_of
-from polyshard.graph.export import SCALED_LOOKUP, own_forward
+from polyshard.graph.export import SCALED_LOOKUP, own_forward, shape_at_any_rows
 from polyshard.graph.ops import op_key
 from polyshard.graph.params import parameters_of
 from polyshard.errors import PolyshardError
@@ -185,16 +185,22 @@ def _view(node: fx.Node, ctx: RuleContext) -> NodePlan:
     x = node.args[0]
     src = ctx.layout(x)
     in_shape, out_shape = shape_of(x), shape_of(node)
+    # which dims hold the same elements, told at more rows where the batch is symbolic: at one row a view merging
+    # heads split over the ranks with the batch would read as leaving the batch alone, though at two rows a rank's
+    # piece of the merged dim is no even split of it
+    in_any, out_any = shape_at_any_rows(x), shape_at_any_rows(node)
+    if in_any is None or out_any is None:
+        in_any, out_any = in_shape, out_shape
     out_dims: list[tuple[str, ...]] = [()] * len(out_shape)
     gather = []
-    for in_group, out_group in _view_groups(in_shape, out_shape):
+    for in_group, out_group in _view_groups(in_any, out_any):
         sharded = [d for d in in_group if src.dims[d]]
         if not sharded:
             continue
         d = sharded[0]
         n = src.num_shards(d)
-        real_in = [i for i in in_group if in_shape[i] != 1]
-        real_out = [o for o in out_group if out_shape[o] != 1]
+        real_in = [i for i in in_group if in_any[i] != 1]
+        real_out = [o for o in out_group if out_any[o] != 1]
         if len(sharded) == 1 and real_in and d == real_in[0] and real_out and out_shape[real_out[0]] % n == 0:
             out_dims[real_out[0]] = src.dims[d]
         else:
