@@ -22,8 +22,9 @@ program.
 Costs use one capture of the model at one row, scaled by the rows each split gives a device
 (compute, activations and their communication grow with rows; parameters do not). Each costed option takes
 the gradient bucket size (of BUCKET_CHOICES) that syncs and steps its gradients fastest.
-On a cluster of several nodes, processes forked once the first split is costed cost the rest side by side
-(:mod:`polyshard.planner.workers`), sharing the best step time found so far.
+On a cluster of several nodes, processes forked before the first split cost the splits side by side
+(:mod:`polyshard.planner.workers`), sharing the best step time found so far; the splits on one set of operator
+axes go to the process that built their program.
 A ``Fixed`` restricts the search to the settings a user gives (``polyshard cost --config``). A model whose
 parameters alone, spread over every device, exceed the limit is refused before it is captured.
 """
@@ -146,15 +147,15 @@ def search(model: nn.Module, example_row: Sequence[torch.Tensor], cluster: Clust
     if progress:
         progress(0, len(ordered))  # the first split may take seconds (it solves the program most share)
 
-    def cost(meshes: list) -> _Tried:
-        found = costs.tried(meshes, best)
+    def cost(mesh) -> _Tried:
+        found = costs.tried(mesh, best)
         if tally is not None:
-            tally.add(len(meshes))
+            tally.add(1)
         return found
 
-    # the first split sets the incumbent and solves the program the likeliest splits share before any fork
-    tried = [cost(ordered[:1])] if ordered else []
-    tried += run_items(costs.items(ordered[1:], grouped=workers > 1), cost, workers)
+    # this process costs the first split, which sets the incumbent; splits on the same operator axes share their
+    # program, so the process that costs the first of them costs the rest while others are left
+    tried = run_items(ordered, cost, workers, keys=[operator_axes(m, data_axes) for m in ordered])
     candidates = [c for t in tried for c in t.candidates]
     plans = {key: plan for t in tried for key, plan in t.plans.items()}
     skipped = [s for t in tried for s in t.skipped]
@@ -305,60 +306,41 @@ class _Costs:
                                              state / operator_size(m, self.data_axes) / stage_count(m) > self.limit,
                                              stage_count(m), self.floor(m, "none")))
 
-    def items(self, meshes: list, grouped: bool) -> list[list]:
-        """``meshes`` as work for :func:`run_items`, in order: one each, or (``grouped``, for processes side by
-        side) those whose operator axes have no program yet together, so that one process builds it."""
-        if not grouped:
-            return [[m] for m in meshes]
-        built = {axes for axes, *_ in self._terms}
-        out, group_of = [], {}
-        for mesh in meshes:
-            axes = operator_axes(mesh, self.data_axes)
-            if axes in built:
-                out.append([mesh])
-            elif axes in group_of:
-                group_of[axes].append(mesh)
-            else:
-                group_of[axes] = [mesh]
-                out.append(group_of[axes])
-        return out
-
-    def tried(self, meshes: list, best: SharedBest) -> _Tried:
-        """Every setting of each of ``meshes`` that may beat ``best`` (lowered by what fits), with the plan of the
-        fastest that fits."""
+    def tried(self, mesh, best: SharedBest) -> _Tried:
+        """Every setting of ``mesh`` that may beat ``best`` (lowered by what fits), with the plan of the fastest that
+        fits."""
         out = _Tried([], {}, [])
-        for mesh in meshes:
-            # settings that cannot win on this split: (what their recompute reruns, their offload, "" for any);
-            # a setting that reruns as much and offloads as much costs no less
-            lost: list[tuple[frozenset[str], str]] = []
-            floors: dict[str, dict[tuple, float]] = {}  # offload -> (level, precision) -> what recompute cannot beat
-            for setting in SETTINGS:
-                rerun = self.recomputed(setting[0], self.recompute_comm).rerun
-                if not self.fixed.allows(recompute=setting[0], offload=setting[1]) or any(
-                        gone <= rerun and offload in ("", setting[1]) for gone, offload in lost):
-                    continue
-                try:
-                    found = self.split(mesh, setting, best.value, floors)
-                except PolyshardError as exc:  # a pin that this split cannot hold
-                    out.skipped.append(f"{mesh_text(mesh)}: {exc}")
-                    break
-                for candidate, plan in found:
-                    out.candidates.append(candidate)
-                    if plan is not None and candidate.memory.total_bytes <= self.limit:
-                        out.keep(candidate, plan)
-                        best.offer(candidate.step_s)
-                    if setting[0] == "none":
-                        floors.setdefault(setting[1], {})[(candidate.zero, candidate.precision)] = \
-                            _floor(candidate, self.limit)
-                if found and all(c.pruned for c, _ in found):
-                    # recompute only adds time, and so does offload: what lost without them loses with them
-                    lost.append((rerun, "" if setting[1] == "none" else setting[1]))
-                    continue
-                # recompute and offload only buy memory, at the price of time: once memory refused no option
-                # of this setting that could beat the best, the settings rerunning more cannot win here
-                variants = len(self.variants(data_size(mesh, self.data_axes), "none"))
-                if setting[1] == "none" and _nothing_to_free(found, variants, best.value, self.limit):
-                    lost.append((rerun, ""))
+        # settings that cannot win on this split: (what their recompute reruns, their offload, "" for any);
+        # a setting that reruns as much and offloads as much costs no less
+        lost: list[tuple[frozenset[str], str]] = []
+        floors: dict[str, dict[tuple, float]] = {}  # offload -> (level, precision) -> what recompute cannot beat
+        for setting in SETTINGS:
+            rerun = self.recomputed(setting[0], self.recompute_comm).rerun
+            if not self.fixed.allows(recompute=setting[0], offload=setting[1]) or any(
+                    gone <= rerun and offload in ("", setting[1]) for gone, offload in lost):
+                continue
+            try:
+                found = self.split(mesh, setting, best.value, floors)
+            except PolyshardError as exc:  # a pin that this split cannot hold
+                out.skipped.append(f"{mesh_text(mesh)}: {exc}")
+                break
+            for candidate, plan in found:
+                out.candidates.append(candidate)
+                if plan is not None and candidate.memory.total_bytes <= self.limit:
+                    out.keep(candidate, plan)
+                    best.offer(candidate.step_s)
+                if setting[0] == "none":
+                    floors.setdefault(setting[1], {})[(candidate.zero, candidate.precision)] = \
+                        _floor(candidate, self.limit)
+            if found and all(c.pruned for c, _ in found):
+                # recompute only adds time, and so does offload: what lost without them loses with them
+                lost.append((rerun, "" if setting[1] == "none" else setting[1]))
+                continue
+            # recompute and offload only buy memory, at the price of time: once memory refused no option
+            # of this setting that could beat the best, the settings rerunning more cannot win here
+            variants = len(self.variants(data_size(mesh, self.data_axes), "none"))
+            if setting[1] == "none" and _nothing_to_free(found, variants, best.value, self.limit):
+                lost.append((rerun, ""))
         return out
 
     def variants(self, dp: int, offload: str, only: str | None = None) -> list[tuple[int, str]]:

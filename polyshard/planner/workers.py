@@ -1,16 +1,18 @@
 """Independent work spread over forked processes, one per core: a search's splits share nothing but the best
 step time found so far, so they can be costed side by side.
 
-Workers are forked, so each starts with everything the caller computed before (the captured model, the
-programs already solved) and needs nothing sent to it; only results travel back, pickled. Items are taken in
-order, each by the first process free, and results come back in item order whoever computed them."""
+Workers are forked, so each starts with everything the caller computed before (the captured model) and needs
+nothing sent to it; only results travel back, pickled. Items are taken in order, each by the first process free
+that may take it (items sharing a key go to the process that took the first of them, which holds what they
+share), and results come back in item order whoever computed them."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -68,38 +70,55 @@ class SharedTally:
             self._tell(done)
 
 
-def run_items(items: Sequence[Any], work: Callable[[Any], Any], workers: int) -> list[Any]:
-    """``[work(item) for item in items]``, computed by this process and ``workers - 1`` forked ones, each taking
-    the next item when it is free. An exception raised by ``work`` is raised here (the first item's, in order)."""
+def run_items(items: Sequence[Any], work: Callable[[Any], Any], workers: int,
+              keys: Sequence[Hashable] | None = None) -> list[Any]:
+    """``[work(item) for item in items]``, computed by this process and ``workers - 1`` forked ones. This process
+    takes the first item; each process, when free, takes the next item whose key (``keys``, per item; default: each
+    its own) no other process has taken, so that what items of one key share is built once, and where none is left,
+    the next item of all. An exception raised by ``work`` is raised here (the first item's, in order)."""
     workers = min(workers, len(items)) if FORKS else 1
     if workers <= 1:
         return [work(item) for item in items]
     context = multiprocessing.get_context("fork")
-    taken = context.Value("i", 0)
-    results: dict[int, Any] = {}
+    key_index = {key: i for i, key in enumerate(dict.fromkeys(range(len(items)) if keys is None else keys))}
+    key_of = [key_index[key] for key in (range(len(items)) if keys is None else keys)]
+    taken = context.Array("b", len(items))  # whether a process took item i
+    owner = context.Array("i", [-1] * len(key_index))  # the process that took key k's first item
+    taken[0], owner[key_of[0]] = 1, 0  # this process's first
 
-    def drain() -> dict[int, tuple[bool, Any]]:
+    def attempt(index: int) -> tuple[bool, Any]:
+        try:
+            return True, work(items[index])
+        except Exception as exc:  # raised in the caller, in item order
+            return False, exc
+
+    def drain(me: int) -> dict[int, tuple[bool, Any]]:
         done = {}
         while True:
             with taken.get_lock():
-                index = taken.value
-                taken.value += 1
-            if index >= len(items):
-                return done
-            try:
-                done[index] = (True, work(items[index]))
-            except Exception as exc:  # raised in the caller, in item order
-                done[index] = (False, exc)
+                left = [i for i in range(len(items)) if not taken[i]]
+                if not left:
+                    return done
+                # the next of its own keys or of no process's; else another's (building what it shares again), rather
+                # than wait
+                index = next((i for i in left if owner[key_of[i]] in (-1, me)), left[0])
+                taken[index] = 1
+                if owner[key_of[index]] == -1:
+                    owner[key_of[index]] = me
+            done[index] = attempt(index)
+            if not done[index][0]:
                 return done
 
     children = []
-    for _ in range(workers - 1):
+    for me in range(1, workers):
         receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=_child, args=(drain, send), daemon=True)
+        child = context.Process(target=_child, args=(functools.partial(drain, me), send), daemon=True)
         child.start()
         send.close()
         children.append((child, receive))
-    results.update(drain())
+    results: dict[int, Any] = {0: attempt(0)}
+    if results[0][0]:
+        results.update(drain(0))
     for child, receive in children:
         try:
             results.update(receive.recv())

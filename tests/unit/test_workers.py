@@ -29,6 +29,24 @@ def test_results_come_back_in_item_order_from_every_process():
     assert len({pid for _, pid in out}) == 2, "one process computed every item: nothing ran side by side"
 
 
+def _slower(i: int) -> tuple[int, int]:
+    time.sleep(0.5)  # longer than a fork takes: each process has taken a key before the first item is done
+    return i, os.getpid()
+
+
+def test_items_sharing_a_key_run_in_the_process_that_took_the_first_of_them():
+    keys = ["a", "b", "a", "b"]
+    out = run_items(list(range(4)), _slower, workers=2, keys=keys)
+    assert [v for v, _ in out] == [0, 1, 2, 3]
+    assert out[0][1] == PARENT and out[2][1] == PARENT, "this process takes the first item, and its key"
+    assert out[1][1] == out[3][1] != PARENT
+
+
+def test_a_process_with_no_key_left_takes_another_s_rather_than_wait():
+    out = run_items(list(range(4)), _slow, workers=2, keys=["a"] * 4)
+    assert len({pid for _, pid in out}) == 2, "one process computed every item: the other waited"
+
+
 def test_an_incumbent_a_worker_lowers_is_seen_by_all():
     best = SharedBest(shared=True)
 
