@@ -80,10 +80,10 @@ def run_items(items: Sequence[Any], work: Callable[[Any], Any], workers: int,
     if workers <= 1:
         return [work(item) for item in items]
     context = multiprocessing.get_context("fork")
-    key_index = {key: i for i, key in enumerate(dict.fromkeys(range(len(items)) if keys is None else keys))}
-    key_of = [key_index[key] for key in (range(len(items)) if keys is None else keys)]
+    numbered: dict[Hashable, int] = {}
+    key_of = [numbered.setdefault(key, len(numbered)) for key in (range(len(items)) if keys is None else keys)]
     taken = context.Array("b", len(items))  # whether a process took item i
-    owner = context.Array("i", [-1] * len(key_index))  # the process that took key k's first item
+    owner = context.Array("i", [-1] * len(numbered))  # the process that took key k's first item
     taken[0], owner[key_of[0]] = 1, 0  # this process's first
 
     def attempt(index: int) -> tuple[bool, Any]:
