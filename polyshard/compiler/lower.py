@@ -220,8 +220,8 @@ def _use_dtensor(gm: fx.GraphModule, node: fx.Node, entry, in_layouts: list[Layo
         name = "_sharded_" + node.target.replace(".", "_")
         gm.add_submodule(name, ShardedModule(module, entry.params, in_layouts, entry.output, mesh))
         node.target = name
-    else:
-        fn = getattr(node.target, PIN_ATTR).fn
+    else:  # a pinned function, or an op a rule runs on DTensors
+        fn = getattr(node.target, PIN_ATTR).fn if hasattr(node.target, PIN_ATTR) else node.target
         node.target = ShardedFunction(fn, in_layouts, entry.output, mesh, getattr(fn, "__name__", "fn"))
 
 

@@ -16,42 +16,35 @@ from torch import nn
 from polyshard.errors import PolyshardError
 from polyshard.models.device import building_on
 
+# The fields of a tiny decoder that most families share.
+_DECODER = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=32)
 # Tiny members of each family: the family's own modules at test sizes (dropout off, so runs compare).
 TINY: dict[str, dict] = {
     "gpt2": dict(model_type="gpt2", vocab_size=256, bos_token_id=0, eos_token_id=0, n_embd=32, n_layer=2, n_head=4,
                  n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "llama": dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32),
-    "qwen2": dict(model_type="qwen2", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32),
-    "mistral": dict(model_type="mistral", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, head_dim=8),
+    "llama": dict(model_type="llama", **_DECODER),
+    "qwen2": dict(model_type="qwen2", **_DECODER),
+    "mistral": dict(model_type="mistral", **_DECODER, head_dim=8),
     "gpt_neox": dict(model_type="gpt_neox", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0),
     # Gemma: its embedding scales the rows it looks up in its own forward, and the head is tied to that table
-    "gemma": dict(model_type="gemma", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
-                  pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gemma": dict(model_type="gemma", **_DECODER, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # Phi-3: q, k and v in one fused product, and gate and up in another
-    "phi3": dict(model_type="phi3", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,
-                 bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+    "phi3": dict(model_type="phi3", **_DECODER, pad_token_id=0, bos_token_id=1, eos_token_id=2, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attention_dropout=0.0),
     # GLM-4: rotary on half of each head, its pairs interleaved; gate and up in one fused product
-    "glm4": dict(model_type="glm4", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
-                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "glm4": dict(model_type="glm4", **_DECODER, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # Falcon (its newer layout): attention and MLP side by side on one input, q, k and v fused by kv group, products
     # written out as `input @ weight.T`
     "falcon": dict(model_type="falcon", vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                    num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=32, bos_token_id=0,
                    eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0),
     # Qwen3: each head's q and k RMS-normed before rotary
-    "qwen3": dict(model_type="qwen3", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32),
+    "qwen3": dict(model_type="qwen3", **_DECODER, head_dim=8),
     # Gemma 2: attention scores and logits soft-capped (tanh), a norm after each sublayer as well as before
-    "gemma2": dict(model_type="gemma2", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
-                   max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gemma2": dict(model_type="gemma2", **_DECODER, head_dim=8, query_pre_attn_scalar=8, pad_token_id=0,
+                   bos_token_id=1, eos_token_id=2),
     # GPT-BigCode (StarCoder): one k and v head for all query heads, fused with q in one product
     "gpt_bigcode": dict(model_type="gpt_bigcode", vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=32,
                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -64,6 +57,17 @@ TINY: dict[str, dict] = {
     "opt": dict(model_type="opt", vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
                 attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),
+    # OLMo: LayerNorms without weights, written as calls
+    "olmo": dict(model_type="olmo", **_DECODER),
+    # OLMo 2: q and k each RMS-normed over all heads at once, before they split into heads
+    "olmo2": dict(model_type="olmo2", **_DECODER),
+    # Nemotron: a squared-ReLU MLP; LayerNorms that scale by weight + 1, written as calls
+    "nemotron": dict(model_type="nemotron", **_DECODER, head_dim=8),
+    # Qwen2-MoE: a router's top 2 of 4 experts and a gated shared expert per layer (the experts as batched products:
+    # the grouped ones take no float64)
+    "qwen2_moe": dict(model_type="qwen2_moe", **_DECODER, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                      experts_implementation="batched_mm"),
 }
 CONFIG_DIR = Path(__file__).parent / "configs"
 

@@ -114,6 +114,7 @@ def hf_parity(mesh: str, family: str, steps: int = 3, batch: int = 4, seq: int =
     result = {"loss_err": loss_err, "param_err": max(errors)[0], "worst": max(errors),
               "missing": sorted(set(dict(ref.named_parameters())) - set(full)),
               "layouts": {k: str(v) for k, v in pm.plan.params.items()},
+              "outputs": {k: str(v.output) for k, v in pm.plan.nodes.items()},
               "sequence_parallel": pm.plan.sequence_parallel, "boundaries": list(pm.plan.stage_boundaries),
               "tp_split": pm.plan.stage_tp_split}
     if collectives:

@@ -126,7 +126,7 @@ def test_families_under_sgd(pools, family, mode):
     _check(pools(4).run(partial(hf_cases.hf_parity, optimizer="sgd", **options), mesh, family))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gpt_bigcode", "gptj"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gpt_bigcode", "gptj", "olmo2", "qwen2_moe"])
 def test_more_architectures_under_sgd(pools, family):
     # what each adds is in hf.TINY's comments; SGD as above: AdamW turns the float32 rounding some of them add (Qwen3
     # rounds each head's q and k in its norms) into steps far apart where a gradient is near its eps
@@ -172,6 +172,17 @@ def test_falcon_splits_its_written_out_products_as_megatron_does(pools):
 def test_sequence_parallel_reaches_llamas_rms_norms(pools):
     result = pools(4).run(partial(hf_cases.hf_parity, sequence_parallel=True), "dp=2,tp=2", "llama")[0]
     assert result["sequence_parallel"]  # row-parallel products reduce-scatter; RMSNorm runs on a slice
+
+
+@pytest.mark.parametrize("family", ["olmo", "nemotron"])
+def test_sequence_parallel_reaches_norms_written_as_calls(pools, family):
+    """OLMo's LayerNorms without weights and Nemotron's that scale by weight + 1 are calls, not modules: under sequence
+    parallel every norm after the first runs on each rank's slice of the sequence (Nemotron's weights summing their
+    gradients over it), and the model trains as one device does."""
+    results = pools(4).run(partial(hf_cases.hf_parity, sequence_parallel=True, optimizer="sgd"), "dp=2,tp=2", family)
+    _check(results)
+    norms = [layout for name, layout in results[0]["outputs"].items() if name.startswith("layer_norm")]
+    assert norms == ["R"] + ["S(1)"] * (len(norms) - 1), norms
 
 
 def test_tensor_parallel_splits_llama_as_megatron_does(pools):

@@ -328,3 +328,14 @@ def test_falcons_written_out_products_and_grouped_qkv_split_as_megatron_does():
     assert products == _MEGATRON_SPLIT
     for index in ("index", "index_1"):  # k and v read out of each rank's own kv groups: nothing gathered first
         assert next(iter(plan.nodes[index].inputs.values())).dims[2] == ("tp",), plan.nodes[index]
+
+
+def test_a_squared_relu_mlp_splits_as_megatron_does():
+    """Nemotron squares its MLP's ReLU (``torch.square``) between the column- and the row-parallel product: on a node
+    of A100s each rank squares its own slice of the hidden features, nothing gathered in between."""
+    model = hf.build("nemotron", device="meta", hidden_size=2048, intermediate_size=8192, vocab_size=32000,
+                     num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    plan, _ = search(model, hf.batch(model, 1, 512), Cluster.load("8xA100-80G"), 64, fixed=Fixed(tp=8))
+    assert str(plan.params["model.layers.0.mlp.up_proj.weight"]) == "S(0)"
+    assert str(plan.params["model.layers.0.mlp.down_proj.weight"]) == "S(1)"
+    assert str(plan.nodes["square"].output) == "S(2)"

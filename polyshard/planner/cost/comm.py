@@ -219,14 +219,23 @@ def partial_sum_layouts(node, entry, modules) -> tuple[Layout, Layout] | None:
 def weight_sum_bytes(node, entry, modules, itemsize: int, backend: str) -> list[dict[str, float]]:
     """Bytes a module whose weights are all whole, run on a split input (a norm under sequence parallel, a layer
     of a stage whose ranks split the batch), sends to sum its weights' gradients over the split axes: in each
-    backward, one all-reduce per weight and axis (DTensor reduces each gradient on its own), whatever the rows."""
-    if entry.impl != "dtensor" or node.op != "call_module" or not entry.params or \
-            not all(l.is_replicated for l in entry.params.values()):
+    backward, one all-reduce per weight and axis (DTensor reduces each gradient on its own), whatever the rows.
+    A function run on DTensors does the same for each whole trainable input beside a split one."""
+    if entry.impl != "dtensor":
         return []
-    sizes = next(iter(entry.params.values())).axis_sizes
+    if node.op == "call_module":
+        if not entry.params or not all(l.is_replicated for l in entry.params.values()):
+            return []
+        sizes = next(iter(entry.params.values())).axis_sizes
+        weights = [p.numel() for name, p in modules[node.target].named_parameters(recurse=False)
+                   if name in entry.params]
+    else:
+        whole = [n for n in node.all_input_nodes if getattr(n.meta.get("tensor_meta"), "requires_grad", False)
+                 and n.name in entry.inputs and entry.inputs[n.name].is_replicated]
+        sizes = next(iter(entry.inputs.values())).axis_sizes if entry.inputs else {}
+        weights = [math.prod(shape_of(n)) for n in whole]
     split = {a for l in entry.inputs.values() for d in l.dims for a in d}
-    return [{a: wire_bytes("all_reduce", p.numel() * itemsize, sizes[a], backend)}
-            for name, p in modules[node.target].named_parameters(recurse=False) if name in entry.params for a in split]
+    return [{a: wire_bytes("all_reduce", numel * itemsize, sizes[a], backend)} for numel in weights for a in split]
 
 
 def weight_sum_seconds(node, entry, modules, itemsize: int, mesh_axes: Axes, cluster: Cluster) -> float:

@@ -34,11 +34,12 @@ ELEMENTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, torch.add, torch.sub, torch.mul,
     torch.tanh, torch.sigmoid, torch.relu, torch.exp, F.gelu, F.relu, F.silu, F.dropout, F.tanh,
     "add", "sub", "mul", "div", "relu", "gelu", "tanh", "sigmoid", "exp", "float", "to", "type_as",
-    "contiguous", "clone", "detach", "pow", "sqrt", "rsqrt", "neg", "silu", "dropout", "alias", "erf", "log",
+    "contiguous", "clone", "detach", "pow", "square", "sqrt", "rsqrt", "neg", "silu", "dropout", "alias", "erf", "log",
     "abs", "sin", "cos", "reciprocal", "minimum", "maximum", "clamp", "eq", "ne", "le", "lt", "ge", "gt",
     "__and__", "__or__", "bitwise_and", "bitwise_or", "bitwise_not", "logical_and", "logical_or", "logical_not",
     "where", "masked_fill", "zeros_like", "ones_like", "full_like", "empty_like", "lift_fresh_copy",
 }
+IN_PLACE = {"add_", "sub_", "mul_", "div_"}
 NON_TENSOR = {"size", "dim", "ndimension", "sym_size"}
 CREATION = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.ones_like,
             torch.zeros_like, "arange", "full", "zeros", "ones", "empty", "scalar_tensor"}
@@ -51,7 +52,8 @@ ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identi
 POSITIONAL = {"triu", "tril", torch.triu, torch.tril}
 # Ops along one dim (positional arg 1, or ``dim``): that dim whole, the others may stay split.
 ALONG_DIM = {F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax, "cumsum", "slice", "select",
-             "split", "split_with_sizes", "chunk", "cat", "stack", torch.cat, torch.stack, "repeat_interleave"}
+             "split", "split_with_sizes", "chunk", "cat", "stack", torch.cat, torch.stack, "repeat_interleave",
+             "topk", torch.topk}
 
 
 def decide_all(node: fx.Node, ctx: RuleContext) -> list[NodePlan]:
@@ -150,15 +152,17 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 
 # -- rules ---------------------------------------------------------------------------------
-def _elementwise(node: fx.Node, ctx: RuleContext) -> NodePlan:
-    """Broadcasting elementwise op: every input follows the most-split input, aligned from the right."""
+def _elementwise(node: fx.Node, ctx: RuleContext, in_place: bool = False) -> NodePlan:
+    """Broadcasting elementwise op: every input follows the most-split input (``in_place``: the one it writes),
+    aligned from the right."""
     inputs = _tensor_inputs(node, ctx)
     out_shape = shape_of(node)
     if out_shape is None or not inputs:
         return _replicated(node, ctx)
     layouts = to_common([ctx.layout(n) for n in inputs])
     out_nd = len(out_shape)
-    lead = max(layouts, key=lambda l: sum(map(len, l.dims)))
+    written = in_place and node.args[0] in inputs
+    lead = layouts[inputs.index(node.args[0])] if written else max(layouts, key=lambda l: sum(map(len, l.dims)))
     shift = out_nd - lead.ndim
     out_dims = [()] * shift + [tuple(d) for d in lead.dims]
     trainable = [n for n in inputs if getattr(n.meta.get("tensor_meta"), "requires_grad", False)]
@@ -172,6 +176,11 @@ def _elementwise(node: fx.Node, ctx: RuleContext) -> NodePlan:
         dims = [out_dims[off + i] if shape[i] == out_shape[off + i] else () for i in range(len(shape))]
         required[n.name] = l.with_dims(dims) if l.axes == out.axes else out.with_dims(dims)
     return NodePlan("local", required, out)
+
+
+def _in_place(node: fx.Node, ctx: RuleContext) -> NodePlan:
+    """``x /= y`` and the like: the tensor written keeps its layout, the others follow it."""
+    return _elementwise(node, ctx, in_place=True)
 
 
 def _broadcast_over(shape, out_shape, out_dims) -> bool:
@@ -316,16 +325,16 @@ def _attention(node: fx.Node, ctx: RuleContext) -> NodePlan:
 
 
 def _along_dim(node: fx.Node, ctx: RuleContext) -> NodePlan:
-    """Softmax, cumsum, slice, select, split, cat, stack, repeat_interleave: the dim they work along whole, others as
-    they come."""
+    """Softmax, cumsum, slice, select, split, cat, stack, repeat_interleave, topk: the dim they work along whole, others
+    as they come."""
     target = getattr(op_key(node), "__name__", op_key(node))  # torch.cat as "cat"
     if target == "repeat_interleave":  # repeats per element, or the input flattened first: whole
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
         if not isinstance(repeats, int) or node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None) is None:
             return _replicated(node, ctx)
     parts = node.args[0] if target in ("cat", "stack") else [node.args[0]]
-    pos = 2 if target in ("split", "split_with_sizes", "chunk", "repeat_interleave") else 1
-    default = -1 if target in ("softmax", "log_softmax") else 0
+    pos = 2 if target in ("split", "split_with_sizes", "chunk", "repeat_interleave", "topk") else 1
+    default = -1 if target in ("softmax", "log_softmax", "topk") else 0
     dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else default)
     layouts = to_common([ctx.layout(n) for n in parts])
     lead = max(layouts, key=lambda l: sum(map(len, l.dims)))
@@ -393,6 +402,33 @@ def _layer_norm(node: fx.Node, module: nn.Module, ctx: RuleContext) -> NodePlan:
     params = {name: ctx.replicated(p.ndim) for name, p in module.named_parameters(recurse=False)}
     impl = "dtensor" if params and not need.is_replicated else "local"
     return NodePlan(impl, {x.name: need}, need, params=params)
+
+
+def _on_last_dims(node: fx.Node, ctx: RuleContext, whole: int) -> NodePlan:
+    """An op on its first input's last ``whole`` dims, given whole tensors besides (a weight, a bias), whose output has
+    that input's dims with the last whole: the other dims may stay split. A trainable tensor beside a split input
+    gets partial gradients: DTensor runs the op and sums them over the split axes (given by keyword, it stays
+    whole)."""
+    x = node.args[0]
+    src = ctx.layout(x)
+    others = [n for n in _tensor_inputs(node, ctx) if n is not x]
+    need = _without(src, list(range(src.ndim - whole, src.ndim)))
+    trainable = any(getattr(n.meta.get("tensor_meta"), "requires_grad", False) for n in others)
+    if trainable and any(n not in node.args for n in others):
+        need = _without(src, list(range(src.ndim)))
+    inputs = {n.name: ctx.replicated(ctx.layout(n).ndim) for n in others} | {x.name: need}
+    return NodePlan("dtensor" if trainable and not need.is_replicated else "local", inputs, need)
+
+
+def _layer_norm_function(node: fx.Node, ctx: RuleContext) -> NodePlan:
+    """A norm written as a call (no weights, or weights it computes, as OLMo's and Nemotron's): as the module's."""
+    shape = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
+    return _on_last_dims(node, ctx, len(shape))
+
+
+def _linear_function(node: fx.Node, ctx: RuleContext) -> NodePlan:
+    """A product by a weight written as a call (a mixture of experts' router): the weight whole."""
+    return _on_last_dims(node, ctx, 1)
 
 
 def _cross_entropy(node: fx.Node, ctx: RuleContext, vocab: bool | None = None) -> NodePlan | None:
@@ -690,6 +726,7 @@ def _registry(*families: tuple) -> dict:
 RULES = _registry(
     ((operator.getitem,), _getitem),
     (ELEMENTWISE, _elementwise),
+    (IN_PLACE, _in_place),
     (VIEWS, _view),
     (POSITIONAL, _replicated),
     (("transpose", torch.transpose, "permute", torch.permute), _permute),
@@ -706,6 +743,8 @@ RULES = _registry(
     ((F.interpolate,), _interpolate),
     (("sum", "mean", torch.sum, torch.mean), _reduction),
     ((torch.matmul, operator.matmul, "matmul"), _matmul),
+    ((F.layer_norm, "layer_norm"), _layer_norm_function),
+    ((F.linear, "linear"), _linear_function),
 )
 # The rule for each module type (its subclasses too), given the module.
 MODULE_RULES = {nn.Linear: _linear, nn.Embedding: _embedding, nn.LayerNorm: _layer_norm, **SPATIAL_MODULES,
