@@ -72,6 +72,20 @@ def test_a_model_unlike_the_first_is_exported_afresh(exports):
     assert len(exports) > done
 
 
+def test_a_config_setting_outside_its_fields_makes_another_structure(exports):
+    """A transformers config is a dataclass that keeps its attention and experts implementations outside its fields:
+    a model alike but for one of them exports its own graph, not the first one's."""
+    first = hf.build("llama", torch.float64)
+    graph = capture(first, hf.batch(first, 2, 8))
+    done = len(exports)
+    eager = hf.build("llama", torch.float64, attn_implementation="eager")
+    other = capture(eager, hf.batch(eager, 2, 8))
+    assert len(exports) > done
+    fused = [[n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+             for gm in (graph, other)]
+    assert fused[0] and not fused[1]  # eager attention: its products and softmax written out
+
+
 def test_what_the_key_cannot_read_is_exported_every_time(exports):
     hooked = _built("gpt2", 0)
     hooked.transformer.h[0].mlp.register_forward_hook(lambda module, args, out: out * 2)
