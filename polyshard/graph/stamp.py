@@ -96,18 +96,21 @@ def stamp(graph: fx.Graph, stack: Stack, model: nn.Module, attrs: dict) -> bool:
     """Chain copies of layer 1's nodes, as layers 2..count-1, after it; False (graph untouched) unless
     layer 1 repeats layer 0 node for node and nothing after the stack reads layer 0."""
     first, second = ([n for n in graph.nodes if n.op != "get_attr" and _in_layer(n, stack, i)] for i in range(KEEP))
-    if not _repeats(first, second, stack, graph):
+    shared = _shared_sizes(first, second)
+    first = [n for n in first if n not in shared]
+    if not _repeats(first, second, stack, graph, shared):
         return False
     index0, index1 = {n: k for k, n in enumerate(first)}, {n: k for k, n in enumerate(second)}
-    owned = list(dict.fromkeys(a for n in second for a in n.all_input_nodes
-                               if a.op == "get_attr" and stack.rename(a.target, 2) != a.target))
+    position = {n: k for k, n in enumerate(graph.nodes)}
+    owned = sorted({a for n in second for a in n.all_input_nodes
+                    if a.op == "get_attr" and stack.rename(a.target, 2) != a.target}, key=position.__getitem__)
     after = list(dict.fromkeys(u for n in second for u in n.users if u not in index1))
-    previous, anchor = second, second[-1]
+    previous, anchor, weights_end = second, second[-1], owned[-1] if owned else None
     for i in range(KEEP, stack.count):
         env: dict[fx.Node, fx.Node] = {}
-        for a in owned:  # this layer's weights, read where layer 1's are
-            with graph.inserting_after(a):
-                env[a] = graph.get_attr(stack.rename(a.target, i))
+        for a in owned:  # this layer's weights read outside its modules, after the layer before's, in their order
+            with graph.inserting_after(weights_end):
+                env[a] = weights_end = graph.get_attr(stack.rename(a.target, i))
             env[a].meta = dict(a.meta)
             attrs[env[a].target] = _fetch(model, env[a].target)
         block: list[fx.Node] = []
@@ -135,15 +138,28 @@ def _in_layer(node: fx.Node, stack: Stack, i: int) -> bool:
                for path, _ in (node.meta.get("nn_module_stack") or {}).values())
 
 
-def _repeats(first: list[fx.Node], second: list[fx.Node], stack: Stack, graph: fx.Graph) -> bool:
-    """Layer 1 is layer 0 again: contiguous, op for op, reading layer 0 where layer 0 read what came
-    before the stack, its own weights where layer 0 read its, the same other inputs; and nothing after
-    the stack reads layer 0."""
+def _shared_sizes(first: list[fx.Node], second: list[fx.Node]) -> set[fx.Node]:
+    """Layer 0's size arithmetic on sizes from before the stack (the batch's) that layer 1 reads too: export
+    records an expression once and every later layer reads it there, as if it came before the stack."""
+    inside, shared = set(first), set()
+    for n in first:
+        if isinstance(n.meta.get("val"), (int, torch.SymInt)) and \
+                all(a not in inside or a in shared for a in n.all_input_nodes):
+            shared.add(n)
+    read = {a for n in second for a in n.all_input_nodes}
+    return {n for n in shared if n in read or any(u in shared for u in n.users)}
+
+
+def _repeats(first: list[fx.Node], second: list[fx.Node], stack: Stack, graph: fx.Graph,
+             shared: set[fx.Node]) -> bool:
+    """Layer 1 is layer 0 again: contiguous (but for the ``shared`` sizes), op for op, reading layer 0 where
+    layer 0 read what came before the stack, its own weights where layer 0 read its, the same other inputs; and
+    nothing after the stack reads layer 0."""
     if not first or len(first) != len(second):
         return False
     nodes = list(graph.nodes)
     start, end = nodes.index(first[0]), nodes.index(second[-1])
-    if nodes[start:end + 1] != [*first, *second]:
+    if [n for n in nodes[start:end + 1] if n not in shared] != [*first, *second]:
         return False
     index0, index1 = {n: k for k, n in enumerate(first)}, {n: k for k, n in enumerate(second)}
 

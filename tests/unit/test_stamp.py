@@ -7,8 +7,9 @@ import torch
 from torch import fx, nn
 
 from polyshard.graph.capture import is_leaf
+from polyshard.graph import export
 from polyshard.graph.export import export_graph
-from polyshard.graph.stamp import Stack, find_stack
+from polyshard.graph.stamp import Stack, find_stack, stamp
 from polyshard.models import hf
 
 
@@ -25,16 +26,22 @@ def _fingerprint(gm: fx.GraphModule) -> list[tuple]:
     return out
 
 
-@pytest.mark.parametrize("family, layers_key", [("llama", "num_hidden_layers"), ("gpt2", "n_layer"),
-                                                 ("opt", "num_hidden_layers")])
-def test_stamped_capture_is_the_full_export(family, layers_key):
-    model = hf.CausalLM(hf.build(family, **{layers_key: 4}), 16)
+# Qwen2-MoE's grouped experts size their buffers by the batch's tokens: export records that size once, in layer 0,
+# and every later layer reads it there
+@pytest.mark.parametrize("family, config", [
+    ("llama", {"num_hidden_layers": 4}), ("gpt2", {"n_layer": 4}), ("opt", {"num_hidden_layers": 4}),
+    ("qwen2_moe", {"num_hidden_layers": 4, "experts_implementation": "grouped_mm"})])
+def test_stamped_capture_is_the_full_export(family, config, monkeypatch):
+    stamped = []
+    monkeypatch.setattr(export, "stamp", lambda *a: stamped.append(stamp(*a)) or stamped[-1])
+    model = hf.CausalLM(hf.build(family, **config), 16)
     assert find_stack(model).count == 4
     example = model.example_inputs(2)
-    stamped, full = (export_graph(model, example, {}, is_leaf, stamped=s) for s in (True, False))
-    assert _fingerprint(stamped) == _fingerprint(full)
+    kept, full = (export_graph(model, example, {}, is_leaf, stamped=s) for s in (True, False))
+    assert stamped == [True]  # layers 2 and 3 stamped, not exported whole after a failed check
+    assert _fingerprint(kept) == _fingerprint(full)
     x = torch.randint(0, 256, (2, 16))
-    assert stamped(x, x)[0].item() == model(x, x).item()
+    assert kept(x, x)[0].item() == model(x, x).item()
 
 
 class _Layer(nn.Module):
