@@ -96,9 +96,11 @@ def _value(v: Any, depth: int) -> Any:
         return type(v), tuple((_value(k, depth + 1), _value(x, depth + 1)) for k, x in v.items())
     if isinstance(v, nn.Module):  # a module held as a plain attribute: the tree above reads it where it is a child
         raise _Unreadable("a module attribute")
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):  # a config: its fields, and what it holds besides
-        fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}  # (a transformers config its attention
-        return type(v), _value(fields | getattr(v, "__dict__", {}), depth + 1)  # and experts implementations)
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        # a config: its fields, and what it holds besides (a transformers config its attention and experts
+        # implementations)
+        fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+        return type(v), _value(fields | getattr(v, "__dict__", {}), depth + 1)
     if hasattr(v, "__dict__") and not callable(v):  # an object of plain fields (a transformers config)
         return type(v), _value(vars(v), depth + 1)
     raise _Unreadable(f"an attribute of type {type(v).__name__}")
