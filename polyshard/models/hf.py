@@ -57,6 +57,9 @@ TINY: dict[str, dict] = {
     "opt": dict(model_type="opt", vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
                 attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),
+    # Gemma 3: sliding-window layers between global ones, each head's q and k RMS-normed, its scaled embedding
+    "gemma3": dict(model_type="gemma3_text", **_DECODER, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # OLMo: LayerNorms without weights, written as calls
     "olmo": dict(model_type="olmo", **_DECODER),
     # OLMo 2: q and k each RMS-normed over all heads at once, before they split into heads

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 from polyshard.cluster import Cluster
 from polyshard.errors import PolyshardError
 from polyshard.graph.capture import batch_rows, capture, example_inputs_of, shape_of
+from polyshard.graph.export import SCALED_LOOKUP
 from polyshard.graph.stage_cuts import check_boundary_count, stage_boundaries_of
 from polyshard.mesh import Mesh, current_mesh
 from polyshard.pin import COPIES_ATTR, PIN_ATTR, model_tp_plan, tp_plan_pins
@@ -133,10 +134,18 @@ def pin_tp_plan(model: nn.Module, gm: fx.GraphModule, axes: tuple[str, ...], ask
         raise PolyshardError(f"{asked_by}: {name or type(model).__name__} carries no tensor-parallel plan of its own "
                              f"(transformers models name one in `_tp_plan`); leave out {asked_by} and the rules "
                              "split it")
-    calls = {n.target: len(shape_of(n.args[0])) for n in gm.graph.nodes if n.op == "call_module"}
+    nodes = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
+    calls = {target: len(shape_of(n.args[0])) for target, n in nodes.items()}
     for path, pin in tp_plan_pins(plan, calls, axes).items():
         module = model.get_submodule(path)
-        if type(module) not in (nn.Linear, nn.Embedding):
+        if not _pinnable(module, nodes[path]):
             raise PolyshardError(f"the tp plan splits `{path}`, a {type(module).__name__}; polyshard pins plans "
                                  "on Linear and Embedding modules; leave tp_plan off and let the rules split it")
         setattr(module, PIN_ATTR, pin)
+
+
+def _pinnable(module: nn.Module, call: fx.Node) -> bool:
+    """Whether a pin's split of a Linear or Embedding holds for ``module``: torch's own, or a subclass whose forward
+    capture saw only scale the rows it looks up (Gemma's embedding)."""
+    return type(module) in (nn.Linear, nn.Embedding) or \
+        (isinstance(module, nn.Embedding) and bool(call.meta.get(SCALED_LOOKUP)))

@@ -97,6 +97,15 @@ def test_the_models_own_tp_plan_as_pins(pools, family, mode):
     _check(pools(4).run(partial(hf_cases.hf_parity, **options), mesh, family))
 
 
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+def test_gemmas_own_tp_plan_splits_its_scaled_embedding_by_rows(pools, family):
+    """The Gemmas' embedding scales the rows it looks up in a forward of its own; their tp plan splits it by
+    vocabulary rows as a plain Embedding, with the head tied to it (SGD: see test_families_under_sgd)."""
+    results = pools(4).run(partial(hf_cases.hf_parity, tp_plan=True, optimizer="sgd"), "dp=2,tp=2", family)
+    _check(results)
+    assert results[0]["layouts"]["model.embed_tokens.weight"] == "S(0)", results[0]["layouts"]
+
+
 @pytest.mark.parametrize("family,search", [("llama", False), ("gpt_neox", True)])
 def test_the_models_own_pp_plan_as_stage_units(pools, family, search):
     """Four stages of a two-layer model: only the pipeline plan's units (embedding, each layer, final norm,
