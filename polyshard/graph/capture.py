@@ -36,7 +36,9 @@ from polyshard.pin import PIN_ATTR
 
 LEAF_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm)
 _MATMULS = (torch.matmul, operator.matmul, "matmul")
-_PRODUCTS = (*_MATMULS, torch.bmm, torch.mm, torch.baddbmm, torch.addmm, F.linear, "bmm")
+# rows by the matrix of the expert each row's group is assigned (transformers' grouped experts on CPU, on GPUs)
+GROUPED_PRODUCTS = ("grouped_mm_fallback", "_grouped_mm")
+_PRODUCTS = (*_MATMULS, torch.bmm, torch.mm, torch.baddbmm, torch.addmm, F.linear, "bmm", *GROUPED_PRODUCTS)
 
 
 def is_conv1d(m: nn.Module) -> bool:

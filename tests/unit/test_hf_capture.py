@@ -339,3 +339,29 @@ def test_a_squared_relu_mlp_splits_as_megatron_does():
     assert str(plan.params["model.layers.0.mlp.up_proj.weight"]) == "S(0)"
     assert str(plan.params["model.layers.0.mlp.down_proj.weight"]) == "S(1)"
     assert str(plan.nodes["square"].output) == "S(2)"
+
+
+_MIXTRAL = dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)  # the tiny Llama's shape
+
+
+@pytest.mark.parametrize("family,config", [("qwen2_moe", {}), ("llama", _MIXTRAL)])
+def test_grouped_experts_are_ruled_and_count_each_rows_product(family, config):
+    """transformers' default experts sort the token-expert pairs by expert and multiply each run of rows by its
+    expert's matrices in grouped products: no op of theirs runs replicated for want of a rule, and the products count
+    2 FLOPs a multiply-add, as the batched implementation's do: 2 x tokens x top-k x (hidden x 2 ffn + ffn x hidden)
+    per layer (gate and up in one product, then down)."""
+    from polyshard.graph.capture import is_product
+    from polyshard.planner.cost.compute import forward_flops
+
+    counted = {}
+    for impl in ("grouped_mm", "batched_mm"):
+        model = hf.build(family, experts_implementation=impl, **config)
+        gm = capture(model, hf.batch(model, 2, 8))
+        assert _unruled(gm) == []
+        plan, modules = propagate(gm, (("tp", 1),), lambda _: None), dict(gm.named_modules())
+        counted[impl] = sum(forward_flops(n, plan.nodes[n.name], modules) for n in gm.graph.nodes
+                            if n.op == "call_function" and is_product(n, modules) and ".experts" in str(n.meta))
+    cfg = model.config
+    ffn = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    expected = cfg.num_hidden_layers * 2 * 16 * cfg.num_experts_per_tok * 3 * cfg.hidden_size * ffn
+    assert counted == {"grouped_mm": expected, "batched_mm": expected}

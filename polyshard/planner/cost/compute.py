@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from polyshard.graph.capture import is_product, linear_dims, shape_of
+from polyshard.graph.capture import GROUPED_PRODUCTS, is_product, linear_dims, shape_of
 from polyshard.graph.ops import CROSS_ENTROPY, LOSS_DTYPE, is_shape_op, op_key, op_name
 from polyshard.graph.upcast import moved_bytes
 from polyshard.layout import Layout
@@ -67,7 +67,7 @@ def forward_flops(node: fx.Node, entry: NodePlan, modules: dict[str, nn.Module])
     if op_key(node) is F.scaled_dot_product_attention:
         q, k = (shape_of(n) for n in node.args[:2])
         return 4 * local / q[-1] * k[-2] * q[-1]
-    if op_key(node) in (torch.matmul, operator.matmul, torch.bmm, torch.mm, "matmul", "bmm"):
+    if op_key(node) in (torch.matmul, operator.matmul, torch.bmm, torch.mm, "matmul", "bmm", *GROUPED_PRODUCTS):
         a = shape_of(node.args[0]) if isinstance(node.args[0], fx.Node) else None
         return 2 * local * a[-1] / _split(entry, node.args[0], -1) if a else local
     return local

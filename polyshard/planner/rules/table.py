@@ -37,7 +37,7 @@ ELEMENTWISE = {
     "contiguous", "clone", "detach", "pow", "square", "sqrt", "rsqrt", "neg", "silu", "dropout", "alias", "erf", "log",
     "abs", "sin", "cos", "reciprocal", "minimum", "maximum", "clamp", "eq", "ne", "le", "lt", "ge", "gt",
     "__and__", "__or__", "bitwise_and", "bitwise_or", "bitwise_not", "logical_and", "logical_or", "logical_not",
-    "where", "masked_fill", "zeros_like", "ones_like", "full_like", "empty_like", "lift_fresh_copy",
+    "floor_divide", "where", "masked_fill", "zeros_like", "ones_like", "full_like", "empty_like", "lift_fresh_copy",
 }
 IN_PLACE = {"add_", "sub_", "mul_", "div_"}
 NON_TENSOR = {"size", "dim", "ndimension", "sym_size"}
@@ -50,10 +50,13 @@ VIEWS = {"view", "reshape", torch.reshape, "flatten", torch.flatten}
 ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
 # The value depends on where an element sits: whole tensors.
 POSITIONAL = {"triu", "tril", torch.triu, torch.tril}
+# Ops over all elements at once, whole tensors too: a histogram, a write at indices, and grouped products (a mixture
+# of experts' `grouped_mm`: offsets assign runs of rows to each expert's matrix).
+WHOLE = {"histc", "index_put_", "grouped_mm_fallback", "_grouped_mm"}
 # Ops along one dim (positional arg 1, or ``dim``): that dim whole, the others may stay split.
 ALONG_DIM = {F.softmax, F.log_softmax, "softmax", "log_softmax", torch.softmax, "cumsum", "slice", "select",
              "split", "split_with_sizes", "chunk", "cat", "stack", torch.cat, torch.stack, "repeat_interleave",
-             "topk", torch.topk}
+             "topk", torch.topk, "sort", torch.sort}
 
 
 def decide_all(node: fx.Node, ctx: RuleContext) -> list[NodePlan]:
@@ -325,8 +328,8 @@ def _attention(node: fx.Node, ctx: RuleContext) -> NodePlan:
 
 
 def _along_dim(node: fx.Node, ctx: RuleContext) -> NodePlan:
-    """Softmax, cumsum, slice, select, split, cat, stack, repeat_interleave, topk: the dim they work along whole, others
-    as they come."""
+    """Softmax, cumsum, slice, select, split, cat, stack, repeat_interleave, topk, sort: the dim they work along
+    whole, others as they come."""
     target = getattr(op_key(node), "__name__", op_key(node))  # torch.cat as "cat"
     if target == "repeat_interleave":  # repeats per element, or the input flattened first: whole
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
@@ -334,7 +337,7 @@ def _along_dim(node: fx.Node, ctx: RuleContext) -> NodePlan:
             return _replicated(node, ctx)
     parts = node.args[0] if target in ("cat", "stack") else [node.args[0]]
     pos = 2 if target in ("split", "split_with_sizes", "chunk", "repeat_interleave", "topk") else 1
-    default = -1 if target in ("softmax", "log_softmax", "topk") else 0
+    default = -1 if target in ("softmax", "log_softmax", "topk", "sort") else 0
     dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else default)
     layouts = to_common([ctx.layout(n) for n in parts])
     lead = max(layouts, key=lambda l: sum(map(len, l.dims)))
@@ -729,6 +732,7 @@ RULES = _registry(
     (IN_PLACE, _in_place),
     (VIEWS, _view),
     (POSITIONAL, _replicated),
+    (WHOLE, _replicated),
     (("transpose", torch.transpose, "permute", torch.permute), _permute),
     (("t",), _transposed),
     (("index",), _index),
