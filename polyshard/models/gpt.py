@@ -42,6 +42,10 @@ class GPTConfig:
         head = 0 if self.tied else self.vocab_size * h
         return self.vocab_size * h + self.seq_len * h + self.num_layers * block + 2 * h + head
 
+    def active_params(self) -> int:
+        """Parameters each token passes through: all of them (no experts to choose among)."""
+        return self.num_params()
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
@@ -135,6 +139,7 @@ class GPT(nn.Module):
 
 
 def flops_per_token(cfg: GPTConfig) -> float:
-    """Training FLOPs per token: 6 * params + 12 * layers * hidden * seq (attention), as in PaLM's appendix B."""
-    return 6 * cfg.num_params() + 12 * cfg.num_layers * cfg.hidden * cfg.seq_len
+    """Training FLOPs per token: 6 * params + 12 * layers * hidden * seq (attention), as in PaLM's appendix B; the
+    params those a token passes through (a mixture of experts': its top-k experts only)."""
+    return 6 * cfg.active_params() + 12 * cfg.num_layers * cfg.hidden * cfg.seq_len
 

@@ -156,9 +156,18 @@ class Shape:
         self.num_layers, self.hidden = c.num_hidden_layers, c.hidden_size
         self.num_heads, self.vocab_size, self.seq_len = c.num_attention_heads, c.vocab_size, seq_len
         self._params = sum(p.numel() for p in model.parameters())
+        # a mixture of experts' token meets top-k of each layer's experts: the rest of their weights it passes by
+        experts = [m for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
+                   and type(m).__name__.endswith("Experts")]
+        share = 1 - getattr(c, "num_experts_per_tok", 0) / experts[0].num_experts if experts else 0
+        self._active = self._params - round(share * sum(p.numel() for m in experts for p in m.parameters()))
 
     def num_params(self) -> int:
         return self._params
+
+    def active_params(self) -> int:
+        """Parameters each token passes through."""
+        return self._active
 
 
 class CausalLM(nn.Module):

@@ -23,7 +23,8 @@ def _brief(row: dict) -> str:
 def summary(plan: Plan, cfg: GPTConfig | None, num_devices: int) -> dict:
     """The chosen candidate's figures as plain JSON: predicted seconds per step and their parts,
     memory per device, the configuration in the ``--config`` spelling, and for a token model (``cfg``)
-    model TFLOP/s per device (PaLM's 6N + 12 L H T FLOPs per token, polyshard.models.flops_per_token),
+    model TFLOP/s per device (PaLM's 6N + 12 L H T FLOPs per token, N the parameters a token passes through:
+    polyshard.models.flops_per_token),
     for an image model (``cfg`` None) images per second."""
     rep = plan.report
     chosen = chosen_row(rep)

@@ -87,11 +87,24 @@ def test_real_size_config_captures_on_meta_without_weights():
 
 
 @pytest.mark.parametrize("name,billions", [("llama-2-13b", 13), ("llama-2-70b", 69), ("llama-3-8b", 8),
-                                           ("llama-3-70b", 70), ("llama-3.1-405b", 405), ("bloom-176b", 176)])
+                                           ("llama-3-70b", 70), ("llama-3.1-405b", 405), ("bloom-176b", 176),
+                                           ("mixtral-8x7b", 47), ("qwen1.5-moe-a2.7b", 14.3)])
 def test_shipped_real_sizes_count_the_parameters_their_makers_give(name, billions):
-    """The Llama 2 paper's 13B and 69B (its Table 1's "70B"), Llama 3's 8B, 70B and 405B and BLOOM's 176B
-    parameters, within 1B (the FLOPs bench_published.py counts its rows by)."""
+    """The Llama 2 paper's 13B and 69B (its Table 1's "70B"), Llama 3's 8B, 70B and 405B, BLOOM's 176B, Mixtral
+    8x7B's 47B (Jiang et al. 2024) and Qwen1.5-MoE-A2.7B's 14.3B (Qwen's release) parameters, within 1B (the FLOPs
+    bench_published.py counts its rows by)."""
     assert models.config(f"hf:{name}", 2048).num_params() / 1e9 == pytest.approx(billions, abs=1.0)
+
+
+@pytest.mark.parametrize("name,billions", [("mixtral-8x7b", 12.9), ("qwen1.5-moe-a2.7b", 2.7), ("llama-3-8b", 8.0)])
+def test_model_flops_count_the_parameters_a_token_passes_through(name, billions):
+    """A mixture of experts' token meets its top-k experts only: Mixtral 8x7B's 12.9B active parameters (of 47B;
+    Jiang et al. 2024) and Qwen1.5-MoE-A2.7B's 2.7B (of 14.3B), within 0.1B; a dense model's are all of them. The
+    reports' model TFLOP/s count 6 FLOPs per active parameter and token."""
+    cfg = models.config(f"hf:{name}", 2048)
+    assert cfg.active_params() / 1e9 == pytest.approx(billions, abs=0.1)
+    attention = 12 * cfg.num_layers * cfg.hidden * 2048
+    assert models.flops_per_token(cfg) == 6 * cfg.active_params() + attention
 
 
 class _BranchesOnValues(nn.Module):
