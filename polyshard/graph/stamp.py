@@ -63,9 +63,10 @@ def _tensors(m: nn.Module) -> tuple:
 
 
 def settings_of(m: nn.Module) -> dict:
-    """A module's settings: its attributes that are neither modules nor tensors."""
-    return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"
-            and not isinstance(v, (nn.Module, torch.Tensor))}
+    """A module's settings: its attributes that are neither modules nor tensors, polyshard's marks among them (a pin,
+    which keeps the module one call, or a recompute mode)."""
+    return {k: v for k, v in vars(m).items() if (not k.startswith("_") or k.startswith("_polyshard_"))
+            and k != "training" and not isinstance(v, (nn.Module, torch.Tensor))}
 
 
 def _same_setting(mine, first, i: int) -> bool:

@@ -78,3 +78,16 @@ def test_layers_whose_graphs_differ_are_exported_whole():
     assert _fingerprint(gm) == _fingerprint(export_graph(net, (torch.randn(2, 8),), {}, is_leaf, stamped=False))
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert ops.count(torch.ops.aten.relu.default) == 2 and ops.count(torch.ops.aten.tanh.default) == 2
+
+
+
+def test_a_module_pinned_in_one_layer_stays_one_call():
+    """A pin keeps its module one call (its strategy applies to it whole): layers alike but for one layer's pin are
+    not a stack to stamp."""
+    import polyshard as ps
+
+    model = hf.CausalLM(hf.build("llama", num_hidden_layers=4), 16)
+    ps.shard(model.model.model.layers[2].mlp, ((1, 1, 1),))
+    gm = export_graph(model, model.example_inputs(2), {}, is_leaf)
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_module" and ".layers.2.mlp" in n.target]
+    assert calls == ["model.model.layers.2.mlp"], calls
