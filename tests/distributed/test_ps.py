@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,6 +114,20 @@ def test_killed_server_restarts_from_its_snapshot(tmp_path, capfd):
     assert [s["version"] for s in snapshots] == [16, 16]
 
 
+def test_a_server_stopped_mid_run_comes_back_where_it_stopped(tmp_path, capfd):
+    """Server 1 sent SIGTERM at update 7 (as a scheduler evicting it would) snapshots the update it reached, past
+    the one its last snapshot held (5), exits, and is restarted from there: no update is lost."""
+    batches = cases.KillOnce(str(tmp_path), victim="server-1", by=0, step=7, sig=signal.SIGTERM)
+    result = train_ps(cases.click_model, batches, servers=2, workers=2, steps=16, snapshot_dir=str(tmp_path),
+                      snapshot_every=5, optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    out = capfd.readouterr().out
+    stopped = re.search(r"server 1: stopped by SIGTERM at update (\d+), which its snapshot holds", out)
+    assert stopped and int(stopped[1]) > 5, out[-3000:]
+    assert f"server 1: restored update {stopped[1]} from its snapshot" in out, out[-3000:]
+    assert "server 1 exited with code 143; restarting it (1 of 3)" in out
+    assert result.lost == 0 and result.restarts["server 1"] == 1 and len(result.losses) == 16
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(servers=65), "has 64 rows, fewer than the 65 servers"),
     (dict(mode="bulk"), "mode must be one of sync, async"),
@@ -173,14 +188,17 @@ def test_kubernetes_pods_run_what_polyshard_ps_runs_here(tmp_path):
 @pytest.mark.parametrize("signum,to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
                          ids=["SIGTERM to the command", "Ctrl-C to the terminal's group"])
 def test_a_stopped_ps_job_ends_every_role_and_says_where_its_snapshots_are(tmp_path, signum, to_group):
+    """Each server snapshots the update it reached as it stops (none falls due in the run), then every role ends."""
     import json
 
+    from polyshard.runtime.ps.snapshots import read_snapshot
     from tests.distributed.test_cli import running
 
     snaps = tmp_path / "snaps"
     proc = subprocess.Popen([sys.executable, "-m", "polyshard.cli.main", "ps", "--servers", "2", "--workers", "2",
-                             "--steps", "100000", "--snapshot-dir", str(snaps)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             "--steps", "100000", "--snapshot-every", "100000", "--snapshot-dir", str(snaps)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     deadline = time.monotonic() + 120
     while not (snaps / "roles.json").exists() or len(json.loads((snaps / "roles.json").read_text())) < 4:
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -190,12 +208,16 @@ def test_a_stopped_ps_job_ends_every_role_and_says_where_its_snapshots_are(tmp_p
     roles = json.loads((snaps / "roles.json").read_text()).values()
     time.sleep(1)  # the roles at work
     os.killpg(proc.pid, signum) if to_group else proc.send_signal(signum)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signum, err[-2000:]
     assert (f"polyshard: stopped by {signal.Signals(signum).name}, and every server and worker with it; the "
             f"servers' last snapshots are in {snaps}") in err
     assert "Traceback" not in err, err[-2000:]
     assert not [pid for pid in roles if running(pid)]
+    for index in range(2):
+        reached = re.search(rf"server {index}: stopped by SIGTERM at update (\d+), which its snapshot holds", out)
+        assert reached, out[-2000:]
+        assert read_snapshot(str(snaps), index)["version"] == int(reached[1])
 
 
 def exit_0_if_ctrl_c_is_ignored() -> None:
@@ -250,6 +272,26 @@ def test_a_stopped_ps_run_resumes_to_the_uninterrupted_runs_parameters(tmp_path,
     assert whole.keys() == part.keys()
     for name in whole:
         torch.testing.assert_close(part[name], whole[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_server_saves_an_update_once(tmp_path):
+    """Saving an update the newest snapshot holds writes nothing, so the snapshot before it stays: a sync run stopped
+    with one server an update ahead of the other resumes where both were."""
+    from polyshard.runtime.ps.server import Server
+    from polyshard.runtime.ps.snapshots import snapshot_path
+    from polyshard.runtime.ps.spec import PSSpec
+
+    spec = PSSpec(model_fn=cases.click_model, batch_fn=cases.Clicks(), servers=(("", 0),), workers=1, steps=5,
+                  key=b"k", snapshot_dir=str(tmp_path), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    server = Server(spec, 0)
+    server.save()
+    server.version = 3  # as if three updates were made and snapshotted
+    server.snapshot()
+    server.save()
+    versions = [torch.load(snapshot_path(str(tmp_path), 0, previous), weights_only=True)["version"]
+                for previous in (False, True)]
+    assert versions == [3, 0]
+    assert Server(spec, 0).saved == 3  # restored: what is on disk counts as saved
 
 
 def test_a_restored_server_keeps_the_optimizer_settings_of_its_run(tmp_path):

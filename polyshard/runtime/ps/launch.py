@@ -209,6 +209,10 @@ def role_context() -> mp.context.BaseContext:
     return context
 
 
+# a server asked to stop snapshots within a turn of its loop; one that takes longer is stuck, and is killed
+_STOP_GRACE_S = 10.0
+
+
 class _Supervisor:
     """Starts the roles, restarts each dead one up to ``max_restarts`` times, and collects the servers' result."""
 
@@ -239,12 +243,23 @@ class _Supervisor:
         except Interrupt as exc:  # the roles are ended below
             raise Stopped(exc.signum, "every server and worker") from None
         finally:
-            for proc in self.procs.values():
-                if proc.is_alive():
-                    proc.kill()
-                proc.join()
+            self._end()
             self.relay.pump()
         return self._result()
+
+    def _end(self) -> None:
+        """Servers still running are asked to stop (SIGTERM: each snapshots the update it reached) while the
+        workers run on, so that none sees a worker leave and updates without it; then whatever is left is killed."""
+        servers = [proc for (role, _), proc in self.procs.items() if role == "server" and proc.is_alive()]
+        for proc in servers:
+            proc.terminate()
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for proc in servers:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
 
     def _finished(self, role: tuple[str, int]) -> bool:
         return self.procs[role].exitcode == 0

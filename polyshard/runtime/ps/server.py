@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import threading
 import time
 from multiprocessing.connection import Connection, Listener, wait
@@ -20,6 +21,7 @@ import torch
 from polyshard.runtime.ps.snapshots import read_snapshot, write_snapshot
 from polyshard.runtime.ps.spec import PSSpec, placement_of
 from polyshard.runtime.ps.wire import PEER_LOST, from_wire, no_delay, receive, send, to_wire
+from polyshard.runtime.signals import StopRequest
 
 
 class Server:
@@ -41,6 +43,7 @@ class Server:
         self.first_update_at, self.busy = 0.0, 0.0  # busy: seconds from this process's first update to its last
         self.first_push_at = 0.0  # when the first gradient of the update being gathered came in
         self.restored_at: int | None = None
+        self.saved: int | None = None  # the update the newest snapshot on disk holds
         snapshot = read_snapshot(spec.snapshot_dir, index)
         if snapshot is not None:
             self._restore(snapshot)
@@ -60,7 +63,7 @@ class Server:
             group.update(setting)  # this run's (a resumed run may change the learning rate)
         self.version, self.losses = snapshot["version"], snapshot["losses"]
         self.stale, self.lost = snapshot["stale"], snapshot["lost"]
-        self.restored_at = self.version
+        self.restored_at = self.saved = self.version
         self._say(f"restored update {self.version} from its snapshot")
 
     def snapshot(self) -> None:
@@ -68,6 +71,13 @@ class Server:
             "version": self.version, "tensors": self.tensors, "optimizer": self.optimizer.state_dict(),
             "optimizer_class": type(self.optimizer).__name__, "losses": self.losses, "stale": self.stale,
             "lost": self.lost, "busy": self.busy})
+        self.saved = self.version
+
+    def save(self) -> None:
+        """A snapshot, unless the newest already holds this update: writing it again would push out the one before,
+        which a sync run stopped with this server an update ahead of another resumes from."""
+        if self.saved != self.version:
+            self.snapshot()
 
     # ---- messages
     def handle(self, conn: Connection, message: tuple) -> None:
@@ -206,7 +216,10 @@ def _leaves_untouched_rows(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def serve(spec: PSSpec, index: int) -> None:
-    """Accept workers and answer them until every update is made and every worker has gone."""
+    """Accept workers and answer them until every update is made and every worker has gone; stopped by SIGTERM (the
+    launcher ending the run, or a scheduler), snapshot the update reached and exit with the signal's code."""
+    stop = StopRequest()
+    signal.signal(signal.SIGTERM, stop.note)
     Path(spec.snapshot_dir).mkdir(parents=True, exist_ok=True)
     torch.sparse.check_sparse_tensor_invariants.disable()  # said, not implied: the sparse optimizers warn otherwise
     server = Server(spec, index)
@@ -223,7 +236,7 @@ def serve(spec: PSSpec, index: int) -> None:
     threading.Thread(target=accept, daemon=True).start()
     conns: list[Connection] = []
     parent = os.getppid()
-    while not server.done():
+    while not server.done() and not stop.signum:
         while not arrivals.empty():
             conns.append(arrivals.get())
         for conn in wait(conns, timeout=0.05):
@@ -236,8 +249,12 @@ def serve(spec: PSSpec, index: int) -> None:
             for conn in server.stragglers():
                 conn.close()
                 conns.remove(conn)
-            if server.ready():
+            if server.ready() and not stop.signum:  # stopping: a worker the stop ends is no worker that left
                 server.update()
         if os.getppid() != parent:  # the launcher is gone: nobody will restart or collect this run
             break
-    server.snapshot()
+    server.save()
+    if stop.signum:
+        server._say(f"stopped by {signal.Signals(stop.signum).name} at update {server.version}, which its snapshot "
+                    "holds")
+        raise SystemExit(128 + stop.signum)
