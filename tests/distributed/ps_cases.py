@@ -43,7 +43,8 @@ class Clicks:
 
 @dataclass(frozen=True)
 class KillOnce:
-    """Clicks, except that worker ``by`` at ``step`` sends ``victim`` (a name in roles.json) ``sig``, once per run."""
+    """Clicks, except that worker ``by`` at ``step`` sends ``victim`` (a name in roles.json) ``sig``, once per run,
+    ``wait`` seconds after it drew that batch (time for the other workers to push theirs)."""
 
     folder: str
     victim: str
@@ -51,11 +52,13 @@ class KillOnce:
     step: int
     slow: float = 0.02
     sig: int = signal.SIGKILL
+    wait: float = 0.0
 
     def __call__(self, step: int, worker: int, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
         marker = Path(self.folder, "killed")
         if worker == self.by and step == self.step and not marker.exists():
             marker.touch()
+            time.sleep(self.wait)
             os.kill(pid(self.folder, self.victim), self.sig)
         return Clicks(slow=self.slow)(step, worker, workers)
 

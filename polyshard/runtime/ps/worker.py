@@ -122,6 +122,7 @@ def work(spec: PSSpec, worker: int) -> None:
     params = dict(model.named_parameters())
     servers = range(len(spec.servers))
     next_pull = [0] * len(spec.servers)  # sync: the update each server must have made before the next pull
+    pushed: dict[int, tuple] = {}  # sync: the last push to each server, for one that comes back without it
     drawn = 0
     while True:
         try:
@@ -147,8 +148,23 @@ def work(spec: PSSpec, worker: int) -> None:
                 grads = to_wire({n: p.grad if p.grad is not None else torch.zeros_like(p)  # unused this step
                                  for n, p in params.items() if owner[n] == s})
                 rows = {t.name: r for t in tables if (r := t.row_grads(s)) is not None}
-                status, _ = links.call(s, ("push", versions[s], grads, rows, loss.item()))
+                pushed[s] = ("push", versions[s], grads, rows, loss.item())
+                status, _ = links.call(s, pushed[s])
                 next_pull[s] = versions[s] + 1 if spec.mode == "sync" and status == "ack" else 0
         except ServerLost as lost:
-            next_pull[lost.server] = 0
+            next_pull[lost.server] = _push_again(links, lost.server, pushed) if spec.mode == "sync" else 0
     links.close()
+
+
+def _push_again(links: Links, server: int, pushed: dict[int, tuple]) -> int:
+    """sync: a server back at the update this worker last pushed a gradient for (stopped before it made that update,
+    the pushes it held gone) is sent that gradient again, so the update is made as it would have been. Returns the
+    update the next pull from it waits for: that one, or 0 (whatever it holds) where it came back elsewhere."""
+    message = pushed.get(server)
+    while message is not None and links.seen[server] == message[1]:
+        try:
+            status, _ = links.call(server, message)
+        except ServerLost:
+            continue
+        return message[1] + 1 if status == "ack" else 0
+    return 0
