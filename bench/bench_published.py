@@ -238,6 +238,15 @@ def price(run: Run, fixed: Fixed, limit_bytes: float | None = None,
     return chosen_row(plan.report), time.perf_counter() - start
 
 
+def host_seconds(additions: int = 10**7) -> float:
+    """Seconds this host takes for ``additions`` Python integer additions in a loop at module level (as
+    ``python -c "s = 0\nfor i in range(10**7): s += i"`` runs it): planning is Python, so its times scale with this,
+    and a row's planning time is read against it (on a shared machine it drifts within a run)."""
+    start = time.perf_counter()
+    exec("s = 0\nfor i in range(n): s += i", {"n": additions})  # names global, as at a module's top level
+    return time.perf_counter() - start
+
+
 def why_faster(pick: dict, published: dict) -> str:
     """The term that differs most between two candidates, in the published one's favour or not."""
     terms = ("compute_s", "op_comm_s", "dp_comm_s", "p2p_s", "bubble_s", "skew_s")
@@ -256,7 +265,7 @@ def main(argv=None) -> None:
     rows = [r for r in RUNS if not names or r.name in names]
     print(f"{'run':<20} {'GPUs':>5} {'published config':<26} {'reported':>8} {'pred':>6} {'err':>6}   "
           f"{'pick':<44} {'pred':>6} {'vs pub':>7} {'why':<18} {'plan s':>6}")
-    results = []
+    results, host_before = [], host_seconds()
     for run in rows:
         try:
             published, _ = price(run, run.published())
@@ -294,6 +303,10 @@ def main(argv=None) -> None:
         print(f"pick no slower than published: {ok_pick}/{n}; published predicted within {ERROR_GOAL:.0%} of reported: "
               f"{ok_err}/{n} (median |error| {sorted(abs(r['published_error']) for r in results)[n // 2]:.1%}); "
               f"planned in < {PLANNING_GOAL_S:.0f} s: {ok_time}/{n}")
+        host_after = host_seconds()
+        print(f"host: 10^7 Python additions in {host_before:.2f} s before the rows, {host_after:.2f} s after")
+        if args.json:
+            print(json.dumps({"host_additions_s": [round(host_before, 2), round(host_after, 2)]}), flush=True)
     for run in (r for r in OUT_OF_MEMORY if not names or r.name in names):
         needed = price(run, run.published(), math.inf)[0]["memory"]["total"]
         memory = Cluster.preset(f"1x8x{run.gpu}").memory_bytes
